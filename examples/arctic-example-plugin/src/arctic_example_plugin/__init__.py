@@ -1,0 +1,55 @@
+"""An example third-party Arctic plugin: one loss and one post-forward processor.
+
+Everything a plugin needs is here plus one entry point in its pyproject.toml::
+
+    [project.entry-points.arctic]
+    example = "arctic_example_plugin"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.hookspecs import hookimpl
+from arctic_core.interfaces import LossContext
+from arctic_core.losses.aggregation import aggregate
+
+
+class Reinforce:
+    """Vanilla REINFORCE: -advantage * log-prob, token-mean (no ratio, no clipping)."""
+
+    requires = ("logprobs",)
+
+    def __init__(self, baseline: float = 0.0) -> None:
+        self.baseline = baseline
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        adv = batch.token_advantages().to(outputs["logprobs"]) - self.baseline
+        return aggregate(-adv * outputs["logprobs"], batch.loss_mask, ctx, "token-mean"), {}
+
+
+class Top1Match:
+    """1.0 where the target token is the model's most likely token, else 0.0 (greedy agreement)."""
+
+    outputs = ("top1_match",)
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        self.temperature = temperature  # argmax does not depend on it; accepted like every processor
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"top1_match": (logits.argmax(-1) == targets).float()}
+
+
+@hookimpl
+def arctic_losses():
+    return {"reinforce": Reinforce}
+
+
+@hookimpl
+def arctic_processors():
+    return {"top1_match": Top1Match}

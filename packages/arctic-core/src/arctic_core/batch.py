@@ -1,0 +1,356 @@
+"""The rollout batch: the one data format every step of Arctic passes along.
+
+A GRPO batch is a set of prompts, each answered N times. :class:`RolloutBatch` stores it that way:
+each prompt's token ids once (``prompt_ids``), every response (``response_ids``) and, per
+response, the index of its prompt (``prompt_index``). A trainer therefore knows exactly which rows
+share a prompt (no guessing from token equality), which is what ZoRRo needs to pack a prompt once.
+
+Ragged lengths are stored right-padded with explicit lengths; every per-token field is
+``[num_responses, max_response_len]`` aligned with ``response_ids``. All fields are tensors, so a
+batch round-trips through safetensors with no pickle.
+
+Layout (B responses, P prompts, Lp / Lr the padded prompt / response widths)::
+
+    prompt_ids        int64   [P, Lp]   right-padded with 0
+    prompt_lens       int64   [P]       >= 1
+    response_ids      int64   [B, Lr]   right-padded with 0
+    response_lens     int64   [B]       >= 0
+    prompt_index      int64   [B]       in [0, P)
+    loss_mask         bool    [B, Lr]   tokens that count in a loss (default: the real tokens)
+    old_logprobs      float   [B, Lr]   optional: log-probs of the policy that sampled / old policy
+    ref_logprobs      float   [B, Lr]   optional: reference-model log-probs (KL)
+    sampling_logprobs float   [B, Lr]   optional: what the sampler reported
+    advantages        float   [B] or [B, Lr]   optional
+    rewards           float   [B]       optional
+    policy_version    int64   [B]       optional: weight version that generated each response
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from arctic_core.errors import BatchError
+
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "sampling_logprobs")
+"""Optional float fields shaped like ``response_ids``."""
+
+
+def _pad_rows(rows: Sequence[Sequence[int]], what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad integer rows into ``[n, max_len]`` plus their lengths."""
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = int(lens.max()) if len(rows) else 0
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if len(row):
+            try:
+                out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise BatchError(f"{what}[{i}] must be a sequence of integer token ids: {exc}") from exc
+    return out, lens
+
+
+def _as_float(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value)
+    if not value.is_floating_point():
+        raise BatchError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+    return value
+
+
+@dataclass
+class RolloutBatch:
+    """Prompts stored once, their responses, and per-response training signals (see module doc)."""
+
+    prompt_ids: torch.Tensor
+    prompt_lens: torch.Tensor
+    response_ids: torch.Tensor
+    response_lens: torch.Tensor
+    prompt_index: torch.Tensor
+    loss_mask: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    sampling_logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    policy_version: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._check_ids()
+        if self.loss_mask is None:
+            self.loss_mask = self.response_token_mask()
+        self._check_token_fields()
+        self._check_row_fields()
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_lists(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        prompt_index: Sequence[int],
+        **fields: torch.Tensor | None,
+    ) -> RolloutBatch:
+        """Build from Python token lists: ``prompts[prompt_index[i]]`` is response ``i``'s prompt.
+
+        Per-token fields may be given as ``[B, Lr]`` tensors aligned with the padded responses.
+        """
+        prompt_ids, prompt_lens = _pad_rows(prompts, "prompts")
+        response_ids, response_lens = _pad_rows(responses, "responses")
+        index = torch.as_tensor(list(prompt_index), dtype=torch.long)
+        return cls(prompt_ids, prompt_lens, response_ids, response_lens, index, **fields)
+
+    @classmethod
+    def from_padded(
+        cls,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        prompt_length: int,
+        group_ids: Sequence[object] | torch.Tensor | None = None,
+        response_mask: torch.Tensor | None = None,
+        **fields: torch.Tensor | None,
+    ) -> RolloutBatch:
+        """Convert the frameworks' padded layout into a grouped batch.
+
+        ``input_ids`` / ``attention_mask`` are ``[B, prompt_length + R]``: the prompt part is
+        left-padded (verl, TRL), the response part right-padded. ``group_ids`` (verl's ``uid``,
+        TRL's prompt index) says which rows share a prompt; rows of one group must hold identical
+        prompt tokens. Without ``group_ids`` rows are grouped by exact prompt-token equality.
+        ``response_mask`` (``[B, R]``) marks the tokens that count in a loss, e.g. with tool
+        output masked out; it defaults to the response part of ``attention_mask``.
+        Per-token ``fields`` are ``[B, R]``; per-row ones ``[B]``.
+        """
+        if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+            raise BatchError(
+                f"input_ids and attention_mask must both be [B, T]; got {tuple(input_ids.shape)} "
+                f"and {tuple(attention_mask.shape)}"
+            )
+        if not 0 < prompt_length <= input_ids.shape[1]:
+            raise BatchError(f"prompt_length {prompt_length} outside (0, {input_ids.shape[1]}]")
+        mask = attention_mask.bool()
+        prompts = [row[m].tolist() for row, m in zip(input_ids[:, :prompt_length], mask[:, :prompt_length])]
+        resp_mask = mask[:, prompt_length:]
+        resp_lens = resp_mask.sum(dim=1)
+        if not torch.equal(resp_mask, _prefix_mask(resp_lens, resp_mask.shape[1])):
+            raise BatchError("the response part of attention_mask must be right-padded (1s then 0s)")
+        responses = [row[: int(n)].tolist() for row, n in zip(input_ids[:, prompt_length:], resp_lens)]
+        unique, index = _group_prompts(prompts, group_ids)
+        if response_mask is not None:
+            fields["loss_mask"] = response_mask.bool() & resp_mask
+        return cls.from_lists(unique, responses, index, **fields)
+
+    def to_padded(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
+        """The padded layout frameworks use: left-padded prompts, right-padded responses.
+
+        Returns ``input_ids``, ``attention_mask`` and ``position_ids`` ``[B, Lp + Lr]``, plus
+        ``responses`` and ``response_mask`` ``[B, Lr]`` (the loss mask).
+        """
+        width_p = self.prompt_ids.shape[1]
+        lens_p = self.prompt_lens[self.prompt_index]
+        prompt_mask = _prefix_mask(lens_p, width_p).flip(1)
+        prompts = torch.full((self.num_responses, width_p), pad_id, dtype=torch.long)
+        source = self.prompt_ids[self.prompt_index]
+        for i, n in enumerate(lens_p.tolist()):
+            prompts[i, width_p - n :] = source[i, :n]
+        resp_mask = self.response_token_mask()
+        responses = torch.where(resp_mask, self.response_ids, torch.full_like(self.response_ids, pad_id))
+        attention = torch.cat([prompt_mask, resp_mask], dim=1).long()
+        positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        return {
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention,
+            "position_ids": positions,
+            "responses": responses,
+            "response_mask": self.loss_mask.long(),
+        }
+
+    # ----------------------------------------------------------------- views
+    @property
+    def num_responses(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    @property
+    def num_prompts(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    def response_token_mask(self) -> torch.Tensor:
+        """``[B, Lr]`` bool: True on real (non-padding) response tokens."""
+        return _prefix_mask(self.response_lens, self.response_ids.shape[1])
+
+    def prompt(self, i: int) -> list[int]:
+        """Token ids of response ``i``'s prompt."""
+        p = int(self.prompt_index[i])
+        return self.prompt_ids[p, : int(self.prompt_lens[p])].tolist()
+
+    def response(self, i: int) -> list[int]:
+        return self.response_ids[i, : int(self.response_lens[i])].tolist()
+
+    def groups(self) -> list[list[int]]:
+        """Response row indices of each prompt, in prompt order."""
+        out: list[list[int]] = [[] for _ in range(self.num_prompts)]
+        for row, p in enumerate(self.prompt_index.tolist()):
+            out[p].append(row)
+        return out
+
+    def total_tokens(self) -> int:
+        """Tokens of the plain (non-deduplicated) batch: sum of prompt + response lengths."""
+        return int(self.prompt_lens[self.prompt_index].sum() + self.response_lens.sum())
+
+    def replace(self, **changes: object) -> RolloutBatch:
+        """A copy with some fields replaced (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> RolloutBatch:
+        """The sub-batch of the given response rows, keeping only the prompts they use."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        used, new_index = torch.unique(self.prompt_index[rows], return_inverse=True)
+        width_r = int(self.response_lens[rows].max()) if len(rows) else 0
+        width_p = int(self.prompt_lens[used].max()) if len(used) else 0
+        changes: dict[str, object] = {
+            "prompt_ids": self.prompt_ids[used, :width_p],
+            "prompt_lens": self.prompt_lens[used],
+            "response_ids": self.response_ids[rows, :width_r],
+            "response_lens": self.response_lens[rows],
+            "prompt_index": new_index.reshape(-1),
+            "loss_mask": self.loss_mask[rows, :width_r],
+            "extras": {k: v[rows] for k, v in self.extras.items()},
+        }
+        for name in (*TOKEN_FIELDS, "advantages", "rewards", "policy_version"):
+            value = getattr(self, name)
+            if value is not None:
+                value = value[rows]
+                changes[name] = value[:, :width_r] if value.dim() == 2 else value
+        return self.replace(**changes)
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """The same batch with every tensor on ``device``."""
+        moved = {k: v.to(device) for k, v in self.to_tensors().items()}
+        return RolloutBatch.from_tensors(moved)
+
+    # ----------------------------------------------------------------- wire
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Flat ``{name: tensor}`` (None fields omitted; extras prefixed ``extras.``)."""
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "extras" and getattr(self, f.name) is not None
+        }
+        out.update({f"extras.{k}": v for k, v in self.extras.items()})
+        return {k: v.contiguous() for k, v in out.items()}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> RolloutBatch:
+        """Inverse of :meth:`to_tensors`; unknown or missing names are reported by name."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"extras"}
+        plain = {k: v for k, v in tensors.items() if not k.startswith("extras.")}
+        unknown = sorted(set(plain) - known)
+        if unknown:
+            raise BatchError(f"unknown batch field(s) {unknown}; known fields: {sorted(known)}")
+        missing = sorted(n for n in ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "prompt_index") if n not in plain)
+        if missing:
+            raise BatchError(f"missing required batch field(s) {missing}")
+        extras = {k.removeprefix("extras."): v for k, v in tensors.items() if k.startswith("extras.")}
+        return cls(**plain, extras=extras)
+
+    # ----------------------------------------------------------------- validation
+    def _check_ids(self) -> None:
+        for name in ("prompt_ids", "response_ids"):
+            _check_tensor(name, getattr(self, name), dims=2, integer=True)
+        for name in ("prompt_lens", "response_lens", "prompt_index"):
+            _check_tensor(name, getattr(self, name), dims=1, integer=True)
+        num_p, num_b = self.prompt_ids.shape[0], self.response_ids.shape[0]
+        _check_len("prompt_lens", self.prompt_lens, num_p, "prompts")
+        _check_len("response_lens", self.response_lens, num_b, "responses")
+        _check_len("prompt_index", self.prompt_index, num_b, "responses")
+        if num_p and (self.prompt_lens.min() < 1 or self.prompt_lens.max() > self.prompt_ids.shape[1]):
+            raise BatchError(f"prompt_lens must lie in [1, {self.prompt_ids.shape[1]}]")
+        if num_b and (self.response_lens.min() < 0 or self.response_lens.max() > self.response_ids.shape[1]):
+            raise BatchError(f"response_lens must lie in [0, {self.response_ids.shape[1]}]")
+        if num_b and (self.prompt_index.min() < 0 or self.prompt_index.max() >= num_p):
+            raise BatchError(f"prompt_index must lie in [0, {num_p}) (the number of prompts)")
+        if (self.prompt_ids < 0).any() or (self.response_ids < 0).any():
+            raise BatchError("token ids must be non-negative")
+
+    def _check_token_fields(self) -> None:
+        shape = tuple(self.response_ids.shape)
+        if self.loss_mask.dtype != torch.bool:
+            self.loss_mask = self.loss_mask.bool()
+        if tuple(self.loss_mask.shape) != shape:
+            raise BatchError(f"loss_mask must be [B, Lr] = {list(shape)}, got {list(self.loss_mask.shape)}")
+        if (self.loss_mask & ~self.response_token_mask()).any():
+            raise BatchError("loss_mask marks padding positions beyond response_lens")
+        for name in TOKEN_FIELDS:
+            value = _as_float(name, getattr(self, name))
+            if value is not None and tuple(value.shape) != shape:
+                raise BatchError(f"{name} must be [B, Lr] = {list(shape)}, got {list(value.shape)}")
+            setattr(self, name, value)
+
+    def _check_row_fields(self) -> None:
+        num_b, width = self.response_ids.shape
+        self.advantages = _as_float("advantages", self.advantages)
+        if self.advantages is not None and tuple(self.advantages.shape) not in ((num_b,), (num_b, width)):
+            raise BatchError(f"advantages must be [B] or [B, Lr] = [{num_b}] or [{num_b}, {width}], got {list(self.advantages.shape)}")
+        self.rewards = _as_float("rewards", self.rewards)
+        if self.rewards is not None:
+            _check_len("rewards", self.rewards, num_b, "responses")
+        if self.policy_version is not None:
+            _check_tensor("policy_version", self.policy_version, dims=1, integer=True)
+            _check_len("policy_version", self.policy_version, num_b, "responses")
+        for name, value in self.extras.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != num_b:
+                raise BatchError(f"extras[{name!r}] must be a tensor whose first dimension is B={num_b}")
+
+    def token_advantages(self) -> torch.Tensor:
+        """Advantages broadcast to ``[B, Lr]``."""
+        if self.advantages is None:
+            raise BatchError("this loss needs advantages, but the batch has none")
+        adv = self.advantages
+        return adv[:, None].expand_as(self.response_ids).to(torch.float32) if adv.dim() == 1 else adv
+
+
+def _prefix_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.arange(width, device=lens.device)[None, :] < lens[:, None]
+
+
+def _check_tensor(name: str, value: object, dims: int, integer: bool) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise BatchError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != dims:
+        raise BatchError(f"{name} must have {dims} dimension(s), got shape {list(value.shape)}")
+    if integer and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        raise BatchError(f"{name} must hold integers, got dtype {value.dtype}")
+
+
+def _check_len(name: str, value: torch.Tensor, expected: int, what: str) -> None:
+    if value.shape[0] != expected:
+        raise BatchError(f"{name} has {value.shape[0]} entries but the batch has {expected} {what}")
+
+
+def _group_prompts(
+    prompts: list[list[int]], group_ids: Sequence[object] | torch.Tensor | None
+) -> tuple[list[list[int]], list[int]]:
+    """Unique prompts and each row's index into them, by group id or exact token equality."""
+    keys: list[object]
+    if group_ids is None:
+        keys = [tuple(p) for p in prompts]
+    else:
+        keys = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+        if len(keys) != len(prompts):
+            raise BatchError(f"group_ids has {len(keys)} entries for {len(prompts)} rows")
+    first: dict[object, int] = {}
+    unique: list[list[int]] = []
+    index: list[int] = []
+    for row, (key, prompt) in enumerate(zip(keys, prompts)):
+        if key not in first:
+            first[key] = len(unique)
+            unique.append(prompt)
+        elif unique[first[key]] != prompt:
+            raise BatchError(f"row {row} is in group {key!r} but its prompt tokens differ from the group's")
+        index.append(first[key])
+    return unique, index

@@ -1,0 +1,174 @@
+"""The thin client a framework talks to: five calls plus lifecycle, over any transport.
+
+:class:`ArcticClient` blocks; :class:`AsyncArcticClient` has the same methods as coroutines.
+Both build the same protocol requests (validated here, before anything is sent) and hand them to
+the transport. Gradients from ``fwd_bwd`` add up across calls until ``step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import ArcticConfig, LossTermConfig, SamplingParams, format_validation_error
+from arctic_core.errors import RequestError
+from arctic_core.protocol import (
+    CheckpointRequest,
+    Empty,
+    EngineName,
+    EnginesRequest,
+    FwdBwdRequest,
+    GenerateRequest,
+    LogProbsRequest,
+    Message,
+)
+from arctic_core.transports import Transport
+
+LossSpec = str | dict[str, Any] | LossTermConfig
+Prompts = Sequence[Sequence[int]]
+
+
+def _request[M: BaseModel](schema: type[M], **fields: Any) -> M:
+    try:
+        return schema.model_validate(fields)
+    except ValidationError as exc:
+        raise RequestError(format_validation_error(exc, f"request ({schema.__name__})")) from None
+
+
+def _loss_terms(loss: LossSpec | Sequence[LossSpec]) -> list[Any]:
+    items = [loss] if isinstance(loss, (str, dict, LossTermConfig)) else list(loss)
+    return [{"name": item} if isinstance(item, str) else item for item in items]
+
+
+class _Calls:
+    """The operations; ``_call`` decides whether they block or return awaitables."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def _call(self, op: str, request: Message) -> Any:
+        raise NotImplementedError
+
+    def generate(self, prompts: Prompts, params: SamplingParams | dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        """Sample ``params.n`` responses per prompt -> ``GenerateResult`` (``.batch`` is a RolloutBatch)."""
+        params = _request(SamplingParams, **{**_as_dict(params), **kwargs})
+        return self._call("generate", _request(GenerateRequest, prompts=[list(p) for p in prompts], params=params))
+
+    def log_probs(
+        self,
+        batch: RolloutBatch,
+        model: str = "policy",
+        processors: Sequence[str] = ("logprobs",),
+        temperature: float = 1.0,
+    ) -> Any:
+        """Per-token outputs (``[B, Lr]`` each) of the policy or the reference model -> ``LogProbsResult``."""
+        return self._call(
+            "log_probs",
+            _request(LogProbsRequest, batch=batch, model=model, processors=list(processors), temperature=temperature),
+        )
+
+    def fwd_bwd(
+        self,
+        batch: RolloutBatch,
+        loss: LossSpec | Sequence[LossSpec],
+        temperature: float = 1.0,
+        scale: float = 1.0,
+        max_response_len: int | None = None,
+    ) -> Any:
+        """Forward + backward of the loss terms; gradients accumulate until :meth:`step`."""
+        return self._call(
+            "fwd_bwd",
+            _request(
+                FwdBwdRequest,
+                batch=batch,
+                loss=_loss_terms(loss),
+                temperature=temperature,
+                scale=scale,
+                max_response_len=max_response_len,
+            ),
+        )
+
+    def step(self) -> Any:
+        """Clip, apply and zero the accumulated gradients; advance the LR schedule."""
+        return self._call("step", Empty())
+
+    def sync_weights(self) -> Any:
+        """Push the trainer's weights to the samplers; returns the new policy version."""
+        return self._call("sync_weights", Empty())
+
+    def save_checkpoint(self, path: str, export_hf: bool = False) -> Any:
+        """Atomically save trainer state (and, with ``export_hf``, a Hugging Face folder at ``path/hf``)."""
+        return self._call("save_checkpoint", _request(CheckpointRequest, path=str(path), export_hf=export_hf))
+
+    def load_checkpoint(self, path: str) -> Any:
+        return self._call("load_checkpoint", _request(CheckpointRequest, path=str(path)))
+
+    def sleep(self, engines: Sequence[EngineName] | None = None) -> Any:
+        """Free the named engines' device memory (all engines when None)."""
+        return self._call("sleep", _request(EnginesRequest, engines=engines))
+
+    def wake(self, engines: Sequence[EngineName] | None = None) -> Any:
+        return self._call("wake", _request(EnginesRequest, engines=engines))
+
+    def status(self) -> Any:
+        return self._call("status", Empty())
+
+    def shutdown(self) -> Any:
+        return self._call("shutdown", Empty())
+
+
+def _as_dict(params: SamplingParams | dict[str, Any] | None) -> dict[str, Any]:
+    if params is None:
+        return {}
+    return params.model_dump(exclude_unset=True) if isinstance(params, SamplingParams) else dict(params)
+
+
+class ArcticClient(_Calls):
+    """Blocking client. ``ArcticClient.in_process(config)`` embeds a server in this process."""
+
+    def _call(self, op: str, request: Message) -> Any:
+        return self.transport.call(op, request)
+
+    @classmethod
+    def in_process(cls, config: ArcticConfig | dict[str, Any]) -> ArcticClient:
+        return cls(_in_process_transport(config))
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> ArcticClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+        self.close()
+
+
+class AsyncArcticClient(_Calls):
+    """The same calls as coroutines: ``await client.generate(...)``."""
+
+    def _call(self, op: str, request: Message) -> Any:
+        return self.transport.acall(op, request)
+
+    @classmethod
+    def in_process(cls, config: ArcticConfig | dict[str, Any]) -> AsyncArcticClient:
+        return cls(_in_process_transport(config))
+
+    async def __aenter__(self) -> AsyncArcticClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+        self.transport.close()
+
+
+def _in_process_transport(config: ArcticConfig | dict[str, Any]) -> Transport:
+    from arctic_core.server import ArcticServer
+    from arctic_core.transports.inprocess import InProcessTransport
+
+    if not isinstance(config, ArcticConfig):
+        config = ArcticConfig.from_dict(config)
+    return InProcessTransport(ArcticServer(config))

@@ -1,0 +1,27 @@
+"""Arctic's exceptions: each names the problem so the caller can fix its input."""
+
+from __future__ import annotations
+
+
+class ArcticError(Exception):
+    """Base class of every error Arctic raises on purpose."""
+
+
+class ConfigError(ArcticError, ValueError):
+    """A config failed validation; the message lists each bad field and why."""
+
+
+class BatchError(ArcticError, ValueError):
+    """A batch has a wrong shape, dtype, length or missing field."""
+
+
+class PluginNotFoundError(ArcticError, LookupError):
+    """No plugin provides the requested name; the message lists the registered ones."""
+
+
+class PluginConflictError(ArcticError):
+    """Two plugins provide the same name for the same kind."""
+
+
+class RequestError(ArcticError, ValueError):
+    """A client request is invalid (bad parameters, unknown op, wrong state)."""

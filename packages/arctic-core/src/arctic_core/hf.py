@@ -1,0 +1,51 @@
+"""Helpers shared by engines built on Hugging Face transformers models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from arctic_core.config import ModelConfig
+from arctic_core.errors import ConfigError, RequestError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_causal_lm(config: ModelConfig) -> PreTrainedModel:
+    """Load a causal LM from a local folder onto the configured device and dtype (SDPA attention)."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            config.path, dtype=DTYPES[config.dtype], attn_implementation="sdpa"
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load model from {config.path!r}: {exc}") from exc
+    return model.to(resolve_device(config.device))
+
+
+@torch.no_grad()
+def copy_weights_(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy named tensors into ``model``'s parameters/buffers in place; returns how many were copied."""
+    targets = model.state_dict(keep_vars=True)
+    count = 0
+    for name, tensor in weights:
+        target = targets.get(name)
+        if target is None:
+            raise RequestError(f"weight {name!r} does not exist in the receiving model")
+        if target.shape != tensor.shape:
+            raise RequestError(f"weight {name!r} has shape {list(tensor.shape)}, expected {list(target.shape)}")
+        target.data.copy_(tensor, non_blocking=True)
+        count += 1
+    return count
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        raise RequestError(f"{what} contain token id {int(ids.max())} >= vocab size {vocab_size}")

@@ -1,0 +1,129 @@
+"""What the products of each plugin kind must do (structural protocols; no base classes).
+
+Tensor conventions shared by every backend:
+- per-token outputs are ``[B, Lr]`` float32 tensors aligned with ``RolloutBatch.response_ids``
+  (row order of the batch, zeros at padding);
+- ``outputs["logprobs"][i, j]`` is ``log p(response_ids[i, j] | prompt_i, response_ids[i, :j])``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import SamplingParams
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """Normalisers over the *whole* ``fwd_bwd`` call, so splitting it into micro-batches is exact.
+
+    Loss terms must divide by these (never by micro-batch counts), and report metrics that add up
+    across micro-batches.
+    """
+
+    num_tokens: int
+    """Loss-mask tokens in the whole call (token-mean aggregation)."""
+    num_sequences: int
+    """Responses in the whole call (sequence-mean aggregation)."""
+    max_response_len: int
+    """Constant length for Dr.GRPO-style token-sum normalisation."""
+
+    @classmethod
+    def of(cls, batch: RolloutBatch, max_response_len: int | None = None) -> LossContext:
+        return cls(
+            num_tokens=max(int(batch.loss_mask.sum()), 1),
+            num_sequences=max(batch.num_responses, 1),
+            max_response_len=max(max_response_len or batch.response_ids.shape[1], 1),
+        )
+
+
+@runtime_checkable
+class Processor(Protocol):
+    """Turns logits at response positions into per-token outputs.
+
+    ``__call__(logits [N, V] float, targets [N] int64) -> {output_name: [N] tensor}``. Outputs must
+    stay differentiable when the loss needs their gradient (e.g. entropy bonus).
+    """
+
+    outputs: tuple[str, ...]
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class LossTerm(Protocol):
+    """One term of a training objective.
+
+    ``requires`` names the per-token outputs (processor names) it reads. ``__call__`` returns the
+    term's scalar loss for this micro-batch, normalised by ``ctx``, and additive metrics.
+    """
+
+    requires: tuple[str, ...]
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+class Objective(Protocol):
+    """What a training backend receives from the server: composed loss terms plus processors."""
+
+    processors: Mapping[str, Processor]
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+class LogProbBackend(Protocol):
+    """Forward-only engine: per-token outputs of a fixed set of weights."""
+
+    def log_probs(self, batch: RolloutBatch, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]: ...
+    def load_weights(self, weights: NamedTensors) -> None: ...
+    def sleep(self) -> None: ...
+    def wake(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class TrainingBackend(LogProbBackend, Protocol):
+    """Trainable policy: gradients accumulate across ``forward_backward`` calls until ``optimizer_step``."""
+
+    def forward_backward(
+        self, batch: RolloutBatch, objective: Objective, ctx: LossContext, scale: float = 1.0
+    ) -> dict[str, float]: ...
+    def optimizer_step(self) -> dict[str, float]: ...
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def save_checkpoint(self, path: Path) -> None: ...
+    def load_checkpoint(self, path: Path) -> None: ...
+    def export_hf(self, path: Path) -> None:
+        """Write the current policy as a Hugging Face folder (``from_pretrained`` loads it)."""
+
+
+class SamplingBackend(Protocol):
+    """Generates ``params.n`` responses per prompt; results carry the policy version used."""
+
+    policy_version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch: ...
+    def update_weights(self, weights: NamedTensors, version: int) -> None: ...
+    def sleep(self) -> None: ...
+    def wake(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class WeightReceiver(Protocol):
+    def update_weights(self, weights: NamedTensors, version: int) -> None: ...
+
+
+class WeightTransport(Protocol):
+    """Moves the trainer's weights into every receiver and stamps them with ``version``."""
+
+    def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]: ...

@@ -1,0 +1,57 @@
+"""A training objective: named loss terms with weights, plus the processors they read."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import LossTermConfig
+from arctic_core.errors import RequestError
+from arctic_core.interfaces import LossContext, LossTerm, Processor
+from arctic_core.registry import Registry
+
+
+@dataclass
+class WeightedObjective:
+    """``sum_k weight_k * term_k``; metrics come back as ``{term}/{metric}`` plus ``{term}/loss``."""
+
+    terms: list[tuple[str, float, LossTerm]]
+    processors: Mapping[str, Processor]
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        total: torch.Tensor | None = None
+        metrics: dict[str, float] = {}
+        for name, weight, term in self.terms:
+            value, term_metrics = term(outputs, batch, ctx)
+            total = weight * value if total is None else total + weight * value
+            metrics[f"{name}/loss"] = float(value.detach())
+            metrics.update({f"{name}/{k}": v for k, v in term_metrics.items()})
+        assert total is not None  # build_objective refuses an empty list
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+
+def build_processors(registry: Registry, names: Sequence[str], temperature: float) -> dict[str, Processor]:
+    """Instantiate the named processors at ``temperature``, keyed by each output they produce."""
+    out: dict[str, Processor] = {}
+    for name in dict.fromkeys(names):
+        processor = registry.get("processor", name)(temperature=temperature)
+        for output in processor.outputs:
+            out[output] = processor
+    return out
+
+
+def build_objective(
+    registry: Registry, terms: Sequence[LossTermConfig], temperature: float = 1.0
+) -> WeightedObjective:
+    """Resolve loss terms by plugin name and the processors they require."""
+    if not terms:
+        raise RequestError("fwd_bwd needs at least one loss term, e.g. [{'name': 'ppo'}]")
+    built = [(t.name, t.weight, registry.get("loss", t.name)(**t.options())) for t in terms]
+    names = [name for _, _, term in built for name in term.requires]
+    return WeightedObjective(built, build_processors(registry, names, temperature))

@@ -1,0 +1,95 @@
+"""The client <-> server protocol: one request and one result model per operation.
+
+Every transport (in-process now; HTTP and Ray later) carries exactly these objects, so the server
+and client never depend on how bytes move. Tensors live only inside :class:`RolloutBatch` and the
+``outputs`` of :class:`LogProbsResult`, which serialise as safetensors.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import LossTermConfig, SamplingParams
+
+EngineName = Literal["trainer", "sampler", "reference"]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+
+class Result(Message):
+    metrics: dict[str, float] = Field(default_factory=dict, description="Timings, token counts, losses.")
+
+
+class GenerateRequest(Message):
+    prompts: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = Field(min_length=1)
+    params: SamplingParams = SamplingParams()
+
+
+class GenerateResult(Result):
+    batch: RolloutBatch
+
+
+class LogProbsRequest(Message):
+    batch: RolloutBatch
+    model: Literal["policy", "reference"] = "policy"
+    processors: list[str] = Field(default_factory=lambda: ["logprobs"], min_length=1)
+    temperature: Annotated[float, Field(gt=0)] = 1.0
+
+
+class LogProbsResult(Result):
+    outputs: dict[str, torch.Tensor]
+
+
+class FwdBwdRequest(Message):
+    batch: RolloutBatch
+    loss: list[LossTermConfig] = Field(min_length=1)
+    temperature: Annotated[float, Field(gt=0)] = 1.0
+    scale: float = Field(1.0, description="Multiplies this call's loss; gradients add up across calls until step().")
+    max_response_len: Annotated[int, Field(gt=0)] | None = Field(
+        None, description="Constant of Dr.GRPO normalisation; defaults to the batch's response width."
+    )
+
+
+class Empty(Message):
+    """The request of operations that take no arguments."""
+
+
+class SyncWeightsResult(Result):
+    policy_version: int
+
+
+class CheckpointRequest(Message):
+    path: str
+    export_hf: bool = Field(False, description="save: also write the policy as a Hugging Face folder at {path}/hf.")
+
+
+class EnginesRequest(Message):
+    engines: list[EngineName] | None = Field(None, description="None means every engine.")
+
+
+class StatusResult(Result):
+    policy_version: int
+    step: int
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+OPS: dict[str, tuple[type[Message], type[Result]]] = {
+    "generate": (GenerateRequest, GenerateResult),
+    "log_probs": (LogProbsRequest, LogProbsResult),
+    "fwd_bwd": (FwdBwdRequest, Result),
+    "step": (Empty, Result),
+    "sync_weights": (Empty, SyncWeightsResult),
+    "save_checkpoint": (CheckpointRequest, StatusResult),
+    "load_checkpoint": (CheckpointRequest, StatusResult),
+    "sleep": (EnginesRequest, Result),
+    "wake": (EnginesRequest, Result),
+    "status": (Empty, StatusResult),
+    "shutdown": (Empty, Result),
+}
+"""Operation name -> (request model, result model). Transports route by these names."""

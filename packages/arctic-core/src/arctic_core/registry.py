@@ -1,0 +1,105 @@
+"""Plugin discovery: load every ``arctic`` entry point and index what each provides, by kind and name."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from arctic_core import hookspecs
+from arctic_core.errors import PluginConflictError, PluginNotFoundError
+
+ENTRY_POINT_GROUP = "arctic"
+
+KINDS: dict[str, str] = {
+    "training_backend": "arctic_training_backends",
+    "logprob_backend": "arctic_logprob_backends",
+    "sampling_backend": "arctic_sampling_backends",
+    "processor": "arctic_processors",
+    "loss": "arctic_losses",
+    "weight_transport": "arctic_weight_transports",
+}
+"""Plugin kind -> the provider hook that answers it."""
+
+
+@dataclass(frozen=True)
+class Provided:
+    kind: str
+    name: str
+    factory: Callable[..., Any]
+    plugin: str
+
+    @property
+    def summary(self) -> str:
+        doc = (self.factory.__doc__ or "").strip().splitlines()
+        return doc[0] if doc else ""
+
+
+@dataclass
+class Registry:
+    """Everything the installed plugins provide, looked up by ``(kind, name)``."""
+
+    manager: pluggy.PluginManager
+    entries: dict[str, dict[str, Provided]] = field(default_factory=dict)
+
+    def get(self, kind: str, name: str) -> Callable[..., Any]:
+        """The factory registered as ``name`` for ``kind``; the error lists the known names."""
+        if kind not in KINDS:
+            raise PluginNotFoundError(f"unknown plugin kind {kind!r}; kinds: {sorted(KINDS)}")
+        found = self.entries.get(kind, {}).get(name)
+        if found is None:
+            known = ", ".join(sorted(self.entries.get(kind, {}))) or "(none)"
+            raise PluginNotFoundError(
+                f"no {kind.replace('_', ' ')} named {name!r} is registered; registered: {known}. "
+                f"Plugins come from the '{ENTRY_POINT_GROUP}' entry-point group (arctic-rl plugins lists them)."
+            )
+        return found.factory
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.entries.get(kind, {}))
+
+    def all(self) -> list[Provided]:
+        return [p for kind in KINDS for p in sorted(self.entries.get(kind, {}).values(), key=lambda p: p.name)]
+
+    def plugins(self) -> list[str]:
+        return sorted({p.plugin for p in self.all()})
+
+
+def build_registry(extra_plugins: dict[str, object] | None = None) -> Registry:
+    """Load the ``arctic`` entry points (plus ``extra_plugins``, e.g. in tests) and index them."""
+    manager = pluggy.PluginManager(hookspecs.PROJECT)
+    manager.add_hookspecs(hookspecs)
+    manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    for name, module in (extra_plugins or {}).items():
+        manager.register(module, name=name)
+    registry = Registry(manager)
+    for kind, hook_name in KINDS.items():
+        registry.entries[kind] = _collect(manager, kind, hook_name)
+    return registry
+
+
+def _collect(manager: pluggy.PluginManager, kind: str, hook_name: str) -> dict[str, Provided]:
+    out: dict[str, Provided] = {}
+    for impl in getattr(manager.hook, hook_name).get_hookimpls():
+        plugin = manager.get_name(impl.plugin) or repr(impl.plugin)
+        for name, factory in (impl.function() or {}).items():
+            if name in out:
+                raise PluginConflictError(
+                    f"{kind} {name!r} is provided by both plugin {out[name].plugin!r} and {plugin!r}"
+                )
+            out[name] = Provided(kind, name, factory, plugin)
+    return out
+
+
+@functools.cache
+def default_registry() -> Registry:
+    """The registry of the installed plugins, built once per process."""
+    return build_registry()
+
+
+def installed_entry_points() -> list[importlib.metadata.EntryPoint]:
+    return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))

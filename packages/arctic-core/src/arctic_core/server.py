@@ -1,0 +1,184 @@
+"""The server: owns the engines and answers the protocol's operations.
+
+It builds the trainer, sampler and (optionally) reference engines from the config by plugin name,
+keeps the policy version, and serialises calls: one operation runs at a time, so several clients
+can share one server without interleaving a ``fwd_bwd`` with a ``step``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from arctic_core.config import ArcticConfig
+from arctic_core.errors import RequestError
+from arctic_core.interfaces import LossContext, LogProbBackend, SamplingBackend, TrainingBackend
+from arctic_core.objective import build_objective, build_processors
+from arctic_core.protocol import (
+    OPS,
+    CheckpointRequest,
+    Empty,
+    EnginesRequest,
+    FwdBwdRequest,
+    GenerateRequest,
+    GenerateResult,
+    LogProbsRequest,
+    LogProbsResult,
+    Message,
+    Result,
+    StatusResult,
+    SyncWeightsResult,
+)
+from arctic_core.registry import Registry, default_registry
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "arctic_state.json"
+HF_EXPORT = "hf"
+
+
+class ArcticServer:
+    """Engines behind the five calls (plus lifecycle); transports call :meth:`handle`."""
+
+    def __init__(self, config: ArcticConfig, registry: Registry | None = None) -> None:
+        self.config = config
+        self.registry = registry or default_registry()
+        self.policy_version = 0
+        self.step_count = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.trainer: TrainingBackend = self._build("training_backend", config.trainer.backend, config.trainer, config.model)
+        self.sampler: SamplingBackend = self._build("sampling_backend", config.sampler.backend, config.sampler, config.model)
+        self.reference: LogProbBackend | None = None
+        if config.reference is not None:
+            ref_model = config.reference.model or config.model
+            self.reference = self._build("logprob_backend", config.reference.backend, config.reference, ref_model)
+        self.weight_transport = self.registry.get("weight_transport", config.weight_sync.transport)(config.weight_sync)
+
+    def _build(self, kind: str, name: str, *args: Any) -> Any:
+        factory = self.registry.get(kind, name)
+        log.info("building %s %r", kind, name)
+        return factory(*args, seed=self.config.seed)
+
+    # ----------------------------------------------------------------- dispatch
+    def handle(self, op: str, request: Message) -> Result:
+        """Run one operation; calls are serialised. Unknown ops and wrong request types are refused."""
+        if op not in OPS:
+            raise RequestError(f"unknown operation {op!r}; operations: {sorted(OPS)}")
+        expected = OPS[op][0]
+        if not isinstance(request, expected):
+            raise RequestError(f"operation {op!r} takes a {expected.__name__}, got {type(request).__name__}")
+        with self._lock:
+            if self._closed:
+                raise RequestError("the server has been shut down")
+            start = time.perf_counter()
+            result: Result = getattr(self, f"_op_{op}")(request)
+            result.metrics["seconds"] = time.perf_counter() - start
+            return result
+
+    # ----------------------------------------------------------------- operations
+    def _op_generate(self, req: GenerateRequest) -> GenerateResult:
+        batch = self.sampler.generate(req.prompts, req.params)
+        tokens = int(batch.response_lens.sum())
+        return GenerateResult(batch=batch, metrics={"responses": float(batch.num_responses), "generated_tokens": float(tokens)})
+
+    def _op_log_probs(self, req: LogProbsRequest) -> LogProbsResult:
+        engine: LogProbBackend = self.trainer
+        if req.model == "reference":
+            if self.reference is None:
+                raise RequestError("no reference engine is configured; add a `reference:` section to the config")
+            engine = self.reference
+        processors = build_processors(self.registry, req.processors, req.temperature)
+        outputs = engine.log_probs(req.batch, processors)
+        return LogProbsResult(outputs=outputs, metrics={"tokens": float(req.batch.total_tokens())})
+
+    def _op_fwd_bwd(self, req: FwdBwdRequest) -> Result:
+        objective = build_objective(self.registry, req.loss, req.temperature)
+        ctx = LossContext.of(req.batch, req.max_response_len)
+        metrics = self.trainer.forward_backward(req.batch, objective, ctx, req.scale)
+        metrics["tokens"] = float(req.batch.total_tokens())
+        return Result(metrics=metrics)
+
+    def _op_step(self, req: Empty) -> Result:
+        metrics = self.trainer.optimizer_step()
+        self.step_count += 1
+        return Result(metrics={**metrics, "step": float(self.step_count)})
+
+    def _op_sync_weights(self, req: Empty) -> SyncWeightsResult:
+        self.policy_version += 1
+        metrics = self.weight_transport.sync(self.trainer, [self.sampler], self.policy_version)
+        return SyncWeightsResult(policy_version=self.policy_version, metrics=metrics)
+
+    def _op_save_checkpoint(self, req: CheckpointRequest) -> StatusResult:
+        target = Path(req.path)
+        staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        self.trainer.save_checkpoint(staging / "trainer")
+        if req.export_hf:
+            self.trainer.export_hf(staging / HF_EXPORT)
+        (staging / STATE_FILE).write_text(json.dumps(self._state()))
+        _replace_dir(staging, target)  # readers never see a half-written checkpoint
+        return self._status()
+
+    def _op_load_checkpoint(self, req: CheckpointRequest) -> StatusResult:
+        path = Path(req.path)
+        if not (path / STATE_FILE).is_file():
+            raise RequestError(f"{path} is not an Arctic checkpoint (no {STATE_FILE})")
+        state = json.loads((path / STATE_FILE).read_text())
+        self.trainer.load_checkpoint(path / "trainer")
+        self.step_count = int(state["step"])
+        # The sampler must serve the restored weights; the version moves forward so that
+        # results from before the load are never mistaken for results of the restored policy.
+        self.policy_version = max(self.policy_version, int(state["policy_version"])) + 1
+        self.weight_transport.sync(self.trainer, [self.sampler], self.policy_version)
+        return self._status()
+
+    def _op_sleep(self, req: EnginesRequest) -> Result:
+        for engine in self._engines(req.engines):
+            engine.sleep()
+        return Result()
+
+    def _op_wake(self, req: EnginesRequest) -> Result:
+        for engine in self._engines(req.engines):
+            engine.wake()
+        return Result()
+
+    def _op_status(self, req: Empty) -> StatusResult:
+        return self._status()
+
+    def _op_shutdown(self, req: Empty) -> Result:
+        for engine in self._engines(None):
+            engine.shutdown()
+        self._closed = True
+        return Result()
+
+    # ----------------------------------------------------------------- helpers
+    def _engines(self, names: list[str] | None) -> list[Any]:
+        engines = {"trainer": self.trainer, "sampler": self.sampler, "reference": self.reference}
+        chosen = names or [n for n, e in engines.items() if e is not None]
+        missing = [n for n in chosen if engines.get(n) is None]
+        if missing:
+            raise RequestError(f"engine(s) {missing} not configured on this server")
+        return [engines[n] for n in chosen]
+
+    def _state(self) -> dict[str, int]:
+        return {"policy_version": self.policy_version, "step": self.step_count}
+
+    def _status(self) -> StatusResult:
+        return StatusResult(policy_version=self.policy_version, step=self.step_count, info={"config": self.config.model_dump()})
+
+
+def _replace_dir(staging: Path, target: Path) -> None:
+    """Move ``staging`` to ``target``, replacing an existing checkpoint with two renames."""
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)

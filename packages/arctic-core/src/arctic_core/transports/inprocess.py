@@ -1,0 +1,23 @@
+"""The in-process transport: the server lives in the client's process; calls are direct."""
+
+from __future__ import annotations
+
+import asyncio
+
+from arctic_core.protocol import Message, Result
+from arctic_core.server import ArcticServer
+
+
+class InProcessTransport:
+    def __init__(self, server: ArcticServer) -> None:
+        self.server = server
+
+    def call(self, op: str, request: Message) -> Result:
+        return self.server.handle(op, request)
+
+    async def acall(self, op: str, request: Message) -> Result:
+        # A worker thread keeps the event loop free while the engines compute.
+        return await asyncio.to_thread(self.server.handle, op, request)
+
+    def close(self) -> None:
+        """Nothing to release: the server's lifetime is the caller's (see ``shutdown``)."""

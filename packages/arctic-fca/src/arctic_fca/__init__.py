@@ -1,0 +1,1 @@
+"""Arctic sampling backends (the reference transformers sampler; FCA kernels and engines next)."""

@@ -1,0 +1,1 @@
+"""Arctic training and log-prob backends (the reference torch engine; DeepSpeed + ZoRRo Train next)."""

@@ -1,0 +1,25 @@
+"""Learning-rate schedules from :class:`arctic_core.config.SchedulerConfig` (as LambdaLR factors)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from arctic_core.config import SchedulerConfig
+
+
+def lr_factor(config: SchedulerConfig) -> Callable[[int], float]:
+    """Linear warm-up to 1, then constant, linear or cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.name == "constant":
+            return 1.0
+        assert config.total_steps is not None  # SchedulerConfig guarantees it for decays
+        span = max(config.total_steps - config.warmup_steps, 1)
+        progress = min((step - config.warmup_steps) / span, 1.0)
+        shape = 1.0 - progress if config.name == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+
+    return factor

@@ -1,0 +1,26 @@
+"""Splitting a call's batch into micro-batches under a token budget."""
+
+from __future__ import annotations
+
+from arctic_core.batch import RolloutBatch
+
+
+def plan_micro_batches(batch: RolloutBatch, token_budget: int) -> list[list[int]]:
+    """Consecutive row ranges whose padded cost (rows x longest sequence) fits ``token_budget``.
+
+    A row longer than the budget still gets a micro-batch of its own: correctness over the budget.
+    """
+    lengths = (batch.prompt_lens[batch.prompt_index] + batch.response_lens).tolist()
+    plans: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for row, length in enumerate(lengths):
+        wider = max(longest, length)
+        if current and wider * (len(current) + 1) > token_budget:
+            plans.append(current)
+            current, wider = [], length
+        current.append(row)
+        longest = wider
+    if current:
+        plans.append(current)
+    return plans

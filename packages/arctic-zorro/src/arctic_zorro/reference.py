@@ -1,0 +1,171 @@
+"""The reference engines: a plain transformers model, torch AdamW, grad clipping and an LR schedule.
+
+Exact and simple (one padded row per response); the baseline ZoRRo Train is checked against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate
+from arctic_core.errors import RequestError
+from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
+from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
+from arctic_zorro.forward import response_outputs
+from arctic_zorro.lr_schedule import lr_factor
+from arctic_zorro.micro_batches import plan_micro_batches
+
+STATE_FILE = "trainer_state.pt"
+
+
+class ReferenceOptions(StrictModel):
+    """The reference engines take no backend-specific options (any key is a typo)."""
+
+
+class ReferenceLogProbEngine:
+    """Forward-only engine over a transformers model."""
+
+    def __init__(self, config: LogProbConfig | TrainerConfig, model: ModelConfig, *, seed: int) -> None:
+        validate(ReferenceOptions, config.options, f"{type(config).__name__}.options")
+        torch.manual_seed(seed)
+        self.micro_batch_tokens = config.micro_batch_tokens
+        self.model = load_causal_lm(model)
+        self.model.eval()  # no dropout: RL needs the same log-probs from every forward
+        self.device = next(self.model.parameters()).device
+        self.asleep = False
+
+    def log_probs(self, batch: RolloutBatch, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
+        self._check(batch)
+        parts: list[tuple[list[int], dict[str, torch.Tensor]]] = []
+        with torch.no_grad():
+            for rows in plan_micro_batches(batch, self.micro_batch_tokens):
+                micro = batch.select(rows)
+                parts.append((rows, response_outputs(self.model, micro, processors)))
+        return _assemble(batch, parts)
+
+    def load_weights(self, weights: NamedTensors) -> None:
+        copy_weights_(self.model, weights)
+
+    def sleep(self) -> None:
+        self._move("cpu")
+        self.asleep = True
+
+    def wake(self) -> None:
+        self._move(self.device)
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        self.asleep = True
+
+    def _move(self, device: torch.device | str) -> None:
+        self.model.to(device)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _check(self, batch: RolloutBatch) -> None:
+        if self.asleep:
+            raise RequestError(f"{type(self).__name__} is asleep; call wake() first")
+        vocab = self.model.config.vocab_size
+        check_token_ids(batch.prompt_ids, vocab, "prompts")
+        check_token_ids(batch.response_ids, vocab, "responses")
+
+
+class ReferenceTrainer(ReferenceLogProbEngine):
+    """Trainable reference engine; gradients accumulate across ``forward_backward`` calls."""
+
+    def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
+        super().__init__(config, model, seed=seed)
+        self.config = config
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+            self.model.train()  # transformers only checkpoints in training mode
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.scheduler))
+        self.steps = 0
+
+    def forward_backward(
+        self, batch: RolloutBatch, objective: Objective, ctx: LossContext, scale: float = 1.0
+    ) -> dict[str, float]:
+        self._check(batch)
+        totals: dict[str, float] = {}
+        for rows in plan_micro_batches(batch, self.micro_batch_tokens):
+            micro = batch.select(rows).to(self.device)
+            outputs = response_outputs(self.model, micro, objective.processors)
+            loss, metrics = objective(outputs, micro, ctx)
+            (loss * scale).backward()
+            for key, value in metrics.items():  # normalised by ctx, so they add up over micro-batches
+                totals[key] = totals.get(key, 0.0) + value
+        return totals
+
+    def optimizer_step(self) -> dict[str, float]:
+        if self.asleep:
+            raise RequestError("ReferenceTrainer is asleep; call wake() first")
+        max_norm = self.config.optimizer.max_grad_norm
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm": float(grad_norm), "lr": lr}
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    def export_hf(self, path: Path) -> None:
+        self.model.save_pretrained(path)
+
+    def save_checkpoint(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.export_hf(path / "model")
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "steps": self.steps,
+            "rng": torch.get_rng_state(),
+        }
+        torch.save(state, path / STATE_FILE)
+
+    def load_checkpoint(self, path: Path) -> None:
+        if not (path / STATE_FILE).is_file():
+            raise RequestError(f"{path} holds no reference-trainer checkpoint ({STATE_FILE} missing)")
+        saved = load_causal_lm(ModelConfig(path=str(path / "model"), dtype=_dtype_name(self.model.dtype), device="cpu"))
+        copy_weights_(self.model, saved.state_dict().items())
+        state = torch.load(path / STATE_FILE, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])
+        torch.set_rng_state(state["rng"])
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _move(self, device: torch.device | str) -> None:
+        super()._move(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _assemble(
+    batch: RolloutBatch, parts: list[tuple[list[int], dict[str, torch.Tensor]]]
+) -> dict[str, torch.Tensor]:
+    """Stitch micro-batch outputs back into ``[B, Lr]`` tensors in the batch's row order."""
+    out: dict[str, torch.Tensor] = {}
+    for rows, outputs in parts:
+        for name, values in outputs.items():
+            full = out.setdefault(name, torch.zeros(tuple(batch.response_ids.shape), dtype=values.dtype))
+            full[rows, : values.shape[1]] = values.cpu()
+    return out

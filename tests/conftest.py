@@ -1,0 +1,33 @@
+"""Shared fixtures: a tiny random Qwen3 policy saved once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tiny Qwen3 + tokenizer trained on the demo task's text (fp32, CPU)."""
+    from arctic_core.demo.task import CountingTask
+    from arctic_core.demo.tiny_model import save_tiny_policy
+
+    return save_tiny_policy(tmp_path_factory.mktemp("policy"), CountingTask().corpus(), seed=0)
+
+
+@pytest.fixture
+def arctic_config(tiny_policy: Path, tmp_path: Path):
+    from arctic_core.config import ArcticConfig
+
+    def make(**overrides):
+        data = {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0}
+        data.update(overrides)
+        return ArcticConfig.from_dict(data)
+
+    return make

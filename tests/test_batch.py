@@ -1,0 +1,106 @@
+"""The rollout batch: grouped <-> padded round trips, ragged lengths, validation errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.errors import BatchError
+
+
+def ragged_batch() -> RolloutBatch:
+    prompts = [[5, 6, 7], [8], [9, 10]]
+    responses = [[1, 2], [3], [], [4, 4, 4, 4], [2, 1]]
+    index = [0, 0, 1, 2, 2]
+    logp = -torch.rand(5, 4, dtype=torch.float32)
+    logp = logp * RolloutBatch.from_lists(prompts, responses, index).response_token_mask()
+    return RolloutBatch.from_lists(prompts, responses, index, old_logprobs=logp, advantages=torch.arange(5.0))
+
+
+def test_grouped_batch_knows_which_rows_share_a_prompt():
+    batch = ragged_batch()
+    assert batch.groups() == [[0, 1], [2], [3, 4]]
+    assert batch.prompt(1) == [5, 6, 7] and batch.response(3) == [4, 4, 4, 4] and batch.response(2) == []
+    assert batch.total_tokens() == 3 + 2 + 3 + 1 + 1 + 0 + 2 + 4 + 2 + 2
+
+
+def test_to_padded_left_pads_prompts_and_right_pads_responses():
+    padded = ragged_batch().to_padded(pad_id=0)
+    assert padded["input_ids"].tolist()[1] == [5, 6, 7, 3, 0, 0, 0]
+    assert padded["input_ids"].tolist()[2] == [0, 0, 8, 0, 0, 0, 0]
+    assert padded["attention_mask"].tolist()[3] == [0, 1, 1, 1, 1, 1, 1]
+    assert padded["position_ids"].tolist()[3] == [0, 0, 1, 2, 3, 4, 5]
+    assert padded["response_mask"].tolist()[0] == [1, 1, 0, 0]
+
+
+def test_padded_round_trip_with_group_ids_and_without():
+    batch = ragged_batch()
+    padded = batch.to_padded()
+    prompt_width = batch.prompt_ids.shape[1]
+    for group_ids in (None, ["a", "a", "b", "c", "c"]):
+        back = RolloutBatch.from_padded(
+            padded["input_ids"], padded["attention_mask"], prompt_width, group_ids=group_ids,
+            old_logprobs=batch.old_logprobs, advantages=batch.advantages,
+        )
+        assert back.groups() == batch.groups()
+        for name, tensor in batch.to_tensors().items():
+            assert torch.equal(getattr(back, name), tensor), name
+
+
+def test_from_padded_groups_identical_prompts_exactly_and_keeps_a_loss_mask():
+    ids = torch.tensor([[0, 4, 5, 9, 9], [0, 4, 5, 8, 0], [3, 4, 5, 7, 7]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    loss_mask = torch.tensor([[1, 0], [1, 1], [1, 1]])
+    batch = RolloutBatch.from_padded(ids, mask, prompt_length=3, response_mask=loss_mask)
+    assert batch.num_prompts == 2 and batch.groups() == [[0, 1], [2]]
+    assert batch.loss_mask.tolist() == [[True, False], [True, False], [True, True]]
+
+
+def test_group_ids_with_different_prompts_are_refused():
+    ids = torch.tensor([[4, 5, 1], [4, 6, 1]])
+    with pytest.raises(BatchError, match="row 1 is in group 'g'"):
+        RolloutBatch.from_padded(ids, torch.ones_like(ids), 2, group_ids=["g", "g"])
+
+
+def test_select_keeps_only_used_prompts_and_trims_width():
+    sub = ragged_batch().select([3, 1])
+    assert sub.num_prompts == 2 and sub.prompt_index.tolist() == [1, 0]
+    assert sub.prompt(0) == [9, 10] and sub.response(0) == [4, 4, 4, 4]
+    assert sub.advantages.tolist() == [3.0, 1.0]
+    assert sub.old_logprobs.shape == (2, 4)
+
+
+def test_tensor_round_trip_is_lossless():
+    batch = ragged_batch()
+    batch.extras["uid"] = torch.arange(5)
+    back = RolloutBatch.from_tensors(batch.to_tensors())
+    assert torch.equal(back.extras["uid"], torch.arange(5))
+    assert torch.equal(back.old_logprobs, batch.old_logprobs)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"prompt_index": torch.tensor([0, 0, 1, 2, 3])}, "prompt_index must lie in"),
+        ({"response_lens": torch.tensor([2, 1, 0, 5, 2])}, "response_lens must lie in"),
+        ({"old_logprobs": torch.zeros(5, 3)}, "old_logprobs must be"),
+        ({"old_logprobs": torch.zeros(5, 4, dtype=torch.long)}, "old_logprobs must be a floating-point"),
+        ({"advantages": torch.zeros(4)}, "advantages must be"),
+        ({"prompt_ids": torch.zeros(3, 3)}, "prompt_ids must hold integers"),
+        ({"rewards": torch.zeros(2)}, "rewards has 2 entries"),
+        ({"loss_mask": torch.ones(5, 4, dtype=torch.bool)}, "loss_mask marks padding"),
+    ],
+)
+def test_bad_fields_are_named(change, message):
+    with pytest.raises(BatchError, match=message):
+        ragged_batch().replace(**change)
+
+
+def test_from_tensors_names_unknown_and_missing_fields():
+    tensors = ragged_batch().to_tensors()
+    with pytest.raises(BatchError, match="unknown batch field"):
+        RolloutBatch.from_tensors({**tensors, "bogus": torch.zeros(1)})
+    del tensors["prompt_index"]
+    with pytest.raises(BatchError, match="missing required batch field.*prompt_index"):
+        RolloutBatch.from_tensors(tensors)

@@ -1,0 +1,200 @@
+"""The client end to end, in process: the five calls, accumulation, checkpoints, lifecycle, errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.client import ArcticClient, AsyncArcticClient
+from arctic_core.errors import PluginNotFoundError, RequestError
+
+PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
+
+
+def trainer_of(client: ArcticClient):
+    return client.transport.server.trainer
+
+
+def sampler_of(client: ArcticClient):
+    return client.transport.server.sampler
+
+
+def rollout(client: ArcticClient, n: int = 3, seed: int = 7) -> RolloutBatch:
+    batch = client.generate(PROMPTS, n=n, max_tokens=6, seed=seed).batch
+    rewards = torch.linspace(-1, 1, batch.num_responses)
+    old = client.log_probs(batch).outputs["logprobs"]
+    return batch.replace(old_logprobs=old, advantages=rewards, rewards=rewards)
+
+
+def weights(client: ArcticClient) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer_of(client).named_weights()}
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-4) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=1e-6, msg=name)
+
+
+def test_generate_returns_n_grouped_samples_with_sampling_logprobs(arctic_config):
+    with ArcticClient.in_process(arctic_config()) as client:
+        result = client.generate(PROMPTS, n=4, max_tokens=5, seed=3)
+        batch = result.batch
+        assert batch.num_prompts == 3 and batch.num_responses == 12
+        assert batch.groups() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        assert batch.prompt(5) == PROMPTS[1] and int(batch.response_lens.max()) <= 5
+        assert batch.policy_version.tolist() == [0] * 12
+        assert result.metrics["generated_tokens"] == float(batch.response_lens.sum())
+        # The sampler's log-probs are the trainer's (same weights, temperature 1, no top-k/top-p).
+        trainer_logp = client.log_probs(batch).outputs["logprobs"]
+        torch.testing.assert_close(batch.sampling_logprobs, trainer_logp, atol=1e-5, rtol=0)
+        # Same seed -> same samples.
+        again = client.generate(PROMPTS, n=4, max_tokens=5, seed=3).batch
+        assert torch.equal(again.response_ids, batch.response_ids)
+
+
+def test_log_probs_equal_a_plain_per_sequence_forward(arctic_config, tiny_policy):
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32).eval()
+    with ArcticClient.in_process(arctic_config(trainer={"micro_batch_tokens": 20})) as client:
+        batch = client.generate(PROMPTS, n=2, max_tokens=6, seed=1).batch
+        out = client.log_probs(batch, processors=["logprobs", "entropy"], temperature=0.7).outputs
+    for i in range(batch.num_responses):
+        prompt, response = batch.prompt(i), batch.response(i)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1] / 0.7
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+        torch.testing.assert_close(out["logprobs"][i, : len(response)], expected, atol=1e-5, rtol=0)
+        entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        torch.testing.assert_close(out["entropy"][i, : len(response)], entropy, atol=1e-5, rtol=0)
+        assert out["logprobs"][i, len(response) :].abs().sum() == 0
+
+
+def grads(client: ArcticClient) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in trainer_of(client).model.named_parameters() if p.grad is not None}
+
+
+def assert_close_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-4) -> None:
+    """Each tensor within ``rtol`` of the other, relative to the tensor's norm."""
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert (a[name] - b[name]).norm() <= rtol * b[name].norm() + 1e-12, name
+
+
+def test_fwd_bwd_accumulates_across_calls_until_step(arctic_config):
+    """Two half-batch calls, each scaled by its token share, give the full batch's gradient."""
+    loss = [{"name": "ppo", "clip_low": 0.2, "clip_high": 0.28}, {"name": "entropy", "weight": 0.01}]
+    with ArcticClient.in_process(arctic_config()) as full:
+        batch = rollout(full)
+        full.fwd_bwd(batch, loss)
+        expected = grads(full)
+    with ArcticClient.in_process(arctic_config(trainer={"micro_batch_tokens": 16})) as split:
+        halves = [batch.select(range(0, 5)), batch.select(range(5, batch.num_responses))]
+        total = int(batch.loss_mask.sum())
+        before = weights(split)
+        for half in halves:
+            split.fwd_bwd(half, loss, scale=int(half.loss_mask.sum()) / total)
+        assert_close_relative(grads(split), expected)
+        assert_same_weights(before, weights(split))  # nothing moves before step()
+        metrics = split.step().metrics
+        assert metrics["step"] == 1.0 and metrics["grad_norm"] > 0
+        assert not grads(split)  # step() zeroes the accumulated gradients
+        assert any(not torch.equal(before[k], v) for k, v in weights(split).items())
+
+
+def test_sync_weights_moves_the_sampler_to_the_trainer(arctic_config):
+    with ArcticClient.in_process(arctic_config(trainer={"optimizer": {"lr": 1e-2}})) as client:
+        batch = rollout(client)
+        client.fwd_bwd(batch, "ppo")
+        client.step()
+        sampler_state = sampler_of(client).model.state_dict()
+        trained = weights(client)
+        assert any(not torch.equal(sampler_state[k], trained[k]) for k in trained)
+        result = client.sync_weights()
+        assert result.policy_version == 1 and result.metrics["bytes"] > 0
+        for name, tensor in trained.items():
+            assert torch.equal(sampler_state[name], tensor), name
+        assert client.generate(PROMPTS[:1], n=2, max_tokens=2).batch.policy_version.tolist() == [1, 1]
+
+
+def test_reference_log_probs_stay_at_the_initial_policy(arctic_config):
+    with ArcticClient.in_process(arctic_config(reference={}, trainer={"optimizer": {"lr": 1e-2}})) as client:
+        batch = rollout(client)
+        ref_before = client.log_probs(batch, model="reference").outputs["logprobs"]
+        torch.testing.assert_close(ref_before, batch.old_logprobs, atol=1e-6, rtol=0)
+        client.fwd_bwd(batch.replace(ref_logprobs=ref_before), ["ppo", {"name": "kl", "weight": 0.1}])
+        client.step()
+        assert torch.equal(client.log_probs(batch, model="reference").outputs["logprobs"], ref_before)
+        assert not torch.allclose(client.log_probs(batch).outputs["logprobs"], ref_before)
+
+
+def test_checkpoint_resume_reproduces_the_next_step(arctic_config, tmp_path):
+    config = arctic_config(trainer={"optimizer": {"lr": 1e-2}, "scheduler": {"name": "linear", "total_steps": 10, "warmup_steps": 2}})
+    with ArcticClient.in_process(config) as client:
+        batch = rollout(client)
+        client.fwd_bwd(batch, "ppo")
+        client.step()
+        status = client.save_checkpoint(str(tmp_path / "ckpt"), export_hf=True)
+        assert status.step == 1 and (tmp_path / "ckpt" / "hf" / "config.json").is_file()
+        first = client.fwd_bwd(batch, "ppo").metrics["loss"]
+        lr_next = client.step().metrics["lr"]
+        after = weights(client)
+    with ArcticClient.in_process(config) as resumed:
+        status = resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        assert status.step == 1 and status.policy_version == 1
+        assert resumed.fwd_bwd(batch, "ppo").metrics["loss"] == pytest.approx(first, abs=1e-7)
+        metrics = resumed.step().metrics
+        assert metrics["lr"] == pytest.approx(lr_next) and metrics["step"] == 2
+        assert_same_weights(weights(resumed), after, rtol=1e-6)
+
+
+def test_sleep_refuses_work_until_wake(arctic_config):
+    with ArcticClient.in_process(arctic_config()) as client:
+        client.sleep(["sampler"])
+        with pytest.raises(RequestError, match="asleep"):
+            client.generate(PROMPTS, n=1, max_tokens=2)
+        client.wake(["sampler"])
+        assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3
+        with pytest.raises(RequestError, match=r"engine\(s\) \['reference'\] not configured"):
+            client.sleep(["reference"])
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(arctic_config):
+    with ArcticClient.in_process(arctic_config()) as client:
+        batch = rollout(client)
+        with pytest.raises(PluginNotFoundError, match="no loss named 'pp0'.*ppo"):
+            client.fwd_bwd(batch, "pp0")
+        with pytest.raises(RequestError, match=r"SamplingParams\):\n  n: Input should be greater than or equal to 1"):
+            client.generate(PROMPTS, n=0)
+        with pytest.raises(RequestError, match="prompts.0: List should have at least 1 item"):
+            client.generate([[]], n=1)
+        with pytest.raises(RequestError, match="token id 100000 >= vocab size"):
+            client.generate([[1, 100000]], n=1)
+        with pytest.raises(RequestError, match="no reference engine is configured"):
+            client.log_probs(batch, model="reference")
+        with pytest.raises(RequestError, match="loss.*at least 1 item"):
+            client.fwd_bwd(batch, [])
+        with pytest.raises(Exception, match="old_logprobs"):
+            client.fwd_bwd(batch.replace(old_logprobs=None), "ppo")
+        with pytest.raises(RequestError, match="unknown operation 'train'"):
+            client.transport.call("train", None)
+        assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3
+
+
+def test_async_client_runs_calls_concurrently_and_serialises_them(arctic_config):
+    async def main():
+        async with AsyncArcticClient.in_process(arctic_config()) as client:
+            results = await asyncio.gather(*(client.generate(PROMPTS, n=2, max_tokens=3, seed=s) for s in range(4)))
+            batch = results[0].batch.replace(advantages=torch.ones(6))
+            batch = batch.replace(old_logprobs=(await client.log_probs(batch)).outputs["logprobs"])
+            await client.fwd_bwd(batch, "ppo")
+            step = await client.step()
+            version = (await client.sync_weights()).policy_version
+            return results, step, version
+
+    results, step, version = asyncio.run(main())
+    assert [r.batch.num_responses for r in results] == [6, 6, 6, 6]
+    assert step.metrics["step"] == 1.0 and version == 1

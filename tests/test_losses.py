@@ -1,0 +1,439 @@
+"""Loss terms, aggregation and processors checked against values computed by hand.
+
+Conventions used throughout:
+- per-token tensors are float64 so that comparisons can be tight; the old / reference log-probs
+  are dyadic numbers (-1.0, -0.5, ...), exact in float32, because the loss terms read them through
+  ``.float()``;
+- current log-probs are built as ``old + log(ratio)`` so every importance ratio is a chosen number;
+- expected values are literal numbers (arithmetic in the comments) or plain ``math`` on scalars.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import LossTermConfig
+from arctic_core.errors import BatchError, ConfigError, PluginNotFoundError
+from arctic_core.interfaces import LossContext
+from arctic_core.losses.policy import GSPOLoss, PPOLoss
+from arctic_core.losses.regularizers import EntropyBonus, KLLoss, SFTLoss
+from arctic_core.objective import build_objective
+from arctic_core.processors import Entropy, LogProbs
+from arctic_core.registry import default_registry
+
+F64 = torch.float64
+TOL = 1e-9
+MTOL = 1e-6  # fraction metrics (clipfrac, ...) are float32: clipped.float()
+
+
+# --------------------------------------------------------------------------- helpers
+def pad(rows: list[list[float]], width: int, fill: float = 0.0) -> list[list[float]]:
+    return [list(r) + [fill] * (width - len(r)) for r in rows]
+
+
+def make_batch(lens: list[int], **fields: object) -> RolloutBatch:
+    """One prompt answered ``len(lens)`` times; list-of-rows fields are right-padded to float64."""
+    width = max(lens)
+    responses = [[10 + j for j in range(n)] for n in lens]
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in fields.items():
+        if name == "advantages" and not isinstance(value[0], list):
+            tensors[name] = torch.tensor(value, dtype=F64)
+        elif name == "loss_mask":
+            tensors[name] = torch.tensor(pad(value, width, False), dtype=torch.bool)
+        else:
+            tensors[name] = torch.tensor(pad(value, width), dtype=F64)
+    return RolloutBatch.from_lists([[1, 2]], responses, [0] * len(lens), **tensors)
+
+
+def logprobs_from(base: list[list[float]], log_ratios: list[list[float]]) -> torch.Tensor:
+    """Leaf float64 tensor ``base + log_ratio`` (padding: the base value), with grad."""
+    width = max(len(r) for r in base)
+    rows = [[b + d for b, d in zip(brow, drow)] for brow, drow in zip(base, log_ratios)]
+    return torch.tensor(pad(rows, width), dtype=F64, requires_grad=True)
+
+
+def grad_of(loss: torch.Tensor, logp: torch.Tensor) -> list[list[float]]:
+    loss.backward()
+    return logp.grad.tolist()
+
+
+def assert_rows(actual: list[list[float]], expected: list[list[float]], tol: float = TOL) -> None:
+    assert len(actual) == len(expected)
+    for a_row, e_row in zip(actual, expected):
+        assert a_row == pytest.approx(e_row, abs=tol)
+
+
+# --------------------------------------------------------------------------- the PPO batch
+# Two responses of lengths 3 and 2 (width 3), clip_low = 0.2, clip_high = 0.28 (range [0.8, 1.28]).
+#   row 0, A = +1, ratios 1.25, 1.5, 0.5
+#     1.25: inside [0.8, 1.28] (it would be clipped with a symmetric 0.2)  loss -1.25
+#     1.5 : above 1.28, clipped at 1+clip_high                            loss -1.28  (clipped)
+#     0.5 : A > 0 keeps the smaller objective, min(0.5, 0.8)*A            loss -0.5
+#   row 1, A = -2, ratios 0.5, 1.1
+#     0.5 : below 0.8, clipped at 1-clip_low: max(2*0.5, 2*0.8)           loss  1.6   (clipped)
+#     1.1 : inside                                                        loss  2.2
+# sums: row 0 = -3.03, row 1 = 3.8, all = 0.77; tokens 5, clipped 2.
+PPO_OLD = [[-1.0, -0.5, -2.0], [-1.5, -0.25]]
+PPO_RATIOS = [[1.25, 1.5, 0.5], [0.5, 1.1]]
+PPO_ADV = [1.0, -2.0]
+PPO_OPTS = {"clip_low": 0.2, "clip_high": 0.28}
+
+
+def ppo_case(**extra: object) -> tuple[RolloutBatch, torch.Tensor]:
+    batch = make_batch([3, 2], old_logprobs=PPO_OLD, advantages=PPO_ADV, **extra)
+    logp = logprobs_from(PPO_OLD, [[math.log(r) for r in row] for row in PPO_RATIOS])
+    return batch, logp
+
+
+def test_ppo_token_mean_value_clipfrac_and_gradient() -> None:
+    batch, logp = ppo_case()
+    loss, metrics = PPOLoss(**PPO_OPTS)({"logprobs": logp}, batch, LossContext.of(batch))
+    assert loss.item() == pytest.approx(0.154, abs=TOL)  # 0.77 / 5
+    assert metrics["clipfrac"] == pytest.approx(0.4, abs=MTOL)  # 2 of 5 tokens
+    assert metrics["dual_clipfrac"] == 0.0
+    # approx_kl = token-mean of 0.5 * log(ratio)^2
+    logs = [math.log(r) for row in PPO_RATIOS for r in row]
+    assert metrics["approx_kl"] == pytest.approx(sum(0.5 * x * x for x in logs) / 5, abs=TOL)
+    # d(-A r)/d logp = -A r; clipped tokens and padding get 0; token-mean divides by 5.
+    #   row 0: -1.25/5 = -0.25, 0, -0.5/5 = -0.1     row 1: 0, 2*1.1/5 = 0.44, (pad) 0
+    assert_rows(grad_of(loss, logp), [[-0.25, 0.0, -0.1], [0.0, 0.44, 0.0]])
+
+
+def test_ppo_symmetric_clip_when_clip_high_is_unset() -> None:
+    # clip_high defaults to clip_low = 0.2: ratio 1.25 (A=+1) is now clipped at 1.2 -> -1.2.
+    # sum = -1.2 - 1.2 - 0.5 + 1.6 + 2.2 = 0.9 -> 0.18; clipped tokens 3 of 5.
+    batch, logp = ppo_case()
+    loss, metrics = PPOLoss(clip_low=0.2)({"logprobs": logp}, batch, LossContext.of(batch))
+    assert loss.item() == pytest.approx(0.18, abs=TOL)
+    assert metrics["clipfrac"] == pytest.approx(0.6, abs=MTOL)
+
+
+def test_ppo_dual_clip_caps_negative_advantage_loss() -> None:
+    # One response of length 2, A = -1, c = 3, ratios 10 and 1.1.
+    #   ratio 10: ordinary clipped loss max(10, 1.28) = 10 > c*|A| = 3 -> capped at 3, no gradient
+    #   ratio 1.1: loss 1.1, gradient -A r / 2 = 0.55
+    # loss = (3 + 1.1) / 2 = 2.05; dual_clipfrac = 1/2; clipfrac 0 (10 is the unclipped branch).
+    old = [[-1.0, -0.5]]
+    batch = make_batch([2], old_logprobs=old, advantages=[-1.0])
+    logp = logprobs_from(old, [[math.log(10.0), math.log(1.1)]])
+    term = PPOLoss(**PPO_OPTS, dual_clip=3.0)
+    loss, metrics = term({"logprobs": logp}, batch, LossContext.of(batch))
+    assert loss.item() == pytest.approx(2.05, abs=TOL)
+    assert metrics["dual_clipfrac"] == pytest.approx(0.5, abs=MTOL)
+    assert metrics["clipfrac"] == 0.0
+    assert_rows(grad_of(loss, logp), [[0.0, 0.55]])
+
+
+def test_ppo_dual_clip_leaves_positive_advantages_alone() -> None:
+    # A = +1, ratio 10: clipped at 1.28 -> loss -1.28 whatever c is.
+    old = [[-1.0]]
+    batch = make_batch([1], old_logprobs=old, advantages=[1.0])
+    logp = logprobs_from(old, [[math.log(10.0)]])
+    loss, metrics = PPOLoss(**PPO_OPTS, dual_clip=3.0)({"logprobs": logp}, batch, LossContext.of(batch))
+    assert loss.item() == pytest.approx(-1.28, abs=TOL)
+    assert metrics["dual_clipfrac"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "ctx", "expected"),
+    [
+        # (row0 sum / 3 + row1 sum / 2) / 2 = (-1.01 + 1.9) / 2
+        ("seq-mean-token-mean", LossContext(5, 2, 3), 0.445),
+        # (-3.03 + 3.8) / 2
+        ("seq-mean-token-sum", LossContext(5, 2, 3), 0.385),
+        # 0.77 / (2 sequences * constant length 4)
+        ("seq-mean-token-sum-norm", LossContext(5, 2, 4), 0.09625),
+    ],
+)
+def test_ppo_aggregation_modes(aggregation: str, ctx: LossContext, expected: float) -> None:
+    batch, logp = ppo_case()
+    loss, _ = PPOLoss(**PPO_OPTS, aggregation=aggregation)({"logprobs": logp}, batch, ctx)
+    assert loss.item() == pytest.approx(expected, abs=TOL)
+
+
+def test_loss_context_of_counts_mask_tokens_and_takes_max_len() -> None:
+    batch, _ = ppo_case(loss_mask=[[True, False, True], [True, True]])
+    assert LossContext.of(batch) == LossContext(num_tokens=4, num_sequences=2, max_response_len=3)
+    assert LossContext.of(batch, max_response_len=4).max_response_len == 4
+
+
+def test_ppo_loss_mask_excludes_tokens() -> None:
+    # Mask out row 1's ratio-1.1 token (loss 2.2). Its log-prob is set to something absurd to show
+    # that it cannot leak in. sum = -1.25 - 1.28 - 0.5 + 1.6 = -1.43 over 4 tokens.
+    batch, logp = ppo_case(loss_mask=[[True, True, True], [True, False]])
+    with torch.no_grad():
+        logp[1, 1] = 50.0
+    ctx = LossContext.of(batch)
+    assert ctx.num_tokens == 4
+    loss, metrics = PPOLoss(**PPO_OPTS)({"logprobs": logp}, batch, ctx)
+    assert loss.item() == pytest.approx(-0.3575, abs=TOL)  # -1.43 / 4
+    assert metrics["clipfrac"] == pytest.approx(0.5, abs=MTOL)  # 2 of 4
+    # grads now / 4: -1.25/4, 0, -0.5/4; masked and clipped tokens 0
+    assert_rows(grad_of(loss, logp), [[-0.3125, 0.0, -0.125], [0.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "part0", "part1"),
+    [
+        ("token-mean", -0.606, 0.76),  # -3.03/5, 3.8/5
+        ("seq-mean-token-mean", -0.505, 0.95),  # (-3.03/3)/2, (3.8/2)/2
+        ("seq-mean-token-sum", -1.515, 1.9),  # -3.03/2, 3.8/2
+        ("seq-mean-token-sum-norm", -0.505, 0.6333333333333333),  # -3.03/(2*3), 3.8/(2*3)
+    ],
+)
+def test_ppo_micro_batches_add_up_to_full_batch(aggregation: str, part0: float, part1: float) -> None:
+    batch, logp = ppo_case()
+    ctx = LossContext.of(batch)  # normalisers of the whole call, shared by both micro-batches
+    term = PPOLoss(**PPO_OPTS, aggregation=aggregation)
+    full, full_metrics = term({"logprobs": logp}, batch, ctx)
+    mb0, m0 = term({"logprobs": logp[0:1, :3]}, batch.select([0]), ctx)
+    mb1, m1 = term({"logprobs": logp[1:2, :2]}, batch.select([1]), ctx)  # select trims width to 2
+    assert mb0.item() == pytest.approx(part0, abs=TOL)
+    assert mb1.item() == pytest.approx(part1, abs=TOL)
+    assert mb0.item() + mb1.item() == pytest.approx(full.item(), abs=TOL)
+    assert m0["clipfrac"] + m1["clipfrac"] == pytest.approx(full_metrics["clipfrac"], abs=MTOL)  # 1/5 + 1/5
+
+
+# --------------------------------------------------------------------------- GSPO
+# Three responses (lengths 3, 2, 2); defaults clip_low = 3e-4, clip_high = 4e-4,
+# i.e. the sequence ratio s is clipped to [0.9997, 1.0004].
+#   row 0, A = +1, log-ratios 2e-4, -1e-4, 2e-4: mean 1e-4, s0 = exp(1e-4) = 1.000100005 (inside)
+#       per-sequence loss -s0
+#   row 1, A = +2, log-ratios 0.01, 0.03: mean 0.02, s1 = exp(0.02) = 1.0202 > 1.0004
+#       clipped: -2 * 1.0004 = -2.0008
+#   row 2, A = -1, log-ratios -0.02, 0: mean -0.01, s2 = exp(-0.01) = 0.99005 < 0.9997
+#       clipped: max(0.99005, 0.9997) = 0.9997
+GSPO_OLD = [[-1.0, -0.5, -2.0], [-1.5, -0.25], [-0.75, -1.25]]
+GSPO_LOG_RATIOS = [[2e-4, -1e-4, 2e-4], [0.01, 0.03], [-0.02, 0.0]]
+GSPO_ADV = [1.0, 2.0, -1.0]
+S0, S1, S2 = math.exp(1e-4), math.exp(0.02), math.exp(-0.01)
+
+
+def gspo_case() -> tuple[RolloutBatch, torch.Tensor]:
+    batch = make_batch([3, 2, 2], old_logprobs=GSPO_OLD, advantages=GSPO_ADV)
+    return batch, logprobs_from(GSPO_OLD, GSPO_LOG_RATIOS)
+
+
+def test_gspo_value_unclipped_and_clipped_sequences() -> None:
+    batch, logp = gspo_case()
+    ctx = LossContext.of(batch)
+    term = GSPOLoss()
+    loss, metrics = term({"logprobs": logp}, batch, ctx)
+    # (-s0 - 2.0008 + 0.9997) / 3 sequences
+    assert loss.item() == pytest.approx((-S0 - 2.0008 + 0.9997) / 3, abs=TOL)
+    assert loss.item() == pytest.approx(-0.66706666833, abs=1e-9)
+    assert metrics["clipfrac"] == pytest.approx(4 / 7, abs=MTOL)  # rows 1 and 2: 4 of 7 tokens
+    assert metrics["seq_ratio_mean"] == pytest.approx((S0 + S1 + S2) / 3, abs=TOL)
+    # the unclipped sequence on its own (same ctx): -s0 / 3
+    alone, _ = term({"logprobs": logp[0:1, :3]}, batch.select([0]), ctx)
+    assert alone.item() == pytest.approx(-1.000100005 / 3, abs=1e-9)
+
+
+def test_gspo_gradient_is_sequence_level() -> None:
+    batch, logp = gspo_case()
+    loss, _ = GSPOLoss()({"logprobs": logp}, batch, LossContext.of(batch))
+    # unclipped row 0: every token gets -A * s0 / |y_0| / num_sequences = -s0 / 3 / 3,
+    # the same for all three tokens although their own ratios differ; clipped rows: 0.
+    g = -S0 / 9
+    assert_rows(grad_of(loss, logp), [[g, g, g], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+
+
+# --------------------------------------------------------------------------- KL
+# ref log-probs dyadic, logp = ref - d, so ref - logp = d, per token:
+#   d = 0.5, 1.0, -1.0 (row 0) and 2.0, 0.25 (row 1); 5 tokens
+KL_REF = [[-1.0, -0.5, -2.0], [-1.5, -0.25]]
+KL_D = [[0.5, 1.0, -1.0], [2.0, 0.25]]
+D = [d for row in KL_D for d in row]
+
+
+def kl_case() -> tuple[RolloutBatch, torch.Tensor]:
+    batch = make_batch([3, 2], ref_logprobs=KL_REF)
+    return batch, logprobs_from(KL_REF, [[-d for d in row] for row in KL_D])
+
+
+def k3(d: float) -> float:
+    return math.exp(d) - d - 1.0
+
+
+@pytest.mark.parametrize(
+    ("estimator", "expected"),
+    [
+        ("k1", -0.55),  # mean(logp - ref) = -(0.5 + 1 - 1 + 2 + 0.25) / 5 = -2.75 / 5
+        ("k2", 0.63125),  # mean(d^2 / 2) = (0.25 + 1 + 1 + 4 + 0.0625) / 2 / 5
+        ("k3", sum(k3(d) for d in D) / 5),  # e^d - d - 1: 0.14872 + 0.71828 + 0.36788 + 4.38906 + 0.03403
+    ],
+)
+def test_kl_estimators_token_mean(estimator: str, expected: float) -> None:
+    batch, logp = kl_case()
+    loss, metrics = KLLoss(estimator=estimator)({"logprobs": logp}, batch, LossContext.of(batch))
+    assert loss.item() == pytest.approx(expected, abs=TOL)
+    assert metrics["kl"] == pytest.approx(expected, abs=TOL)
+
+
+def test_kl_k3_value_literal_and_gradient() -> None:
+    batch, logp = kl_case()
+    loss, _ = KLLoss()({"logprobs": logp}, batch, LossContext.of(batch))  # default: k3, clamp 10
+    assert loss.item() == pytest.approx(5.6579640561 / 5, abs=1e-9)
+    # d k3 / d logp = 1 - exp(ref - logp) = 1 - e^d, divided by 5 tokens; padding 0
+    expected = [[(1 - math.exp(d)) / 5 for d in row] for row in KL_D]
+    assert_rows(grad_of(loss, logp), pad(expected, 3))
+    # e.g. d = 1: (1 - e) / 5 = -0.343656...
+    assert logp.grad[0, 1].item() == pytest.approx(-0.3436563656918, abs=1e-12)
+
+
+def test_kl_clamp_engages() -> None:
+    # clamp = 1: only d = 2 exceeds it (k3 = e^2 - 3 = 4.389) -> 1.0, and its gradient vanishes.
+    batch, logp = kl_case()
+    loss, metrics = KLLoss(estimator="k3", clamp=1.0)({"logprobs": logp}, batch, LossContext.of(batch))
+    expected = (k3(0.5) + k3(1.0) + k3(-1.0) + 1.0 + k3(0.25)) / 5
+    assert loss.item() == pytest.approx(expected, abs=TOL)
+    assert metrics["kl"] == pytest.approx(expected, abs=TOL)
+    grad = grad_of(loss, logp)
+    assert grad[1][0] == 0.0
+    assert grad[0][0] == pytest.approx((1 - math.exp(0.5)) / 5, abs=TOL)
+
+
+def test_kl_default_clamp_is_ten() -> None:
+    # d = 5: k3 = e^5 - 6 = 142.41 -> clamped to 10; k1 = -5 stays (|k1| < 10).
+    ref = [[-1.0]]
+    batch = make_batch([1], ref_logprobs=ref)
+    logp = logprobs_from(ref, [[-5.0]])
+    ctx = LossContext.of(batch)
+    assert KLLoss(estimator="k3")({"logprobs": logp}, batch, ctx)[0].item() == pytest.approx(10.0, abs=TOL)
+    assert KLLoss(estimator="k1")({"logprobs": logp}, batch, ctx)[0].item() == pytest.approx(-5.0, abs=TOL)
+    assert KLLoss(estimator="k3", clamp=None)({"logprobs": logp}, batch, ctx)[0].item() == pytest.approx(
+        math.exp(5) - 6, abs=1e-9
+    )
+
+
+# --------------------------------------------------------------------------- entropy, SFT
+def test_entropy_bonus_value_and_gradient() -> None:
+    batch = make_batch([3, 2])
+    entropy = torch.tensor([[0.5, 1.0, 1.5], [2.0, 0.25, 9.0]], dtype=F64, requires_grad=True)  # 9.0: padding
+    loss, metrics = EntropyBonus()({"entropy": entropy}, batch, LossContext.of(batch))
+    # -(0.5 + 1 + 1.5 + 2 + 0.25) / 5 = -5.25 / 5
+    assert loss.item() == pytest.approx(-1.05, abs=TOL)
+    assert metrics["entropy"] == pytest.approx(1.05, abs=TOL)
+    assert_rows(grad_of(loss, entropy), [[-0.2, -0.2, -0.2], [-0.2, -0.2, 0.0]])
+
+
+def test_sft_is_token_mean_nll() -> None:
+    batch = make_batch([3, 2])
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-0.25, -3.0, -7.0]], dtype=F64, requires_grad=True)  # -7: padding
+    loss, metrics = SFTLoss()({"logprobs": logp}, batch, LossContext.of(batch))
+    # (1 + 0.5 + 2 + 0.25 + 3) / 5 = 6.75 / 5
+    assert loss.item() == pytest.approx(1.35, abs=TOL)
+    assert metrics["nll"] == pytest.approx(1.35, abs=TOL)
+    assert_rows(grad_of(loss, logp), [[-0.2, -0.2, -0.2], [-0.2, -0.2, 0.0]])
+
+
+# --------------------------------------------------------------------------- processors
+# logits [0, ln 2]:
+#   T = 1: probs [1/3, 2/3]; H = ln 3 - (2/3) ln 2 = 0.636514168...
+#   T = 2: z = [0, ln(sqrt 2)], probs [1/(1+sqrt2), sqrt2/(1+sqrt2)];
+#          H = ln(1 + sqrt2) - sqrt2/(1+sqrt2) * ln(sqrt2)
+R2 = math.sqrt(2.0)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "expected"),
+    [
+        (1.0, math.log(3) - 2 / 3 * math.log(2)),
+        (2.0, math.log(1 + R2) - R2 / (1 + R2) * math.log(R2)),
+    ],
+)
+def test_entropy_processor(temperature: float, expected: float) -> None:
+    logits = torch.tensor([[0.0, math.log(2.0)]])
+    out = Entropy(temperature=temperature)(logits, torch.tensor([1]))
+    assert out["entropy"].shape == (1,)
+    assert out["entropy"].item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_entropy_processor_keeps_gradient() -> None:
+    # T = 1: dH/dz_j = -p_j (z_j - E_p[z]), E_p[z] = (2/3) ln 2
+    #   z_0: -(1/3)(0 - (2/3) ln2) = (2/9) ln 2;  z_1: -(2/3)(ln2 - (2/3) ln2) = -(2/9) ln 2
+    logits = torch.tensor([[0.0, math.log(2.0)]], requires_grad=True)
+    Entropy()(logits, torch.tensor([0]))["entropy"].sum().backward()
+    assert logits.grad[0].tolist() == pytest.approx([2 / 9 * math.log(2), -2 / 9 * math.log(2)], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "target", "expected"),
+    [
+        (1.0, 1, math.log(2 / 3)),
+        (1.0, 0, math.log(1 / 3)),
+        (2.0, 1, math.log(R2 / (1 + R2))),
+        (2.0, 0, math.log(1 / (1 + R2))),
+    ],
+)
+def test_logprobs_processor(temperature: float, target: int, expected: float) -> None:
+    logits = torch.tensor([[0.0, math.log(2.0)]])
+    out = LogProbs(temperature=temperature)(logits, torch.tensor([target]))
+    assert out["logprobs"].item() == pytest.approx(expected, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- errors
+def test_ppo_without_old_logprobs_raises_batch_error() -> None:
+    batch = make_batch([3, 2], advantages=PPO_ADV)
+    logp = torch.zeros(2, 3, dtype=F64, requires_grad=True)
+    with pytest.raises(BatchError, match="old_logprobs"):
+        PPOLoss()({"logprobs": logp}, batch, LossContext.of(batch))
+    with pytest.raises(BatchError, match="old_logprobs"):
+        GSPOLoss()({"logprobs": logp}, batch, LossContext.of(batch))
+
+
+def test_kl_without_ref_logprobs_raises_batch_error() -> None:
+    batch = make_batch([3, 2])
+    logp = torch.zeros(2, 3, dtype=F64, requires_grad=True)
+    with pytest.raises(BatchError, match="ref_logprobs"):
+        KLLoss()({"logprobs": logp}, batch, LossContext.of(batch))
+
+
+def test_unknown_option_raises_config_error_naming_it() -> None:
+    with pytest.raises(ConfigError, match="clip_lo"):
+        PPOLoss(clip_lo=0.2)
+    with pytest.raises(ConfigError, match="estimatr"):
+        KLLoss(estimatr="k1")
+
+
+def test_invalid_option_values_raise_config_error() -> None:
+    with pytest.raises(ConfigError, match="dual_clip"):
+        PPOLoss(dual_clip=1.0)  # must be > 1
+    with pytest.raises(ConfigError, match="estimator"):
+        KLLoss(estimator="k4")
+
+
+def test_gspo_rejects_token_mean_aggregation() -> None:
+    with pytest.raises(ConfigError):
+        GSPOLoss(aggregation="token-mean")
+
+
+# --------------------------------------------------------------------------- objective
+def test_build_objective_weights_terms() -> None:
+    batch, logp = ppo_case(ref_logprobs=PPO_OLD)  # ref = old, so k1 = mean log(ratio)
+    objective = build_objective(
+        default_registry(), [LossTermConfig(name="ppo"), LossTermConfig(name="kl", weight=0.1, estimator="k1")]
+    )
+    assert set(objective.processors) == {"logprobs"}
+    total, metrics = objective({"logprobs": logp}, batch, LossContext.of(batch))
+    # PPO with default options (clip_low = clip_high = 0.2): 0.9 / 5 = 0.18, see the symmetric-clip test
+    ppo = 0.18
+    kl = (math.log(1.25) + math.log(1.5) + 2 * math.log(0.5) + math.log(1.1)) / 5  # = -0.1324758...
+    assert metrics["ppo/loss"] == pytest.approx(ppo, abs=TOL)
+    assert metrics["kl/kl"] == pytest.approx(kl, abs=TOL)
+    assert metrics["kl/loss"] == pytest.approx(kl, abs=TOL)
+    assert total.item() == pytest.approx(ppo + 0.1 * kl, abs=TOL)
+    assert metrics["loss"] == pytest.approx(ppo + 0.1 * kl, abs=TOL)
+    assert {"ppo/loss", "ppo/clipfrac", "kl/kl", "kl/loss", "loss"} <= set(metrics)
+
+
+def test_build_objective_unknown_loss_lists_registered_names() -> None:
+    with pytest.raises(PluginNotFoundError, match="ppo") as info:
+        build_objective(default_registry(), [LossTermConfig(name="nope")])
+    assert "'nope'" in str(info.value)
+    assert "kl" in str(info.value)

@@ -1,0 +1,71 @@
+"""Plugin discovery through real installed entry points, and errors for unknown names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from arctic_core.errors import PluginConflictError, PluginNotFoundError
+from arctic_core.hookspecs import hookimpl
+from arctic_core.registry import build_registry, default_registry, installed_entry_points
+
+
+def test_installed_entry_points_include_builtins_and_the_example_plugin():
+    names = {ep.name: ep.value for ep in installed_entry_points()}
+    assert names["example"] == "arctic_example_plugin"  # a separate installed distribution
+    assert {"core", "zorro", "fca"} <= set(names)
+
+
+def test_registry_indexes_every_kind_with_its_provider():
+    registry = default_registry()
+    assert {"ppo", "gspo", "kl", "entropy", "sft", "reinforce"} <= set(registry.names("loss"))
+    assert {"logprobs", "entropy", "top1_match"} <= set(registry.names("processor"))
+    assert registry.names("training_backend") == ["reference"]
+    assert "hf-generate" in registry.names("sampling_backend")
+    providers = {(p.kind, p.name): p.plugin for p in registry.all()}
+    assert providers[("loss", "reinforce")] == "example"
+    assert providers[("processor", "top1_match")] == "example"
+    assert providers[("training_backend", "reference")] == "zorro"
+
+
+def test_unknown_name_lists_the_registered_ones():
+    with pytest.raises(PluginNotFoundError) as info:
+        default_registry().get("loss", "ppo2")
+    message = str(info.value)
+    assert "no loss named 'ppo2'" in message and "ppo" in message and "reinforce" in message
+    with pytest.raises(PluginNotFoundError, match="unknown plugin kind"):
+        default_registry().get("optimizer", "adam")
+
+
+def test_two_plugins_claiming_one_name_conflict():
+    clash = types.ModuleType("clash")
+    clash.arctic_losses = hookimpl(lambda: {"ppo": object})
+    with pytest.raises(PluginConflictError, match="'ppo' is provided by both plugin 'core' and 'clash'"):
+        build_registry({"clash": clash})
+
+
+def test_example_plugin_loss_and_processor_run():
+    import torch
+
+    from arctic_core.batch import RolloutBatch
+    from arctic_core.interfaces import LossContext
+
+    registry = default_registry()
+    processor = registry.get("processor", "top1_match")()
+    logits = torch.tensor([[0.0, 2.0], [3.0, 1.0]])
+    assert processor(logits, torch.tensor([1, 1]))["top1_match"].tolist() == [1.0, 0.0]
+    batch = RolloutBatch.from_lists([[1]], [[2, 3]], [0], advantages=torch.tensor([2.0]))
+    logp = torch.tensor([[-1.0, -3.0]])
+    loss, _ = registry.get("loss", "reinforce")()({"logprobs": logp}, batch, LossContext.of(batch))
+    assert loss.item() == pytest.approx(-(2.0 * -1.0 + 2.0 * -3.0) / 2)
+
+
+def test_cli_lists_builtins_and_the_example_plugin():
+    out = subprocess.run(
+        [sys.executable, "-m", "arctic_core.cli", "plugins"], capture_output=True, text=True, check=True
+    ).stdout
+    for expected in ("core", "example", "reinforce", "top1_match", "hf-generate", "reference", "inprocess"):
+        assert expected in out
