@@ -69,3 +69,13 @@ def test_cli_lists_builtins_and_the_example_plugin():
     ).stdout
     for expected in ("core", "example", "reinforce", "top1_match", "hf-generate", "reference", "inprocess"):
         assert expected in out
+
+
+def test_resolving_plugins_imports_no_engine():
+    """Engines are Lazy factories: listing plugins or resolving a loss never imports transformers."""
+    code = (
+        "import sys; from arctic_core.registry import default_registry; r = default_registry(); "
+        "r.get('loss', 'ppo'); r.get('training_backend', 'reference'); print('transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

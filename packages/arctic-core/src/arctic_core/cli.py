@@ -17,7 +17,7 @@ app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, hel
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="Folder for TensorBoard logs, the reward plot and the checkpoint.")] = Path("runs/demo"),
-    steps: Annotated[int, typer.Option(min=1, help="GRPO steps.")] = 60,
+    steps: Annotated[int, typer.Option(min=1, help="GRPO steps.")] = 300,
     seed: Annotated[int, typer.Option(help="Seed of the model, the task and sampling.")] = 0,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Short SFT on task demonstrations before GRPO (0 skips it).")] = 20,
 ) -> None:

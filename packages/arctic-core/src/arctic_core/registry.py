@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,25 @@ KINDS: dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class Lazy:
+    """A factory named ``"module:attribute"``, imported on first call.
+
+    Plugins whose products pull in heavy stacks (transformers, deepspeed, vllm) return these, so
+    listing plugins or resolving a loss never imports an engine.
+    """
+
+    target: str
+    summary: str
+
+    def load(self) -> Callable[..., Any]:
+        module, _, attribute = self.target.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.load()(*args, **kwargs)
+
+
+@dataclass(frozen=True)
 class Provided:
     kind: str
     name: str
@@ -35,6 +55,8 @@ class Provided:
 
     @property
     def summary(self) -> str:
+        if isinstance(self.factory, Lazy):
+            return self.factory.summary
         doc = (self.factory.__doc__ or "").strip().splitlines()
         return doc[0] if doc else ""
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from arctic_core.hookspecs import hookimpl
-from arctic_fca.hf_sampler import HFGenerateSampler
+from arctic_core.registry import Lazy
 
 
 @hookimpl
 def arctic_sampling_backends():
-    return {"hf-generate": HFGenerateSampler}
+    return {"hf-generate": Lazy("arctic_fca.hf_sampler:HFGenerateSampler", "transformers generate(): n samples per prompt, sampling log-probs.")}

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from arctic_core.hookspecs import hookimpl
-from arctic_zorro.reference import ReferenceLogProbEngine, ReferenceTrainer
+from arctic_core.registry import Lazy
 
 
 @hookimpl
 def arctic_training_backends():
-    return {"reference": ReferenceTrainer}
+    return {"reference": Lazy("arctic_zorro.reference:ReferenceTrainer", "Plain transformers model + torch AdamW (exact baseline).")}
 
 
 @hookimpl
 def arctic_logprob_backends():
-    return {"reference": ReferenceLogProbEngine}
+    return {"reference": Lazy("arctic_zorro.reference:ReferenceLogProbEngine", "Forward-only transformers model (e.g. the frozen KL reference).")}

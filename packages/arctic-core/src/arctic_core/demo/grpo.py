@@ -27,7 +27,7 @@ from arctic_core.server import HF_EXPORT
 
 @dataclass
 class DemoSettings:
-    steps: int = 60
+    steps: int = 300
     seed: int = 0
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
