@@ -36,11 +36,23 @@ def response_outputs(
     cols = torch.cat([torch.arange(int(n)) for n in batch.response_lens]) if len(rows) else rows
     positions = batch.prompt_lens[batch.prompt_index][rows] - 1 + cols  # the logit that predicts (row, col)
     picked = logits[rows.to(device), positions.to(device)]
-    targets = batch.response_ids[rows, cols].to(device)
+    return scatter_outputs(picked, batch, rows, cols, processors)
+
+
+def scatter_outputs(
+    logits: torch.Tensor,
+    batch: RolloutBatch,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    processors: Mapping[str, Processor],
+) -> dict[str, torch.Tensor]:
+    """Run the processors on ``logits [N, V]`` (one per response token ``(rows, cols)``) -> ``[B, Lr]`` each."""
+    device = logits.device
+    rows, cols = rows.to(device), cols.to(device)
+    targets = batch.response_ids.to(device)[rows, cols]
     shape = tuple(batch.response_ids.shape)
     out: dict[str, torch.Tensor] = {}
     for processor in dict.fromkeys(processors.values()):
-        for name, values in processor(picked, targets).items():
-            full = torch.zeros(shape, dtype=values.dtype, device=device)
-            out[name] = full.index_put((rows.to(device), cols.to(device)), values)
+        for name, values in processor(logits, targets).items():
+            out[name] = torch.zeros(shape, dtype=values.dtype, device=device).index_put((rows, cols), values)
     return out

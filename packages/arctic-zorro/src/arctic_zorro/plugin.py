@@ -8,9 +8,15 @@ from arctic_core.registry import Lazy
 
 @hookimpl
 def arctic_training_backends():
-    return {"reference": Lazy("arctic_zorro.reference:ReferenceTrainer", "Plain transformers model + torch AdamW (exact baseline).")}
+    return {
+        "reference": Lazy("arctic_zorro.reference:ReferenceTrainer", "Plain transformers model + torch AdamW (exact baseline)."),
+        "deepspeed": Lazy("arctic_zorro.deepspeed_engine:DeepSpeedTrainer", "DeepSpeed engine, ZeRO stage 0-3 (options.zero_stage), torch AdamW."),
+    }
 
 
 @hookimpl
 def arctic_logprob_backends():
-    return {"reference": Lazy("arctic_zorro.reference:ReferenceLogProbEngine", "Forward-only transformers model (e.g. the frozen KL reference).")}
+    return {
+        "reference": Lazy("arctic_zorro.reference:ReferenceLogProbEngine", "Forward-only transformers model (e.g. the frozen KL reference)."),
+        "deepspeed": Lazy("arctic_zorro.deepspeed_engine:DeepSpeedLogProbEngine", "Forward-only DeepSpeed engine (ZeRO-3 partitions the weights)."),
+    }

@@ -15,7 +15,7 @@ from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerC
 from arctic_core.errors import RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
-from arctic_zorro.forward import response_outputs
+from arctic_zorro.packed_forward import ZorroOptions, select_forward
 from arctic_zorro.lr_schedule import lr_factor
 from arctic_zorro.micro_batches import plan_micro_batches
 
@@ -23,18 +23,21 @@ STATE_FILE = "trainer_state.pt"
 
 
 class ReferenceOptions(StrictModel):
-    """The reference engines take no backend-specific options (any key is a typo)."""
+    """Backend options of the reference engines (any other key is a typo)."""
+
+    zorro: ZorroOptions = ZorroOptions()
 
 
 class ReferenceLogProbEngine:
     """Forward-only engine over a transformers model."""
 
     def __init__(self, config: LogProbConfig | TrainerConfig, model: ModelConfig, *, seed: int) -> None:
-        validate(ReferenceOptions, config.options, f"{type(config).__name__}.options")
+        options = validate(ReferenceOptions, config.options, f"{type(config).__name__}.options")
         torch.manual_seed(seed)
         self.micro_batch_tokens = config.micro_batch_tokens
         self.model = load_causal_lm(model)
         self.model.eval()  # no dropout: RL needs the same log-probs from every forward
+        self.forward = select_forward(self.model, options.zorro)
         self.device = next(self.model.parameters()).device
         self.asleep = False
 
@@ -44,7 +47,7 @@ class ReferenceLogProbEngine:
         with torch.no_grad():
             for rows in plan_micro_batches(batch, self.micro_batch_tokens):
                 micro = batch.select(rows)
-                parts.append((rows, response_outputs(self.model, micro, processors)))
+                parts.append((rows, self.forward(self.model, micro, processors)))
         return _assemble(batch, parts)
 
     def load_weights(self, weights: NamedTensors) -> None:
@@ -97,7 +100,7 @@ class ReferenceTrainer(ReferenceLogProbEngine):
         totals: dict[str, float] = {}
         for rows in plan_micro_batches(batch, self.micro_batch_tokens):
             micro = batch.select(rows).to(self.device)
-            outputs = response_outputs(self.model, micro, objective.processors)
+            outputs = self.forward(self.model, micro, objective.processors)
             loss, metrics = objective(outputs, micro, ctx)
             (loss * scale).backward()
             for key, value in metrics.items():  # normalised by ctx, so they add up over micro-batches

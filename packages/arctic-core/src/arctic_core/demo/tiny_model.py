@@ -19,9 +19,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-TINY_SHAPES: dict[str, dict[str, int]] = {
-    "qwen3": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+TINY_SHAPES: dict[str, dict[str, object]] = {
+    "qwen3": {**_SHAPE, "head_dim": 32},
+    "qwen2": dict(_SHAPE),
+    "llama": {**_SHAPE, "head_dim": 32},
+    # A window shorter than the test sequences, so that sliding-window attention really matters.
+    "mistral": {**_SHAPE, "head_dim": 32, "sliding_window": 5},
 }
+"""Tiny shapes per model family (GQA everywhere: 4 query heads over 2 KV heads)."""
 
 
 def build_tokenizer(corpus: Iterable[str], vocab_size: int = 320) -> PreTrainedTokenizerFast:
@@ -42,10 +48,14 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 320) -> PreTrainedT
 
 
 def build_tiny_model(
-    tokenizer: PreTrainedTokenizerFast, family: str = "qwen3", seed: int = 0, **overrides: int
+    tokenizer: PreTrainedTokenizerFast,
+    family: str = "qwen3",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    **overrides: object,
 ) -> PreTrainedModel:
     """A randomly initialised causal LM of ``family`` sized for CPU tests (fp32)."""
-    shape = {**TINY_SHAPES.get(family, TINY_SHAPES["qwen3"]), **overrides}
+    shape = {**TINY_SHAPES.get(family, _SHAPE), **overrides}
     config = AutoConfig.for_model(
         family,
         vocab_size=len(tokenizer),
@@ -57,7 +67,7 @@ def build_tiny_model(
         **shape,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model

@@ -1,0 +1,211 @@
+"""ZoRRo Train against the plain computation: exactness (CPU, --smoke) and speed/memory (GPU).
+
+--smoke (CPU, < 2 min): tiny random models of each family, a GRPO-shaped forest batch; prints the
+largest log-prob and gradient differences between the packed and the plain forward.
+
+GPU: a full-depth Qwen3-1.7B-shaped model (random bf16 weights), fwd+bwd of one micro-batch (one
+prompt of P tokens, N responses of R tokens), for each shape. Baseline in the same process: the
+same model without deduplication, padding-free (N packed sequences) with varlen FlashAttention,
+LM head on response positions only (a full-vocabulary head over every token does not fit at the
+larger shapes). Both use gradient checkpointing. The last line is a JSON object of all results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AttentionInterface
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.processors import Entropy, LogProbs
+from arctic_zorro.forest import build_forest
+from arctic_zorro.forward import response_outputs, scatter_outputs
+from arctic_zorro.packed_forward import enable_forest_attention, packed_response_outputs
+
+SHAPES = [(1024, 512, 8), (4096, 512, 8), (8192, 512, 8), (4096, 1024, 16), (16384, 1024, 8)]
+QWEN3_1_7B = dict(
+    hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+    tie_word_embeddings=True, rope_theta=1000000.0,
+)
+
+
+# ----------------------------------------------------------------------------- CPU smoke
+
+
+def smoke(device: str = "cpu") -> dict[str, object]:
+    from arctic_core.demo.tiny_model import TINY_SHAPES, build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer(["count up from 1 2 3 4 5 6 7 8 9 repeat down"] * 4)
+    gen = torch.Generator().manual_seed(0)
+    vocab = len(tokenizer)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (24, 17, 30)]
+    prompts.append(prompts[0] + [7, 8, 9])  # a multi-turn branch sharing a partial prefix
+    responses, index = [], []
+    for p, n in enumerate((4, 3, 1, 2)):
+        for _ in range(n):
+            responses.append(torch.randint(3, vocab, (int(torch.randint(0, 9, (1,), generator=gen)),), generator=gen).tolist())
+            index.append(p)
+    batch = RolloutBatch.from_lists(prompts, responses, index)
+    processors = {"logprobs": LogProbs(), "entropy": Entropy()}
+    max_lp, max_grad = 0.0, 0.0
+    for family in sorted(TINY_SHAPES):
+        plain = build_tiny_model(tokenizer, family=family, seed=0).eval().to(device)
+        packed = copy.deepcopy(plain)
+        enable_forest_attention(packed)
+        a, b = response_outputs(plain, batch, processors), packed_response_outputs(packed, batch, processors)
+        max_lp = max(max_lp, float((a["logprobs"] - b["logprobs"]).detach().abs().max()))
+        (a["logprobs"].sum() + a["entropy"].sum()).backward()
+        (b["logprobs"].sum() + b["entropy"].sum()).backward()
+        for p, q in zip(plain.parameters(), packed.parameters()):
+            max_grad = max(max_grad, float((q.grad - p.grad).norm() / p.grad.norm().clamp(min=1e-30)))
+    return {"max_logprob_abs_diff": max_lp, "max_grad_rel_diff": max_grad, "families": sorted(TINY_SHAPES),
+            "dedup_ratio": round(build_forest(batch).dedup_ratio, 2)}
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, varlen=None, **kwargs):
+    """Baseline attention: causal varlen FlashAttention over packed, independent sequences."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu, max_len = varlen
+    groups = query.shape[1] // key.shape[1]
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1).repeat_interleave(groups, dim=1)
+    v = value[0].transpose(0, 1).repeat_interleave(groups, dim=1)
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0))
+    return out[None], None
+
+
+AttentionInterface.register("arctic_varlen", varlen_attention)
+
+
+def set_attention(model, name: str) -> None:
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
+
+
+def plain_packed_outputs(model, batch: RolloutBatch, processors) -> dict[str, torch.Tensor]:
+    """Baseline forward: every row packed back to back (no padding, no dedup), response-only head."""
+    device = next(model.parameters()).device
+    seqs = [torch.tensor(batch.prompt(i) + batch.response(i)) for i in range(batch.num_responses)]
+    lens = torch.tensor([len(s) for s in seqs])
+    cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(device, torch.int32)
+    ids = torch.cat(seqs).to(device)[None]
+    pos = torch.cat([torch.arange(n) for n in lens.tolist()]).to(device)[None]
+    hidden = model.base_model(input_ids=ids, position_ids=pos, varlen=(cu, int(lens.max())), use_cache=False).last_hidden_state[0]
+    rows = torch.repeat_interleave(torch.arange(batch.num_responses), batch.response_lens)
+    cols = torch.cat([torch.arange(int(n)) for n in batch.response_lens])
+    starts = cu[:-1].cpu()
+    index = starts[rows] + batch.prompt_lens[batch.prompt_index][rows] - 1 + cols
+    return scatter_outputs(model.get_output_embeddings()(hidden[index.to(device)]), batch, rows, cols, processors)
+
+
+def grpo_batch(prompt: int, response: int, n: int, vocab: int) -> RolloutBatch:
+    gen = torch.Generator().manual_seed(prompt * 7 + response + n)
+    p = torch.randint(0, vocab, (prompt,), generator=gen).tolist()
+    rs = [torch.randint(0, vocab, (response,), generator=gen).tolist() for _ in range(n)]
+    return RolloutBatch.from_lists([p], rs, [0] * n)
+
+
+def timed_fwd_bwd(model, forward, batch, iters: int) -> tuple[float, float, float]:
+    """Median ms of fwd+bwd, peak GiB, and peak GiB above the memory held before the step."""
+    processors = {"logprobs": LogProbs()}
+    times, peak, extra = [], 0.0, 0.0
+    for i in range(iters + 1):
+        model.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = forward(model, batch, processors)
+        (-(out["logprobs"] * batch.loss_mask.to(out["logprobs"].device)).sum()).backward()
+        torch.cuda.synchronize()
+        if i:  # the first pass compiles / warms up
+            times.append((time.perf_counter() - start) * 1e3)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return statistics.median(times), peak, extra
+
+
+def bf16_error(model_bf16, shape) -> dict[str, float]:
+    """Mean |log-prob error| of bf16 vs an fp32 copy, without and with deduplication."""
+    batch = grpo_batch(*shape, vocab=model_bf16.config.vocab_size)
+    ref = copy.deepcopy(model_bf16).float()
+    processors = {"logprobs": LogProbs()}
+    with torch.no_grad():
+        set_attention(ref, "sdpa")
+        exact = response_outputs(ref, batch, processors)["logprobs"]
+        del ref
+        set_attention(model_bf16, "arctic_varlen")
+        plain = plain_packed_outputs(model_bf16, batch, processors)["logprobs"]
+        enable_forest_attention(model_bf16)
+        packed = packed_response_outputs(model_bf16, batch, processors)["logprobs"]
+    mask = batch.loss_mask.to(exact.device)
+    return {
+        "plain_bf16_mean_abs_err": float((plain - exact).abs()[mask].mean()),
+        "zorro_bf16_mean_abs_err": float((packed - exact).abs()[mask].mean()),
+        "plain_bf16_max_abs_err": float((plain - exact).abs()[mask].max()),
+        "zorro_bf16_max_abs_err": float((packed - exact).abs()[mask].max()),
+    }
+
+
+def gpu(args) -> dict[str, object]:
+    config = AutoConfig.for_model("qwen3", **{**QWEN3_1_7B, "num_hidden_layers": args.layers})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    rows = []
+    for shape in args.shapes:
+        prompt, response, n = shape
+        batch = grpo_batch(prompt, response, n, config.vocab_size)
+        ratio = n * (prompt + response) / (prompt + n * response)
+        enable_forest_attention(model)
+        z_ms, z_peak, z_extra = timed_fwd_bwd(model, packed_response_outputs, batch, args.iters)
+        set_attention(model, "arctic_varlen")
+        b_ms, b_peak, b_extra = timed_fwd_bwd(model, plain_packed_outputs, batch, args.iters)
+        row = {"prompt": prompt, "response": response, "n": n, "token_ratio": round(ratio, 2),
+               "baseline_ms": round(b_ms, 1), "zorro_ms": round(z_ms, 1), "speedup": round(b_ms / z_ms, 2),
+               "baseline_peak_gib": round(b_peak, 2), "zorro_peak_gib": round(z_peak, 2),
+               "baseline_step_gib": round(b_extra, 2), "zorro_step_gib": round(z_extra, 2)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    result = {"device": torch.cuda.get_device_name(), "layers": args.layers, "torch": torch.__version__, "rows": rows}
+    if args.bf16_check:
+        result["bf16_error_1024_512_8"] = bf16_error(model, (1024, 512, 8))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU exactness check on tiny models")
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--shapes", type=lambda s: [tuple(map(int, x.split("/"))) for x in s.split(",")],
+                        default=SHAPES, help="P/R/N,P/R/N,...")
+    parser.add_argument("--no-bf16-check", dest="bf16_check", action="store_false")
+    parser.add_argument("--device", default="cpu", help="device of the --smoke models (cuda exercises FlexAttention)")
+    args = parser.parse_args()
+    if args.smoke or not torch.cuda.is_available():
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        result = smoke(args.device)
+    else:
+        result = gpu(args)
+    print(json.dumps(result), file=sys.stdout, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""DeepSpeed engines (ZeRO stage 0-3) with exactly the reference trainer's semantics.
+
+How gradients accumulate across an unknown number of ``forward_backward`` calls: the engine runs
+with ``gradient_accumulation_steps: 1`` and ``managed_gradient_accumulation: false`` (DeepSpeed >=
+0.19). In that mode ``engine.backward`` only accumulates (stage 0/1 in ``param.grad``, stage 2/3
+into their gradient partitions) and ``engine.step`` is the one accumulation boundary: it reduces or
+finalises the accumulated gradients, clips, updates and zeroes them. With one accumulation step,
+``engine.backward`` divides the loss by 1, so the gradient is exactly the sum over calls of
+``loss * scale``, as in :class:`arctic_zorro.reference.ReferenceTrainer`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import model_validator
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate
+from arctic_core.errors import ConfigError, RequestError
+from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
+from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
+from arctic_zorro.forward import response_outputs
+from arctic_zorro.lr_schedule import lr_factor
+from arctic_zorro.micro_batches import plan_micro_batches
+from arctic_zorro.reference import _assemble
+
+
+def _prepare_environment() -> None:
+    """Pick DeepSpeed's accelerator and a world of one before ``deepspeed`` is imported.
+
+    DeepSpeed chooses its accelerator from ``DS_ACCELERATOR`` at import time and its comm layer
+    reads the usual launcher variables; outside a launcher we are a single process.
+    """
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+_prepare_environment()
+
+import deepspeed  # noqa: E402  (must follow _prepare_environment)
+from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
+from deepspeed.utils import safe_get_full_grad, safe_set_full_fp32_param  # noqa: E402
+
+CHECKPOINT_TAG = "arctic"
+"""A fixed tag, so a checkpoint folder holds exactly one DeepSpeed checkpoint."""
+
+
+class DeepSpeedLogProbOptions(StrictModel):
+    """``options`` of the DeepSpeed log-prob engine. The precision follows ``model.dtype``."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 3
+    """Only stage 3 changes a forward-only engine (partitioned weights); 0-2 keep full weights."""
+    offload_param: bool = False
+    """ZeRO-3 only: keep the partitioned weights in CPU memory."""
+
+    @model_validator(mode="after")
+    def _offload_param_needs_stage_3(self) -> DeepSpeedLogProbOptions:
+        if self.offload_param and self.zero_stage != 3:
+            raise ValueError("offload_param needs zero_stage 3")
+        return self
+
+
+class DeepSpeedTrainerOptions(DeepSpeedLogProbOptions):
+    """``options`` of the DeepSpeed trainer."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    offload_optimizer: bool = False
+    """ZeRO 1-3: keep the fp32 master weights and Adam states in CPU memory (step on the CPU)."""
+
+    @model_validator(mode="after")
+    def _offload_optimizer_needs_zero(self) -> DeepSpeedTrainerOptions:
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3")
+        return self
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed once per process (every engine in it shares the group)."""
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(verbose=False)
+
+
+def base_config(options: DeepSpeedLogProbOptions, model: ModelConfig) -> dict[str, Any]:
+    """The DeepSpeed config shared by both engines: ZeRO stage, offload and precision."""
+    if model.dtype == "float16":
+        # fp16 needs loss scaling, which skips steps on overflow: the step count would drift from the reference.
+        raise ConfigError("the deepspeed backend supports model.dtype float32 or bfloat16, not float16")
+    zero: dict[str, Any] = {"stage": options.zero_stage}
+    if options.offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,  # nominal: batches are sized by micro_batch_tokens
+        "zero_optimization": zero,
+        "bf16": {"enabled": model.dtype == "bfloat16"},
+        "steps_per_print": None,
+        "wall_clock_breakdown": False,
+    }
+    if model.dtype == "bfloat16":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}  # sums of many calls stay exact enough
+    return config
+
+
+def trainer_config(options: DeepSpeedTrainerOptions, trainer: TrainerConfig, model: ModelConfig) -> dict[str, Any]:
+    """Add the optimizer, clipping and caller-owned accumulation to :func:`base_config`."""
+    config = base_config(options, model)
+    opt = trainer.optimizer
+    config.update(
+        gradient_accumulation_steps=1,  # engine.backward divides the loss by this: keep it 1
+        managed_gradient_accumulation=False,  # accumulate until step(), however many backward calls
+        gradient_clipping=opt.max_grad_norm or 0.0,
+        optimizer={
+            "type": "AdamW",
+            "params": {
+                "lr": opt.lr,
+                "betas": list(opt.betas),
+                "eps": opt.eps,
+                "weight_decay": opt.weight_decay,
+                "torch_adam": True,  # torch.optim.AdamW, like the reference; no op to compile
+            },
+        },
+        zero_allow_untested_optimizer=True,
+        zero_force_ds_cpu_optimizer=False,  # torch AdamW also steps offloaded states on the CPU
+    )
+    if options.offload_optimizer:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    return config
+
+
+class DeepSpeedLogProbEngine:
+    """Forward-only engine over a transformers model wrapped by DeepSpeed."""
+
+    options_model: type[DeepSpeedLogProbOptions] = DeepSpeedLogProbOptions
+
+    def __init__(self, config: LogProbConfig | TrainerConfig, model: ModelConfig, *, seed: int) -> None:
+        self.options = validate(self.options_model, config.options, f"{type(config).__name__}.options")
+        torch.manual_seed(seed)
+        init_distributed()
+        self.micro_batch_tokens = config.micro_batch_tokens
+        module = load_causal_lm(model)
+        self.engine = self._initialize(module, config, model)
+        self.engine.eval()  # no dropout: RL needs the same log-probs from every forward
+        self.device = self.engine.device
+        self.vocab_size = module.config.vocab_size
+        self.asleep = False
+
+    def _initialize(self, module: torch.nn.Module, config: Any, model: ModelConfig) -> Any:
+        engine, *_ = deepspeed.initialize(model=module, config=base_config(self.options, model))
+        return engine
+
+    @property
+    def zero_3(self) -> bool:
+        return self.engine.zero_optimization_stage() == ZeroStageEnum.weights
+
+    def log_probs(self, batch: RolloutBatch, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
+        self._check(batch)
+        parts: list[tuple[list[int], dict[str, torch.Tensor]]] = []
+        with torch.no_grad():
+            for rows in plan_micro_batches(batch, self.micro_batch_tokens):
+                micro = batch.select(rows)
+                parts.append((rows, response_outputs(self.engine, micro, processors)))
+        return _assemble(batch, parts)
+
+    def load_weights(self, weights: NamedTensors) -> None:
+        with self._gathered(list(self.engine.module.parameters()), modify=True):
+            copy_weights_(self.engine.module, weights)
+
+    def sleep(self) -> None:
+        self.asleep = True  # forward-only engines keep their (possibly partitioned) weights in place
+
+    def wake(self) -> None:
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        self.asleep = True
+        self.engine.destroy()  # drop ZeRO hooks and buffers; later engines in this process start clean
+
+    def _gathered(self, params: list[torch.nn.Parameter], modify: bool = False) -> AbstractContextManager[Any]:
+        """Full tensors of ZeRO-3 partitioned ``params`` inside the block (a no-op for stages 0-2)."""
+        if not self.zero_3:
+            return nullcontext()
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
+
+    def _check(self, batch: RolloutBatch) -> None:
+        if self.asleep:
+            raise RequestError(f"{type(self).__name__} is asleep; call wake() first")
+        check_token_ids(batch.prompt_ids, self.vocab_size, "prompts")
+        check_token_ids(batch.response_ids, self.vocab_size, "responses")
+
+
+class DeepSpeedTrainer(DeepSpeedLogProbEngine):
+    """Trainable DeepSpeed engine; gradients accumulate across ``forward_backward`` calls until ``optimizer_step``."""
+
+    options_model = DeepSpeedTrainerOptions
+    options: DeepSpeedTrainerOptions
+
+    def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
+        self.config = config
+        super().__init__(config, model, seed=seed)
+        if config.gradient_checkpointing:
+            self.engine.train()  # transformers only checkpoints in training mode
+        self.steps = 0
+
+    def _initialize(self, module: torch.nn.Module, config: Any, model: ModelConfig) -> Any:
+        if config.gradient_checkpointing:
+            module.gradient_checkpointing_enable()
+        factor = lr_factor(config.scheduler)
+        engine, *_ = deepspeed.initialize(
+            model=module,
+            model_parameters=[p for p in module.parameters() if p.requires_grad],
+            config=trainer_config(self.options, config, model),
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
+        )
+        return engine
+
+    def forward_backward(
+        self, batch: RolloutBatch, objective: Objective, ctx: LossContext, scale: float = 1.0
+    ) -> dict[str, float]:
+        self._check(batch)
+        totals: dict[str, float] = {}
+        for rows in plan_micro_batches(batch, self.micro_batch_tokens):
+            micro = batch.select(rows).to(self.device)
+            outputs = response_outputs(self.engine, micro, objective.processors)
+            loss, metrics = objective(outputs, micro, ctx)
+            self.engine.backward(loss * scale)  # only accumulates: step() is the boundary
+            for key, value in metrics.items():  # normalised by ctx, so they add up over micro-batches
+                totals[key] = totals.get(key, 0.0) + value
+        return totals
+
+    def optimizer_step(self) -> dict[str, float]:
+        if self.asleep:
+            raise RequestError("DeepSpeedTrainer is asleep; call wake() first")
+        # A plain (non-ZeRO, fp32) optimizer clips without reporting the norm: measure it first.
+        norm_before = self._local_grad_norm() if self._grads_in_params() else None
+        lr = self.engine.get_lr()[0]
+        self.engine.step()  # reduce, clip, update, zero the gradients, step the LR schedule
+        reported = self.engine.get_global_grad_norm()
+        self.steps += 1
+        grad_norm = norm_before if reported is None else reported
+        return {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "lr": lr}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The accumulated gradient of every trainable parameter as full tensors (any ZeRO stage)."""
+        grads: dict[str, torch.Tensor] = {}
+        for name, param in self.engine.module.named_parameters():
+            grad = safe_get_full_grad(param)
+            if grad is not None:
+                grads[name] = grad.detach().float().cpu().clone()
+        return grads
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # Gather one tensor at a time, so ZeRO-3 never holds more than one full weight extra.
+        for name, tensor in self.engine.module.state_dict(keep_vars=True).items():
+            with self._gathered([tensor]):
+                full = tensor.detach().clone() if self.zero_3 else tensor.detach()
+            yield name, full
+
+    def load_weights(self, weights: NamedTensors) -> None:
+        # ZeRO 1-3 step from fp32 master copies: set those too, or the next step would undo the load.
+        weights = list(weights)
+        super().load_weights(weights)
+        if self.options.zero_stage > 0 or self.engine.bfloat16_enabled():
+            params = dict(self.engine.module.named_parameters())
+            for name, tensor in weights:
+                if name in params:
+                    safe_set_full_fp32_param(params[name], tensor.to(self.device, torch.float32))
+
+    def export_hf(self, path: Path) -> None:
+        self.engine.module.save_pretrained(path, state_dict=dict(self.named_weights()))
+
+    def save_checkpoint(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"steps": self.steps, "rng": torch.get_rng_state()}
+        self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, client_state={"arctic": state})
+
+    def load_checkpoint(self, path: Path) -> None:
+        if not (path / CHECKPOINT_TAG).is_dir():
+            raise RequestError(f"{path} holds no DeepSpeed-trainer checkpoint ({CHECKPOINT_TAG}/ missing)")
+        loaded, client_state = self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG)
+        if loaded is None:
+            raise RequestError(f"DeepSpeed could not load the checkpoint in {path}")
+        self.steps = int(client_state["arctic"]["steps"])
+        torch.set_rng_state(client_state["arctic"]["rng"])
+        self._drop_gradients()  # gradients accumulated before the load belong to another state
+
+    def sleep(self) -> None:
+        # On GPU, ZeRO 1-3 can move their optimizer states and buffers out of GPU memory.
+        if torch.cuda.is_available() and self.options.zero_stage > 0:
+            self.engine.offload_states()
+        self.asleep = True
+
+    def wake(self) -> None:
+        if torch.cuda.is_available() and self.options.zero_stage > 0:
+            self.engine.reload_states()
+        self.asleep = False
+
+    def _grads_in_params(self) -> bool:
+        return self.options.zero_stage == 0 and not self.engine.bfloat16_enabled()
+
+    def _local_grad_norm(self) -> torch.Tensor:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+    def _drop_gradients(self) -> None:
+        if self.options.zero_stage > 0 or self.engine.bfloat16_enabled():
+            self.engine.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad()

@@ -1,0 +1,81 @@
+"""ZoRRo Train's forward: the batch as a packed prefix forest, logits only where they are needed.
+
+Model-agnostic: it runs the model's own decoder (``model.base_model``) on the packed tokens with
+their original position ids, switches attention to :mod:`arctic_zorro.forest_attention` through
+transformers' registry, and applies the LM head to the hidden states that predict response tokens
+only. Per-response outputs come back in the batch's row order, exactly as the plain forward's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from transformers import PreTrainedModel
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import StrictModel
+from arctic_core.errors import ConfigError
+from arctic_core.interfaces import Processor
+from arctic_zorro.forest import build_forest, response_gather_index
+from arctic_zorro.forest_attention import ATTENTION_NAME, ForestAttentionMeta
+from arctic_zorro.forward import response_outputs, scatter_outputs
+
+_INEXACT_CONFIG = {
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "alibi": "ALiBi position bias",
+    "logit_scale": "scaled output logits",
+}
+
+
+class ZorroOptions(StrictModel):
+    """``options: {zorro: {enable: false}}`` in a trainer config turns prompt deduplication off."""
+
+    enable: bool = True
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    """Refuse, by name, model features the packed forward cannot reproduce exactly."""
+    config = model.config
+    for attribute, what in _INEXACT_CONFIG.items():
+        if getattr(config, attribute, None) not in (None, False, 0, 1.0):
+            raise ConfigError(f"zorro cannot run {config.model_type} exactly ({what}); set options.zorro.enable: false")
+    if model.get_output_embeddings() is None or not hasattr(model, "base_model"):
+        raise ConfigError(f"zorro needs a causal LM with an output embedding; {type(model).__name__} has none")
+
+
+def enable_forest_attention(model: PreTrainedModel) -> None:
+    """Route every attention layer of ``model`` to the forest attention (masks are then skipped)."""
+    check_supported(model)
+    model.config._attn_implementation = ATTENTION_NAME
+    for sub in model.modules():  # some models keep per-submodule configs (e.g. text_config)
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION_NAME
+
+
+def packed_response_outputs(
+    model: PreTrainedModel, batch: RolloutBatch, processors: Mapping[str, Processor]
+) -> dict[str, torch.Tensor]:
+    """Per-token processor outputs ``[B, Lr]`` from one pass over the deduplicated batch."""
+    device = next(model.parameters()).device
+    forest = build_forest(batch).to(device)
+    meta = ForestAttentionMeta.build(forest)
+    hidden = model.base_model(
+        input_ids=forest.input_ids[None], position_ids=forest.position_ids[None], forest=meta, use_cache=False
+    ).last_hidden_state[0]
+    rows, cols, nodes = response_gather_index(forest, batch)
+    logits = model.get_output_embeddings()(hidden[nodes.to(device)])
+    return scatter_outputs(logits, batch, rows, cols, processors)
+
+
+Forward = Callable[[PreTrainedModel, RolloutBatch, Mapping[str, Processor]], dict[str, torch.Tensor]]
+
+
+def select_forward(model: PreTrainedModel, options: ZorroOptions) -> Forward:
+    """The packed forward (switching ``model`` to forest attention) or, when disabled, the plain one."""
+    if not options.enable:
+        return response_outputs
+    enable_forest_attention(model)
+    return packed_response_outputs

@@ -1,0 +1,144 @@
+"""ZoRRo Train: the prefix forest and the packed forward are exact against the plain computation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.demo.tiny_model import TINY_SHAPES, build_tiny_model, build_tokenizer
+from arctic_core.errors import ConfigError
+from arctic_core.processors import Entropy, LogProbs
+from arctic_zorro.forest import build_forest, response_gather_index, row_sequences
+from arctic_zorro.forward import response_outputs
+from arctic_zorro.packed_forward import check_supported, enable_forest_attention, packed_response_outputs
+
+FAMILIES = sorted(TINY_SHAPES)
+
+
+def forest_batch() -> RolloutBatch:
+    """Identical prompts (group of 3), a prompt extending another (multi-turn branch), a response
+    shared by two rows, an empty response, ragged lengths, and a singleton group."""
+    prompts = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8, 10, 11], [40, 41, 42, 43, 44, 45, 46]]
+    responses = [[1, 2, 3], [1, 2, 4, 9, 9, 9, 9], [12], [3, 3], [], [7, 7, 7, 7], [1, 2, 3], [20, 21]]
+    index = [0, 0, 0, 1, 1, 2, 0, 3]
+    return RolloutBatch.from_lists(prompts, responses, index)
+
+
+def padded_batch() -> RolloutBatch:
+    """The frameworks' padded layout (left-padded prompts, right-padded responses) converted."""
+    ids = torch.tensor(
+        [[0, 0, 30, 31, 32, 1, 2, 0], [0, 0, 30, 31, 32, 1, 5, 6], [33, 34, 35, 36, 37, 9, 0, 0], [0, 0, 30, 31, 32, 4, 0, 0]]
+    )
+    mask = (torch.arange(8)[None, :] >= torch.tensor([2, 2, 0, 2])[:, None]) & (ids != 0)
+    return RolloutBatch.from_padded(ids, mask.long(), prompt_length=5, group_ids=["a", "a", "b", "a"])
+
+
+# ----------------------------------------------------------------------------- the forest
+
+
+def brute_force_visible(forest) -> torch.Tensor:
+    """Ancestor-or-self relation computed from the rows' paths, independently of subtree_end."""
+    size = forest.num_nodes
+    visible = torch.zeros(size, size, dtype=torch.bool)
+    for path in forest.row_paths:
+        for i, q in enumerate(path.tolist()):
+            visible[q, path[: i + 1]] = True
+    return visible
+
+
+@pytest.mark.parametrize("make", [forest_batch, padded_batch])
+def test_forest_stores_each_prefix_once_and_encodes_ancestry(make):
+    batch = make()
+    forest = build_forest(batch)
+    sequences = row_sequences(batch)
+    distinct_prefixes = {tuple(s[: i + 1].tolist()) for s in sequences for i in range(len(s))}
+    assert forest.num_nodes == len(distinct_prefixes)
+    assert forest.naive_tokens == batch.total_tokens()
+    for seq, path in zip(sequences, forest.row_paths):
+        assert torch.equal(forest.input_ids[path], seq)
+        assert torch.equal(forest.position_ids[path], torch.arange(len(seq)))
+    assert torch.equal(forest.dense_mask(), brute_force_visible(forest))
+
+
+def test_forest_counts_for_identical_prompts():
+    prompt, n = list(range(10, 30)), 8
+    batch = RolloutBatch.from_lists([prompt], [[1, 100 + i] for i in range(n)], [0] * n)
+    forest = build_forest(batch)
+    assert forest.num_nodes == 20 + 1 + n  # prompt once, the shared first response token once
+    assert forest.dedup_ratio == pytest.approx(n * 22 / (20 + 1 + n))
+
+
+def test_response_gather_points_at_the_predicting_token():
+    batch = forest_batch()
+    forest = build_forest(batch)
+    rows, cols, nodes = response_gather_index(forest, batch)
+    for r, c, node in zip(rows.tolist(), cols.tolist(), nodes.tolist()):
+        prefix = batch.prompt(r) + batch.response(r)[:c]
+        assert int(forest.position_ids[node]) == len(prefix) - 1
+        assert int(forest.input_ids[node]) == prefix[-1]
+
+
+# ----------------------------------------------------------------------------- exactness per family
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(["count up from 1 2 3 4 5 6 7 8 9 repeat down"] * 4)
+
+
+def models(tokenizer, family: str):
+    plain = build_tiny_model(tokenizer, family=family, seed=1).eval()
+    packed = copy.deepcopy(plain)
+    enable_forest_attention(packed)
+    return plain, packed
+
+
+def logprob_loss(outputs: dict[str, torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
+    """A loss touching every response token with distinct weights, so gradients are informative."""
+    weights = torch.linspace(-1.0, 2.0, batch.response_ids.numel()).reshape(batch.response_ids.shape)
+    mask = batch.loss_mask.float()
+    return (outputs["logprobs"] * weights * mask).sum() + 0.3 * (outputs["entropy"] * mask).sum()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("make", [forest_batch, padded_batch])
+def test_packed_forward_is_exact(tokenizer, family, make):
+    batch = make()
+    plain, packed = models(tokenizer, family)
+    processors = {"logprobs": LogProbs(0.8), "entropy": Entropy(0.8)}
+    expected = response_outputs(plain, batch, processors)
+    got = packed_response_outputs(packed, batch, processors)
+    for name in ("logprobs", "entropy"):
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=0, msg=f"{family} {name}")
+    logprob_loss(expected, batch).backward()
+    logprob_loss(got, batch).backward()
+    for (name, p), q in zip(plain.named_parameters(), packed.parameters()):
+        assert p.grad is not None and q.grad is not None, name
+        assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm(), f"{family} {name}"
+
+
+def test_sliding_window_is_applied_on_positions(tokenizer):
+    """Mistral's window (5) is shorter than the rows: a forest ignoring it would not match."""
+    batch = forest_batch()
+    plain, packed = models(tokenizer, "mistral")
+    unwindowed = copy.deepcopy(packed)
+    unwindowed.config.sliding_window = None
+    processors = {"logprobs": LogProbs()}
+    expected = response_outputs(plain, batch, processors)["logprobs"]
+    assert (packed_response_outputs(unwindowed, batch, processors)["logprobs"] - expected).abs().max() > 1e-3
+    torch.testing.assert_close(packed_response_outputs(packed, batch, processors)["logprobs"], expected, atol=1e-5, rtol=0)
+
+
+def test_models_it_cannot_run_exactly_are_refused(tokenizer):
+    model = build_tiny_model(tokenizer, "gemma2", attn_implementation="eager", head_dim=32, final_logit_softcapping=30.0)
+    with pytest.raises(ConfigError, match="zorro cannot run gemma2 exactly .*soft-capping.*enable: false"):
+        check_supported(model)
+
+
+def test_forest_attention_outside_the_packed_forward_says_so(tokenizer):
+    _, packed = models(tokenizer, "qwen3")
+    with pytest.raises(RuntimeError, match="needs forest metadata"):
+        packed(torch.tensor([[1, 2, 3]]))
