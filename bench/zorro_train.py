@@ -6,8 +6,8 @@ largest log-prob and gradient differences between the packed and the plain forwa
 GPU: a full-depth Qwen3-1.7B-shaped model (random bf16 weights), fwd+bwd of one micro-batch (one
 prompt of P tokens, N responses of R tokens), for each shape. Baseline in the same process: the
 same model without deduplication, padding-free (N packed sequences) with varlen FlashAttention,
-LM head on response positions only (a full-vocabulary head over every token does not fit at the
-larger shapes). Both use gradient checkpointing. The last line is a JSON object of all results.
+LM head on response positions only, chunked like ZoRRo's (a full-vocabulary head over every token
+does not fit at the larger shapes). Both use gradient checkpointing. The last line is a JSON object of all results.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AttentionInterface
 from arctic_core.batch import RolloutBatch
 from arctic_core.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest
-from arctic_zorro.forward import response_outputs, scatter_outputs
-from arctic_zorro.packed_forward import enable_forest_attention, packed_response_outputs
+from arctic_zorro.forward import response_outputs, scatter_values
+from arctic_zorro.packed_forward import enable_forest_attention, head_outputs, packed_response_outputs
 
 SHAPES = [(1024, 512, 8), (4096, 512, 8), (8192, 512, 8), (4096, 1024, 16), (16384, 1024, 8)]
 QWEN3_1_7B = dict(
@@ -109,7 +109,9 @@ def plain_packed_outputs(model, batch: RolloutBatch, processors) -> dict[str, to
     cols = torch.cat([torch.arange(int(n)) for n in batch.response_lens])
     starts = cu[:-1].cpu()
     index = starts[rows] + batch.prompt_lens[batch.prompt_index][rows] - 1 + cols
-    return scatter_outputs(model.get_output_embeddings()(hidden[index.to(device)]), batch, rows, cols, processors)
+    targets = batch.response_ids[rows, cols].to(device)
+    values = head_outputs(model.get_output_embeddings(), hidden[index.to(device)], targets, processors)
+    return scatter_values(values, batch, rows, cols)
 
 
 def grpo_batch(prompt: int, response: int, n: int, vocab: int) -> RolloutBatch:
@@ -136,7 +138,7 @@ def timed_fwd_bwd(model, forward, batch, iters: int) -> tuple[float, float, floa
             times.append((time.perf_counter() - start) * 1e3)
         peak = torch.cuda.max_memory_allocated() / 2**30
         extra = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return statistics.median(times), peak, extra
+    return (statistics.median(times) if times else float("nan")), peak, extra
 
 
 def bf16_error(model_bf16, shape) -> dict[str, float]:
@@ -159,6 +161,23 @@ def bf16_error(model_bf16, shape) -> dict[str, float]:
         "plain_bf16_max_abs_err": float((plain - exact).abs()[mask].max()),
         "zorro_bf16_max_abs_err": float((packed - exact).abs()[mask].max()),
     }
+
+
+def profile(model, batch: RolloutBatch) -> None:
+    """Top CUDA kernels of one ZoRRo and one baseline fwd+bwd (where the time goes)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for name, forward, attention in (("zorro", packed_response_outputs, None), ("baseline", plain_packed_outputs, "arctic_varlen")):
+        if attention:
+            set_attention(model, attention)
+        else:
+            enable_forest_attention(model)
+        timed_fwd_bwd(model, forward, batch, 1)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            timed_fwd_bwd(model, forward, batch, 0)
+        print(f"== {name}", file=sys.stderr)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), file=sys.stderr)
 
 
 def gpu(args) -> dict[str, object]:
@@ -184,6 +203,8 @@ def gpu(args) -> dict[str, object]:
         print(json.dumps(row), flush=True)
         rows.append(row)
     result = {"device": torch.cuda.get_device_name(), "layers": args.layers, "torch": torch.__version__, "rows": rows}
+    if args.profile:
+        profile(model, grpo_batch(*args.shapes[0], config.vocab_size))
     if args.bf16_check:
         result["bf16_error_1024_512_8"] = bf16_error(model, (1024, 512, 8))
     return result
@@ -197,6 +218,7 @@ def main() -> None:
     parser.add_argument("--shapes", type=lambda s: [tuple(map(int, x.split("/"))) for x in s.split(",")],
                         default=SHAPES, help="P/R/N,P/R/N,...")
     parser.add_argument("--no-bf16-check", dest="bf16_check", action="store_false")
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels at the first shape")
     parser.add_argument("--device", default="cpu", help="device of the --smoke models (cuda exercises FlexAttention)")
     args = parser.parse_args()
     if args.smoke or not torch.cuda.is_available():

@@ -23,7 +23,7 @@ def test_registry_indexes_every_kind_with_its_provider():
     registry = default_registry()
     assert {"ppo", "gspo", "kl", "entropy", "sft", "reinforce"} <= set(registry.names("loss"))
     assert {"logprobs", "entropy", "top1_match"} <= set(registry.names("processor"))
-    assert registry.names("training_backend") == ["reference"]
+    assert registry.names("training_backend") == ["deepspeed", "reference"]
     assert "hf-generate" in registry.names("sampling_backend")
     providers = {(p.kind, p.name): p.plugin for p in registry.all()}
     assert providers[("loss", "reinforce")] == "example"

@@ -26,10 +26,9 @@ from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerC
 from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
-from arctic_zorro.forward import response_outputs
 from arctic_zorro.lr_schedule import lr_factor
-from arctic_zorro.micro_batches import plan_micro_batches
-from arctic_zorro.reference import _assemble
+from arctic_zorro.micro_batches import assemble_outputs, plan_micro_batches
+from arctic_zorro.packed_forward import Forward, ZorroOptions, select_forward
 
 
 def _prepare_environment() -> None:
@@ -68,6 +67,8 @@ class DeepSpeedLogProbOptions(StrictModel):
     """Only stage 3 changes a forward-only engine (partitioned weights); 0-2 keep full weights."""
     offload_param: bool = False
     """ZeRO-3 only: keep the partitioned weights in CPU memory."""
+    zorro: ZorroOptions = ZorroOptions()
+    """Prompt-deduplicated packed forward (on by default)."""
 
     @model_validator(mode="after")
     def _offload_param_needs_stage_3(self) -> DeepSpeedLogProbOptions:
@@ -111,14 +112,17 @@ def base_config(options: DeepSpeedLogProbOptions, model: ModelConfig) -> dict[st
         "steps_per_print": None,
         "wall_clock_breakdown": False,
     }
-    if model.dtype == "bfloat16":
-        config["data_types"] = {"grad_accum_dtype": "fp32"}  # sums of many calls stay exact enough
     return config
 
 
 def trainer_config(options: DeepSpeedTrainerOptions, trainer: TrainerConfig, model: ModelConfig) -> dict[str, Any]:
     """Add the optimizer, clipping and caller-owned accumulation to :func:`base_config`."""
     config = base_config(options, model)
+    if model.dtype == "bfloat16":
+        if options.zero_stage == 0:
+            # DeepSpeed's stage 0 would step bf16 weights with bf16 gradients (no fp32 master copy).
+            raise ConfigError("the deepspeed trainer needs zero_stage 1, 2 or 3 for bfloat16 (fp32 master weights)")
+        config["data_types"] = {"grad_accum_dtype": "fp32"}  # sums over many calls stay accurate
     opt = trainer.optimizer
     config.update(
         gradient_accumulation_steps=1,  # engine.backward divides the loss by this: keep it 1
@@ -142,6 +146,23 @@ def trainer_config(options: DeepSpeedTrainerOptions, trainer: TrainerConfig, mod
     return config
 
 
+class OutputsModule(torch.nn.Module):
+    """What DeepSpeed wraps: ``forward(batch, processors)`` -> per-token outputs of ``model``.
+
+    The packed forward calls the decoder and the LM head separately; running it inside
+    ``engine(...)`` (not on the bare model) keeps DeepSpeed's per-forward bookkeeping, which ZeRO-3
+    needs to accumulate gradients correctly over several backward passes.
+    """
+
+    def __init__(self, model: torch.nn.Module, forward: Forward) -> None:
+        super().__init__()
+        self.model = model
+        self.run = forward
+
+    def forward(self, batch: RolloutBatch, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
+        return self.run(self.model, batch, processors)
+
+
 class DeepSpeedLogProbEngine:
     """Forward-only engine over a transformers model wrapped by DeepSpeed."""
 
@@ -152,15 +173,21 @@ class DeepSpeedLogProbEngine:
         torch.manual_seed(seed)
         init_distributed()
         self.micro_batch_tokens = config.micro_batch_tokens
-        module = load_causal_lm(model)
-        self.engine = self._initialize(module, config, model)
+        self.model = load_causal_lm(model)
+        forward = select_forward(self.model, self.options.zorro)
+        self.engine = self._initialize(OutputsModule(self.model, forward), config, model)
         self.engine.eval()  # no dropout: RL needs the same log-probs from every forward
         self.device = self.engine.device
-        self.vocab_size = module.config.vocab_size
+        self.vocab_size = self.model.config.vocab_size
         self.asleep = False
 
     def _initialize(self, module: torch.nn.Module, config: Any, model: ModelConfig) -> Any:
-        engine, *_ = deepspeed.initialize(model=module, config=base_config(self.options, model))
+        ds_config = base_config(self.options, model)
+        if self.options.zero_stage in (1, 2):
+            # Stages 1-2 partition optimizer state and gradients, which a forward-only engine lacks
+            # (DeepSpeed refuses them without an optimizer): they are stage 0 here.
+            ds_config["zero_optimization"]["stage"] = 0
+        engine, *_ = deepspeed.initialize(model=module, config=ds_config)
         return engine
 
     @property
@@ -173,12 +200,12 @@ class DeepSpeedLogProbEngine:
         with torch.no_grad():
             for rows in plan_micro_batches(batch, self.micro_batch_tokens):
                 micro = batch.select(rows)
-                parts.append((rows, response_outputs(self.engine, micro, processors)))
-        return _assemble(batch, parts)
+                parts.append((rows, self.engine(micro, processors)))
+        return assemble_outputs(batch, parts)
 
     def load_weights(self, weights: NamedTensors) -> None:
-        with self._gathered(list(self.engine.module.parameters()), modify=True):
-            copy_weights_(self.engine.module, weights)
+        with self._gathered(list(self.model.parameters()), modify=True):
+            copy_weights_(self.model, weights)
 
     def sleep(self) -> None:
         self.asleep = True  # forward-only engines keep their (possibly partitioned) weights in place
@@ -218,7 +245,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
 
     def _initialize(self, module: torch.nn.Module, config: Any, model: ModelConfig) -> Any:
         if config.gradient_checkpointing:
-            module.gradient_checkpointing_enable()
+            self.model.gradient_checkpointing_enable()
         factor = lr_factor(config.scheduler)
         engine, *_ = deepspeed.initialize(
             model=module,
@@ -235,7 +262,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         totals: dict[str, float] = {}
         for rows in plan_micro_batches(batch, self.micro_batch_tokens):
             micro = batch.select(rows).to(self.device)
-            outputs = response_outputs(self.engine, micro, objective.processors)
+            outputs = self.engine(micro, objective.processors)
             loss, metrics = objective(outputs, micro, ctx)
             self.engine.backward(loss * scale)  # only accumulates: step() is the boundary
             for key, value in metrics.items():  # normalised by ctx, so they add up over micro-batches
@@ -256,16 +283,36 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated gradient of every trainable parameter as full tensors (any ZeRO stage)."""
+        pending = self._zero_1_2_pending_grads()
         grads: dict[str, torch.Tensor] = {}
-        for name, param in self.engine.module.named_parameters():
-            grad = safe_get_full_grad(param)
+        for name, param in self.model.named_parameters():
+            grad = pending.get(id(param)) if param.grad is None else param.grad
+            if grad is None:
+                grad = safe_get_full_grad(param)
             if grad is not None:
                 grads[name] = grad.detach().float().cpu().clone()
         return grads
 
+    def _zero_1_2_pending_grads(self) -> dict[int, torch.Tensor]:
+        """ZeRO-2's accumulated gradients before step(), by parameter id (empty for other stages).
+
+        Without managed accumulation, stage 2 moves each backward's reduced gradients out of
+        ``param.grad`` into the optimizer's ``all_grad_tensors`` (one per partitioned parameter)
+        and only builds the flat partitions that ``safe_get_full_grad`` reads inside step().
+        """
+        optimizer = self.engine.optimizer
+        tensors = getattr(optimizer, "all_grad_tensors", None)
+        if self.options.zero_stage not in (1, 2) or not tensors:
+            return {}
+        pending: dict[int, torch.Tensor] = {}
+        for group, params in enumerate(optimizer.params_in_partition):
+            for param, grad in zip(params, tensors.get(group) or [], strict=False):
+                pending[id(param)] = grad
+        return pending
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         # Gather one tensor at a time, so ZeRO-3 never holds more than one full weight extra.
-        for name, tensor in self.engine.module.state_dict(keep_vars=True).items():
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
             with self._gathered([tensor]):
                 full = tensor.detach().clone() if self.zero_3 else tensor.detach()
             yield name, full
@@ -275,13 +322,13 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         weights = list(weights)
         super().load_weights(weights)
         if self.options.zero_stage > 0 or self.engine.bfloat16_enabled():
-            params = dict(self.engine.module.named_parameters())
+            params = dict(self.model.named_parameters())
             for name, tensor in weights:
                 if name in params:
                     safe_set_full_fp32_param(params[name], tensor.to(self.device, torch.float32))
 
     def export_hf(self, path: Path) -> None:
-        self.engine.module.save_pretrained(path, state_dict=dict(self.named_weights()))
+        self.model.save_pretrained(path, state_dict=dict(self.named_weights()))
 
     def save_checkpoint(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
@@ -313,7 +360,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         return self.options.zero_stage == 0 and not self.engine.bfloat16_enabled()
 
     def _local_grad_norm(self) -> torch.Tensor:
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
     def _drop_gradients(self) -> None:

@@ -5,9 +5,9 @@ copies): key ``k`` is visible to query ``q`` iff ``k <= q <= subtree_end[k]`` (s
 :mod:`arctic_zorro.forest`), intersected with a sliding window on position ids when a layer has one.
 
 Two exact paths share that one rule:
-- GPU: FlexAttention with a block mask built once per micro-batch (block-sparse: each response
-  reads its prompt's blocks and its own, never its siblings');
-- CPU: SDPA with a dense boolean mask (fine for test-sized batches).
+- GPU, bf16/fp16: FlexAttention with a block mask built once per micro-batch (block-sparse: each
+  response reads its prompt's blocks and its own, never its siblings');
+- CPU and fp32: SDPA with a dense boolean mask (fine for test-sized batches).
 
 The metadata is built once per micro-batch and reaches every layer through the model's
 ``**kwargs`` (``forest=...``), so no layer syncs with the host.
@@ -45,8 +45,11 @@ class ForestAttentionMeta:
     _masks: dict[int | None, object] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, forest: PackedForest) -> ForestAttentionMeta:
-        return cls(forest, use_flex=forest.input_ids.is_cuda)
+    def build(cls, forest: PackedForest, dtype: torch.dtype) -> ForestAttentionMeta:
+        # FlexAttention for half precision on the GPU (its kernels have no fp32 configs on every
+        # head size); the dense-mask path is exact anywhere and serves fp32 and the CPU.
+        use_flex = forest.input_ids.is_cuda and dtype in (torch.bfloat16, torch.float16)
+        return cls(forest, use_flex=use_flex)
 
     def mask(self, window: int | None) -> object:
         if window not in self._masks:

@@ -47,12 +47,23 @@ def scatter_outputs(
     processors: Mapping[str, Processor],
 ) -> dict[str, torch.Tensor]:
     """Run the processors on ``logits [N, V]`` (one per response token ``(rows, cols)``) -> ``[B, Lr]`` each."""
-    device = logits.device
-    rows, cols = rows.to(device), cols.to(device)
-    targets = batch.response_ids.to(device)[rows, cols]
-    shape = tuple(batch.response_ids.shape)
+    targets = batch.response_ids.to(logits.device)[rows.to(logits.device), cols.to(logits.device)]
+    return scatter_values(run_processors(logits, targets, processors), batch, rows, cols)
+
+
+def run_processors(logits: torch.Tensor, targets: torch.Tensor, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
+    """Every processor once (one may produce several outputs) -> ``{output: [N]}``."""
     out: dict[str, torch.Tensor] = {}
     for processor in dict.fromkeys(processors.values()):
-        for name, values in processor(logits, targets).items():
-            out[name] = torch.zeros(shape, dtype=values.dtype, device=device).index_put((rows, cols), values)
+        out.update(processor(logits, targets))
+    return out
+
+
+def scatter_values(values: Mapping[str, torch.Tensor], batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token ``[N]`` values into ``[B, Lr]`` tensors (zeros at padding), keeping autograd."""
+    shape = tuple(batch.response_ids.shape)
+    out: dict[str, torch.Tensor] = {}
+    for name, v in values.items():
+        index = (rows.to(v.device), cols.to(v.device))
+        out[name] = torch.zeros(shape, dtype=v.dtype, device=v.device).index_put(index, v)
     return out

@@ -1,6 +1,8 @@
-"""Splitting a call's batch into micro-batches under a token budget."""
+"""Splitting a call's batch into micro-batches under a token budget, and stitching outputs back."""
 
 from __future__ import annotations
+
+import torch
 
 from arctic_core.batch import RolloutBatch
 
@@ -24,3 +26,15 @@ def plan_micro_batches(batch: RolloutBatch, token_budget: int) -> list[list[int]
     if current:
         plans.append(current)
     return plans
+
+
+def assemble_outputs(
+    batch: RolloutBatch, parts: list[tuple[list[int], dict[str, torch.Tensor]]]
+) -> dict[str, torch.Tensor]:
+    """Stitch micro-batch outputs back into ``[B, Lr]`` tensors in the batch's row order."""
+    out: dict[str, torch.Tensor] = {}
+    for rows, outputs in parts:
+        for name, values in outputs.items():
+            full = out.setdefault(name, torch.zeros(tuple(batch.response_ids.shape), dtype=values.dtype))
+            full[rows, : values.shape[1]] = values.cpu()
+    return out

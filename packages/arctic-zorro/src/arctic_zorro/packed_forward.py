@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from arctic_core.batch import RolloutBatch
@@ -19,7 +20,7 @@ from arctic_core.errors import ConfigError
 from arctic_core.interfaces import Processor
 from arctic_zorro.forest import build_forest, response_gather_index
 from arctic_zorro.forest_attention import ATTENTION_NAME, ForestAttentionMeta
-from arctic_zorro.forward import response_outputs, scatter_outputs
+from arctic_zorro.forward import response_outputs, run_processors, scatter_values
 
 _INEXACT_CONFIG = {
     "attn_logit_softcapping": "attention logit soft-capping",
@@ -27,6 +28,9 @@ _INEXACT_CONFIG = {
     "alibi": "ALiBi position bias",
     "logit_scale": "scaled output logits",
 }
+
+
+HEAD_CHUNK_TOKENS = 2048
 
 
 class ZorroOptions(StrictModel):
@@ -61,13 +65,38 @@ def packed_response_outputs(
     """Per-token processor outputs ``[B, Lr]`` from one pass over the deduplicated batch."""
     device = next(model.parameters()).device
     forest = build_forest(batch).to(device)
-    meta = ForestAttentionMeta.build(forest)
+    meta = ForestAttentionMeta.build(forest, model.dtype)
     hidden = model.base_model(
         input_ids=forest.input_ids[None], position_ids=forest.position_ids[None], forest=meta, use_cache=False
     ).last_hidden_state[0]
     rows, cols, nodes = response_gather_index(forest, batch)
-    logits = model.get_output_embeddings()(hidden[nodes.to(device)])
-    return scatter_outputs(logits, batch, rows, cols, processors)
+    targets = batch.response_ids[rows, cols].to(device)
+    values = head_outputs(model.get_output_embeddings(), hidden[nodes.to(device)], targets, processors)
+    return scatter_values(values, batch, rows, cols)
+
+
+def head_outputs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, processors: Mapping[str, Processor]
+) -> dict[str, torch.Tensor]:
+    """LM head + processors in chunks of response tokens, each recomputed in backward.
+
+    A full-vocabulary logits tensor for every response token (tokens x 150k x fp32, several GB)
+    never exists at once: only one chunk's logits live at a time, in forward and in backward.
+    """
+    names: list[str] = []
+
+    def chunk_values(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = run_processors(head(h), t, processors)
+        names[:] = list(values)
+        return tuple(values.values())
+
+    parts = [
+        checkpoint(chunk_values, h, t, use_reentrant=False) if torch.is_grad_enabled() else chunk_values(h, t)
+        for h, t in zip(hidden.split(HEAD_CHUNK_TOKENS), targets.split(HEAD_CHUNK_TOKENS))
+    ]
+    if not parts:  # no response tokens at all
+        return {o: hidden.new_zeros(0, dtype=torch.float32) for p in processors.values() for o in p.outputs}
+    return {name: torch.cat([p[i] for p in parts]) for i, name in enumerate(names)}
 
 
 Forward = Callable[[PreTrainedModel, RolloutBatch, Mapping[str, Processor]], dict[str, torch.Tensor]]

@@ -17,7 +17,7 @@ from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
 from arctic_zorro.lr_schedule import lr_factor
-from arctic_zorro.micro_batches import plan_micro_batches
+from arctic_zorro.micro_batches import assemble_outputs, plan_micro_batches
 
 STATE_FILE = "trainer_state.pt"
 
@@ -48,7 +48,7 @@ class ReferenceLogProbEngine:
             for rows in plan_micro_batches(batch, self.micro_batch_tokens):
                 micro = batch.select(rows)
                 parts.append((rows, self.forward(self.model, micro, processors)))
-        return _assemble(batch, parts)
+        return assemble_outputs(batch, parts)
 
     def load_weights(self, weights: NamedTensors) -> None:
         copy_weights_(self.model, weights)
@@ -160,15 +160,3 @@ class ReferenceTrainer(ReferenceLogProbEngine):
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _assemble(
-    batch: RolloutBatch, parts: list[tuple[list[int], dict[str, torch.Tensor]]]
-) -> dict[str, torch.Tensor]:
-    """Stitch micro-batch outputs back into ``[B, Lr]`` tensors in the batch's row order."""
-    out: dict[str, torch.Tensor] = {}
-    for rows, outputs in parts:
-        for name, values in outputs.items():
-            full = out.setdefault(name, torch.zeros(tuple(batch.response_ids.shape), dtype=values.dtype))
-            full[rows, : values.shape[1]] = values.cpu()
-    return out
