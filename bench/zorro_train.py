@@ -96,8 +96,12 @@ def set_attention(model, name: str) -> None:
             config._attn_implementation = name
 
 
-def plain_packed_outputs(model, batch: RolloutBatch, processors) -> dict[str, torch.Tensor]:
-    """Baseline forward: every row packed back to back (no padding, no dedup), response-only head."""
+def plain_packed_outputs(model, batch: RolloutBatch, processors, full_head: bool = False) -> dict[str, torch.Tensor]:
+    """Baseline forward: every row packed back to back (no padding, no dedup), response-only head.
+
+    ``full_head``: the LM head and log-softmax run over every token (what a plain implementation
+    that slices log-probs after the head does), still chunked so that it fits in memory.
+    """
     device = next(model.parameters()).device
     seqs = [torch.tensor(batch.prompt(i) + batch.response(i)) for i in range(batch.num_responses)]
     lens = torch.tensor([len(s) for s in seqs])
@@ -108,9 +112,13 @@ def plain_packed_outputs(model, batch: RolloutBatch, processors) -> dict[str, to
     rows = torch.repeat_interleave(torch.arange(batch.num_responses), batch.response_lens)
     cols = torch.cat([torch.arange(int(n)) for n in batch.response_lens])
     starts = cu[:-1].cpu()
-    index = starts[rows] + batch.prompt_lens[batch.prompt_index][rows] - 1 + cols
+    index = (starts[rows] + batch.prompt_lens[batch.prompt_index][rows] - 1 + cols).to(device)
+    if full_head:
+        next_ids = torch.roll(ids[0], -1)  # every position's next token (wraps at sequence ends)
+        values = head_outputs(model.get_output_embeddings(), hidden, next_ids, processors)
+        return scatter_values({k: v[index] for k, v in values.items()}, batch, rows, cols)
     targets = batch.response_ids[rows, cols].to(device)
-    values = head_outputs(model.get_output_embeddings(), hidden[index.to(device)], targets, processors)
+    values = head_outputs(model.get_output_embeddings(), hidden[index], targets, processors)
     return scatter_values(values, batch, rows, cols)
 
 
@@ -180,6 +188,20 @@ def profile(model, batch: RolloutBatch) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), file=sys.stderr)
 
 
+def extra_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
+    """ZoRRo without gradient checkpointing (its memory allows it) and the full-head baseline."""
+    set_attention(model, "arctic_varlen")
+    full_ms, full_peak, _ = timed_fwd_bwd(model, lambda m, b, p: plain_packed_outputs(m, b, p, full_head=True), batch, iters)
+    enable_forest_attention(model)
+    model.gradient_checkpointing_disable()
+    try:
+        nockpt_ms, nockpt_peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
+    finally:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return {"baseline_full_head_ms": round(full_ms, 1), "baseline_full_head_peak_gib": round(full_peak, 2),
+            "zorro_no_ckpt_ms": round(nockpt_ms, 1), "zorro_no_ckpt_peak_gib": round(nockpt_peak, 2)}
+
+
 def gpu(args) -> dict[str, object]:
     config = AutoConfig.for_model("qwen3", **{**QWEN3_1_7B, "num_hidden_layers": args.layers})
     torch.manual_seed(0)
@@ -200,6 +222,8 @@ def gpu(args) -> dict[str, object]:
                "baseline_ms": round(b_ms, 1), "zorro_ms": round(z_ms, 1), "speedup": round(b_ms / z_ms, 2),
                "baseline_peak_gib": round(b_peak, 2), "zorro_peak_gib": round(z_peak, 2),
                "baseline_step_gib": round(b_extra, 2), "zorro_step_gib": round(z_extra, 2)}
+        if args.extra_variants:
+            row.update(extra_variants(model, batch, args.iters))
         print(json.dumps(row), flush=True)
         rows.append(row)
     result = {"device": torch.cuda.get_device_name(), "layers": args.layers, "torch": torch.__version__, "rows": rows}
@@ -219,6 +243,7 @@ def main() -> None:
                         default=SHAPES, help="P/R/N,P/R/N,...")
     parser.add_argument("--no-bf16-check", dest="bf16_check", action="store_false")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels at the first shape")
+    parser.add_argument("--extra-variants", action="store_true", help="also time the full-head baseline and ZoRRo without checkpointing")
     parser.add_argument("--device", default="cpu", help="device of the --smoke models (cuda exercises FlexAttention)")
     args = parser.parse_args()
     if args.smoke or not torch.cuda.is_available():

@@ -82,15 +82,18 @@ def batch(config_of) -> RolloutBatch:
 
 
 def reference_grads(client: ArcticClient) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in trainer_of(client).model.named_parameters() if p.grad is not None}
+    return trainer_of(client).full_gradients()
+
+
+REFERENCE = {"backend": "reference"}
 
 
 @pytest.fixture(scope="module")
 def reference(config_of, batch) -> dict[str, Any]:
-    with ArcticClient.in_process(config_of()) as client:
+    with ArcticClient.in_process(config_of(REFERENCE)) as client:
         client.fwd_bwd(batch, LOSS)
         full = reference_grads(client)
-    with ArcticClient.in_process(config_of()) as client:
+    with ArcticClient.in_process(config_of(REFERENCE)) as client:
         out = session(client, batch, reference_grads)
     return {**out, "full_grads": full}
 

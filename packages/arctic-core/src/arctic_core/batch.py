@@ -229,7 +229,9 @@ class RolloutBatch:
         return self.replace(**changes)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
-        """The same batch with every tensor on ``device``."""
+        """The same batch with every tensor on ``device`` (itself when already there)."""
+        if self.prompt_ids.device == torch.device(device):
+            return self
         moved = {k: v.to(device) for k, v in self.to_tensors().items()}
         return RolloutBatch.from_tensors(moved)
 

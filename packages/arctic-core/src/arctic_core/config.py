@@ -52,7 +52,7 @@ class SchedulerConfig(StrictModel):
 
 
 class TrainerConfig(StrictModel):
-    backend: str = "reference"
+    backend: str = "deepspeed"
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     micro_batch_tokens: Annotated[int, Field(gt=0)] = Field(
@@ -65,7 +65,7 @@ class TrainerConfig(StrictModel):
 class LogProbConfig(StrictModel):
     """A forward-only engine, e.g. the frozen reference model for a KL penalty."""
 
-    backend: str = "reference"
+    backend: str = "deepspeed"
     model: ModelConfig | None = Field(None, description="Defaults to the policy's initial weights.")
     micro_batch_tokens: Annotated[int, Field(gt=0)] = 16384
     options: dict[str, Any] = Field(default_factory=dict)

@@ -27,7 +27,7 @@ from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.lr_schedule import lr_factor
-from arctic_zorro.micro_batches import assemble_outputs, plan_micro_batches
+from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
 from arctic_zorro.packed_forward import Forward, ZorroOptions, select_forward
 
 
@@ -196,12 +196,8 @@ class DeepSpeedLogProbEngine:
 
     def log_probs(self, batch: RolloutBatch, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
         self._check(batch)
-        parts: list[tuple[list[int], dict[str, torch.Tensor]]] = []
-        with torch.no_grad():
-            for rows in plan_micro_batches(batch, self.micro_batch_tokens):
-                micro = batch.select(rows)
-                parts.append((rows, self.engine(micro, processors)))
-        return assemble_outputs(batch, parts)
+        grouped = self.options.zorro.enable
+        return micro_log_probs(self.engine, batch, processors, self.micro_batch_tokens, grouped)
 
     def load_weights(self, weights: NamedTensors) -> None:
         with self._gathered(list(self.model.parameters()), modify=True):
@@ -259,15 +255,11 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         self, batch: RolloutBatch, objective: Objective, ctx: LossContext, scale: float = 1.0
     ) -> dict[str, float]:
         self._check(batch)
-        totals: dict[str, float] = {}
-        for rows in plan_micro_batches(batch, self.micro_batch_tokens):
-            micro = batch.select(rows).to(self.device)
-            outputs = self.engine(micro, objective.processors)
-            loss, metrics = objective(outputs, micro, ctx)
-            self.engine.backward(loss * scale)  # only accumulates: step() is the boundary
-            for key, value in metrics.items():  # normalised by ctx, so they add up over micro-batches
-                totals[key] = totals.get(key, 0.0) + value
-        return totals
+        # engine.backward only accumulates here: step() is the one accumulation boundary.
+        return micro_forward_backward(
+            self.engine, self.engine.backward, batch, objective, ctx, scale,
+            self.micro_batch_tokens, self.options.zorro.enable, self.device,
+        )
 
     def optimizer_step(self) -> dict[str, float]:
         if self.asleep:

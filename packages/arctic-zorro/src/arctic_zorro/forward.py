@@ -30,6 +30,7 @@ def response_outputs(
 ) -> dict[str, torch.Tensor]:
     """Run ``model`` on every row and return each processor output as ``[B, Lr]`` (float32)."""
     device = next(model.parameters()).device
+    batch = batch.to("cpu")  # index bookkeeping happens on the host (a no-op for CPU batches)
     input_ids, attention_mask = _rows(batch, device)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     rows = torch.repeat_interleave(torch.arange(batch.num_responses), batch.response_lens)

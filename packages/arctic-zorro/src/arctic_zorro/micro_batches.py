@@ -1,17 +1,81 @@
-"""Splitting a call's batch into micro-batches under a token budget, and stitching outputs back."""
+"""Running one call micro-batch by micro-batch: planning under a token budget, stitching outputs.
+
+Shared by every training / log-prob engine: an engine supplies its forward (``micro, processors ->
+outputs``) and, for training, its backward; the loss normalisers come from the whole call
+(``LossContext``), so the micro-batch split never changes the result.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
 
 import torch
 
 from arctic_core.batch import RolloutBatch
+from arctic_core.interfaces import LossContext, Objective, Processor
+
+MicroForward = Callable[[RolloutBatch, Mapping[str, Processor]], dict[str, torch.Tensor]]
 
 
-def plan_micro_batches(batch: RolloutBatch, token_budget: int) -> list[list[int]]:
-    """Consecutive row ranges whose padded cost (rows x longest sequence) fits ``token_budget``.
+def plan_micro_batches(batch: RolloutBatch, token_budget: int, grouped: bool = False) -> list[list[int]]:
+    """Row lists, one per micro-batch, each within ``token_budget`` where possible.
 
-    A row longer than the budget still gets a micro-batch of its own: correctness over the budget.
+    ``grouped`` (the packed forward): cost is the deduplicated token count and a prompt's group
+    stays in one micro-batch, so its prompt is packed once; a group over the budget alone is split
+    into chunks of responses (each chunk carries the prompt once). Otherwise (the padded forward):
+    consecutive rows, cost = rows x longest row. A single row over the budget still gets its own
+    micro-batch: correctness over the budget.
     """
+    if not grouped:
+        return _padded_plan(batch, token_budget)
+    units = [chunk for rows in batch.groups() if rows for chunk in _split_group(batch, rows, token_budget)]
+    units.sort(key=lambda rows: -forest_cost(batch, rows))  # first-fit decreasing: few, full micro-batches
+    bins: list[tuple[int, list[int]]] = []
+    for rows in units:
+        cost = forest_cost(batch, rows)
+        for i, (used, members) in enumerate(bins):
+            if used + cost <= token_budget:
+                bins[i] = (used + cost, members + rows)
+                break
+        else:
+            bins.append((cost, list(rows)))
+    return [sorted(members) for _, members in bins]
+
+
+def forest_cost(batch: RolloutBatch, rows: list[int]) -> int:
+    """Packed tokens of ``rows`` if each distinct prompt is stored once (shared response prefixes
+    and prompts that prefix each other make the real forest smaller still)."""
+    prompts = {int(batch.prompt_index[r]) for r in rows}
+    return int(sum(int(batch.prompt_lens[p]) for p in prompts) + batch.response_lens[rows].sum())
+
+
+def split_across_ranks(batch: RolloutBatch, world_size: int) -> list[list[int]]:
+    """Rows for each data-parallel rank, whole groups only, balanced by deduplicated cost (LPT)."""
+    loads = [0] * world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for rows in sorted((g for g in batch.groups() if g), key=lambda g: -forest_cost(batch, g)):
+        rank = loads.index(min(loads))
+        loads[rank] += forest_cost(batch, rows)
+        shards[rank].extend(rows)
+    return [sorted(rows) for rows in shards]
+
+
+def _split_group(batch: RolloutBatch, rows: list[int], token_budget: int) -> list[list[int]]:
+    """A group as chunks of its responses whose cost (prompt + responses) fits the budget."""
+    prompt = int(batch.prompt_lens[batch.prompt_index[rows[0]]])
+    chunks: list[list[int]] = [[]]
+    used = prompt
+    for row in rows:
+        length = int(batch.response_lens[row])
+        if chunks[-1] and used + length > token_budget:
+            chunks.append([])
+            used = prompt
+        chunks[-1].append(row)
+        used += length
+    return chunks
+
+
+def _padded_plan(batch: RolloutBatch, token_budget: int) -> list[list[int]]:
     lengths = (batch.prompt_lens[batch.prompt_index] + batch.response_lens).tolist()
     plans: list[list[int]] = []
     current: list[int] = []
@@ -38,3 +102,34 @@ def assemble_outputs(
             full = out.setdefault(name, torch.zeros(tuple(batch.response_ids.shape), dtype=values.dtype))
             full[rows, : values.shape[1]] = values.cpu()
     return out
+
+
+@torch.no_grad()
+def micro_log_probs(
+    forward: MicroForward, batch: RolloutBatch, processors: Mapping[str, Processor], token_budget: int, grouped: bool
+) -> dict[str, torch.Tensor]:
+    """Per-token outputs of the whole batch, computed one micro-batch at a time."""
+    parts = [(rows, forward(batch.select(rows), processors)) for rows in plan_micro_batches(batch, token_budget, grouped)]
+    return assemble_outputs(batch, parts)
+
+
+def micro_forward_backward(
+    forward: MicroForward,
+    backward: Callable[[torch.Tensor], object],
+    batch: RolloutBatch,
+    objective: Objective,
+    ctx: LossContext,
+    scale: float,
+    token_budget: int,
+    grouped: bool,
+    device: torch.device,
+) -> dict[str, float]:
+    """Accumulate ``scale * loss`` gradients over the micro-batches; metrics summed (ctx-normalised)."""
+    totals: dict[str, float] = {}
+    for rows in plan_micro_batches(batch, token_budget, grouped):
+        micro = batch.select(rows).to(device)
+        loss, metrics = objective(forward(micro, objective.processors), micro, ctx)
+        backward(loss * scale)
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return totals

@@ -64,6 +64,7 @@ def packed_response_outputs(
 ) -> dict[str, torch.Tensor]:
     """Per-token processor outputs ``[B, Lr]`` from one pass over the deduplicated batch."""
     device = next(model.parameters()).device
+    batch = batch.to("cpu")  # the forest is built on the host, once per micro-batch
     forest = build_forest(batch).to(device)
     meta = ForestAttentionMeta.build(forest, model.dtype)
     hidden = model.base_model(

@@ -17,7 +17,7 @@ from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
 from arctic_zorro.lr_schedule import lr_factor
-from arctic_zorro.micro_batches import assemble_outputs, plan_micro_batches
+from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
 
 STATE_FILE = "trainer_state.pt"
 
@@ -38,17 +38,16 @@ class ReferenceLogProbEngine:
         self.model = load_causal_lm(model)
         self.model.eval()  # no dropout: RL needs the same log-probs from every forward
         self.forward = select_forward(self.model, options.zorro)
+        self.grouped = options.zorro.enable  # the packed forward wants whole prompt groups per micro-batch
         self.device = next(self.model.parameters()).device
         self.asleep = False
 
     def log_probs(self, batch: RolloutBatch, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
         self._check(batch)
-        parts: list[tuple[list[int], dict[str, torch.Tensor]]] = []
-        with torch.no_grad():
-            for rows in plan_micro_batches(batch, self.micro_batch_tokens):
-                micro = batch.select(rows)
-                parts.append((rows, self.forward(self.model, micro, processors)))
-        return assemble_outputs(batch, parts)
+        return micro_log_probs(self._micro_forward, batch, processors, self.micro_batch_tokens, self.grouped)
+
+    def _micro_forward(self, micro: RolloutBatch, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
+        return self.forward(self.model, micro, processors)
 
     def load_weights(self, weights: NamedTensors) -> None:
         copy_weights_(self.model, weights)
@@ -97,15 +96,10 @@ class ReferenceTrainer(ReferenceLogProbEngine):
         self, batch: RolloutBatch, objective: Objective, ctx: LossContext, scale: float = 1.0
     ) -> dict[str, float]:
         self._check(batch)
-        totals: dict[str, float] = {}
-        for rows in plan_micro_batches(batch, self.micro_batch_tokens):
-            micro = batch.select(rows).to(self.device)
-            outputs = self.forward(self.model, micro, objective.processors)
-            loss, metrics = objective(outputs, micro, ctx)
-            (loss * scale).backward()
-            for key, value in metrics.items():  # normalised by ctx, so they add up over micro-batches
-                totals[key] = totals.get(key, 0.0) + value
-        return totals
+        return micro_forward_backward(
+            self._micro_forward, torch.Tensor.backward, batch, objective, ctx, scale,
+            self.micro_batch_tokens, self.grouped, self.device,
+        )
 
     def optimizer_step(self) -> dict[str, float]:
         if self.asleep:
@@ -119,6 +113,10 @@ class ReferenceTrainer(ReferenceLogProbEngine):
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return {"grad_norm": float(grad_norm), "lr": lr}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The accumulated gradient of every parameter that has one (for checks and tests)."""
+        return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in self.model.state_dict().items():
