@@ -17,9 +17,9 @@ app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, hel
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="Folder for TensorBoard logs, the reward plot and the checkpoint.")] = Path("runs/demo"),
-    steps: Annotated[int, typer.Option(min=1, help="GRPO steps.")] = 300,
+    steps: Annotated[int, typer.Option(min=1, help="GRPO steps.")] = 400,
     seed: Annotated[int, typer.Option(help="Seed of the model, the task and sampling.")] = 0,
-    warmup_steps: Annotated[int, typer.Option(min=0, help="Short SFT on task demonstrations before GRPO (0 skips it).")] = 20,
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Short SFT on task demonstrations before GRPO (0 skips it).")] = 30,
 ) -> None:
     """GRPO on a tiny Qwen3 built in code, on the CPU, through the in-process client."""
     from arctic_core.demo.grpo import DemoSettings, run_demo

@@ -1,1 +1,1 @@
-"""Arctic training and log-prob backends (the reference torch engine; DeepSpeed + ZoRRo Train next)."""
+"""Arctic training and log-prob backends (DeepSpeed and a plain torch reference) with ZoRRo Train."""

@@ -27,13 +27,13 @@ from arctic_core.server import HF_EXPORT
 
 @dataclass
 class DemoSettings:
-    steps: int = 300
+    steps: int = 400
     seed: int = 0
     prompts_per_step: int = 16
-    samples_per_prompt: int = 8
-    warmup_steps: int = 20
+    samples_per_prompt: int = 16
+    warmup_steps: int = 30
     sft_lr: float = 3e-3
-    lr: float = 1e-3
+    lr: float = 5e-4
     kl_coef: float = 1e-3
     temperature: float = 1.0
     ops: tuple[str, ...] = ("repeat", "up", "down")
@@ -78,7 +78,7 @@ class GRPODemo:
     def warm_up(self) -> None:
         """A short SFT on task demonstrations, stopped long before the task is learned.
 
-        After the default 20 steps the policy writes the answer format but its greedy answers are
+        After the default 30 steps the policy mostly writes the answer format but its answers are
         still wrong (reward ~0.1 when sampled): GRPO does the learning from there. Without any warm-up
         a random 300-token policy almost never writes digits, and SFT on random well-formed answers
         teaches it to ignore the prompt, which a tiny model does not unlearn by RL in minutes. The
