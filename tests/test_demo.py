@@ -24,4 +24,4 @@ def test_demo_reward_rises_and_outputs_are_written(tmp_path):
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "checkpoint" / "arctic_state.json").is_file()
-    assert (out / "checkpoint" / "trainer" / "model" / "config.json").is_file()
+    assert (out / "checkpoint" / "hf" / "config.json").is_file()  # the trained policy, loadable by from_pretrained

@@ -35,13 +35,14 @@ def _prepare_environment() -> None:
     """Pick DeepSpeed's accelerator and a world of one before ``deepspeed`` is imported.
 
     DeepSpeed chooses its accelerator from ``DS_ACCELERATOR`` at import time and its comm layer
-    reads the usual launcher variables; outside a launcher we are a single process.
+    reads the usual launcher variables. Outside a multi-process launch we are a world of one, and
+    that world takes a fresh port: variables inherited from a parent Arctic process (a test
+    runner, a demo) would otherwise point at a port the parent still holds.
     """
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
 
 
 def _free_port() -> int:

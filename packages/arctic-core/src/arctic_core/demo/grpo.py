@@ -137,7 +137,7 @@ class GRPODemo:
             self.metrics.log("grpo", metrics, step)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", gen_tok_s=f"{metrics['generate_tok_per_s']:.0f}")
         bar.close()
-        self.client.save_checkpoint(str(self.out / "checkpoint"))
+        self.client.save_checkpoint(str(self.out / "checkpoint"), export_hf=True)
         plot_rewards(rewards, self.out / "reward_curve.png")
         self.metrics.close()
         self.client.shutdown()

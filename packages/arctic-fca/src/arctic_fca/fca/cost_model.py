@@ -1,0 +1,81 @@
+"""Per batch: is FCA or plain paged decode faster? Decode attention is bound by memory traffic,
+so both are priced in bytes moved, with fixed costs converted to bytes at the copy bandwidth.
+
+plain = every request's seq_len tokens of K and V.
+fca   = each shared node's tokens once + every suffix (the unique KV bytes), plus the partial
+        results written and read back by the merge, plus fixed overheads per call and per node.
+
+The overhead constants are ASSUMPTIONS until calibrated on the H200 with ``bench/fca_decode.py``;
+they lean pessimistic for FCA because the issue's rule is that FCA must never lose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from arctic_fca.fca.cascade import fca_attention_with_lse
+from arctic_fca.fca.layout import validate_decode_inputs
+from arctic_fca.fca.plan import FCAPlan, build_plan
+from arctic_fca.fca.reference import plain_decode
+
+PARTIAL_STATE_BYTES = 4  # partial outs and lses are fp32
+
+
+@dataclass(frozen=True)
+class CostConstants:
+    # H200 device-to-device copy, measured (../shared/ENVIRONMENT.md): converts seconds to bytes.
+    bandwidth_bytes_per_s: float = 4.3e12
+    # FCA launches at least a node pass and a merge on top of the suffix pass: ~2 launches plus
+    # their sync-free gaps. Assumed 4 us.
+    per_call_overhead_s: float = 4e-6
+    # Each node's pass ends in a split-K reduction and a partly idle last wave. Assumed 1 us.
+    per_node_overhead_s: float = 1e-6
+    # Choose FCA only if predicted at least this much faster: cost errors must not make it lose.
+    min_speedup: float = 1.05
+
+
+DEFAULT_COSTS = CostConstants()
+
+
+@dataclass(frozen=True)
+class ByteEstimate:
+    plain: float
+    fca: float
+    unique_kv: float  # the KV bytes FCA reads (what its achieved bandwidth is measured on)
+
+
+def estimate_bytes(plan: FCAPlan, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   costs: CostConstants = DEFAULT_COSTS) -> ByteEstimate:
+    kv_token_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()  # K and V
+    # Each partial row (out [heads, d] + lse [heads]) is written by its pass and read by the merge.
+    partial_row_bytes = 2 * num_q_heads * (head_dim + 1) * PARTIAL_STATE_BYTES
+    overhead_s = costs.per_call_overhead_s + plan.num_nodes * costs.per_node_overhead_s
+    unique = plan.fca_kv_tokens() * kv_token_bytes
+    fca = unique + plan.num_partial_rows * partial_row_bytes + overhead_s * costs.bandwidth_bytes_per_s
+    return ByteEstimate(plain=plan.plain_kv_tokens() * kv_token_bytes, fca=fca, unique_kv=unique)
+
+
+def choose(plan: FCAPlan, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+           costs: CostConstants = DEFAULT_COSTS) -> Literal["fca", "plain"]:
+    if plan.num_nodes == 0:
+        return "plain"  # nothing shared: FCA would be the plain pass plus a merge
+    estimate = estimate_bytes(plan, num_q_heads, num_kv_heads, head_dim, dtype, costs)
+    return "fca" if estimate.plain >= costs.min_speedup * estimate.fca else "plain"
+
+
+def fca_or_plain_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                        plan: FCAPlan | None = None, costs: CostConstants = DEFAULT_COSTS) -> torch.Tensor:
+    """Decode attention by whichever of FCA and plain the cost model prices lower. Same arguments
+    and result as ``fca_decode_attention``."""
+    shape = validate_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens)
+    plan = plan if plan is not None else build_plan(block_tables, seq_lens, shape.block_size)
+    plan.check_matches(shape)
+    if choose(plan, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, query.dtype, costs) == "fca":
+        out = fca_attention_with_lse(query, key_cache, value_cache, block_tables, scale, plan)[0]
+    else:
+        out = plain_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    return out.to(query.dtype)
