@@ -1,15 +1,22 @@
-"""The ``arctic-rl`` command line: the embedded demo and the plugin listing."""
+"""The ``arctic-rl`` command line: the embedded demo, the HTTP server and the plugin listing."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from arctic_core.config import ArcticConfig
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, help="Arctic RL: one GPU backend for RL post-training of LLMs.")
 
@@ -27,6 +34,62 @@ def demo(
     summary = run_demo(out, DemoSettings(steps=steps, seed=seed, warmup_steps=warmup_steps))
     typer.echo(f"reward curve: {out / 'reward_curve.png'}; TensorBoard: {out / 'tensorboard'}", err=True)
     typer.echo(json.dumps(summary))
+
+
+@app.command()
+def serve(
+    config: Annotated[Path | None, typer.Option(help="YAML ArcticConfig; without it the demo's tiny model is served.")] = None,
+    host: Annotated[str, typer.Option(help="Interface to bind; loopback unless you mean to expose the server.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
+    max_body_mb: Annotated[float, typer.Option(min=0.001, help="Larger request bodies are answered 413.")] = 256,
+    token: Annotated[str | None, typer.Option(envvar="ARCTIC_RL_TOKEN", show_envvar=True, help="Bearer token every call must carry.")] = None,
+    allow_public_without_token: Annotated[bool, typer.Option("--allow-public-without-token", help="Bind a non-loopback host with no token (anyone who can reach it can train your model).")] = False,
+) -> None:
+    """Serve every client call over HTTP (FastAPI + uvicorn); calls on the model are serialised."""
+    import uvicorn
+
+    from arctic_core.config import ArcticConfig  # heavy imports wait until a command needs them
+    from arctic_core.http_server import create_app
+    from arctic_core.server import ArcticServer
+
+    token = token or None  # an empty ARCTIC_RL_TOKEN means none
+    if not token and not _is_loopback(host) and not allow_public_without_token:
+        raise typer.BadParameter(
+            f"refusing to serve on non-loopback host {host!r} without a token: set ARCTIC_RL_TOKEN (or --token), "
+            "or pass --allow-public-without-token if the network is trusted",
+            param_hint="--host",
+        )
+    arctic_config = ArcticConfig.from_yaml(config) if config else embedded_default_config()
+    app_ = create_app(ArcticServer(arctic_config), token=token, max_body_bytes=int(max_body_mb * 2**20))
+    typer.echo(f"Arctic RL serving on http://{host}:{port} (API: /openapi.json, /docs; token {'required' if token else 'off'})", err=True)
+    uvicorn.run(app_, host=host, port=port, log_level="info")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another host name: it may resolve anywhere
+        return False
+
+
+def embedded_default_config() -> ArcticConfig:
+    """The demo's tiny Qwen3 (built once into a cache folder) with a reference engine, on the CPU."""
+    from arctic_core.config import ArcticConfig, LogProbConfig, ModelConfig
+    from arctic_core.demo.task import CountingTask
+    from arctic_core.demo.tiny_model import save_tiny_policy
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "arctic-rl" / "tiny-policy"
+    if not (cache / "config.json").is_file():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cache.parent, prefix=".tiny-policy-"))
+        save_tiny_policy(staging, CountingTask().corpus(), seed=0)
+        try:
+            os.replace(staging, cache)  # two servers starting at once: the first rename wins
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    return ArcticConfig(model=ModelConfig(path=str(cache), device="cpu"), reference=LogProbConfig())
 
 
 @app.command()

@@ -136,6 +136,13 @@ class ArcticClient(_Calls):
     def in_process(cls, config: ArcticConfig | dict[str, Any]) -> ArcticClient:
         return cls(_in_process_transport(config))
 
+    @classmethod
+    def http(cls, url: str, token: str | None = None, timeout: float = 600.0) -> ArcticClient:
+        """A client of the ``arctic-rl serve`` server at ``url``; ``token`` defaults to ``$ARCTIC_RL_TOKEN``."""
+        from arctic_core.transports.http import HttpTransport
+
+        return cls(HttpTransport(url, token=token, timeout=timeout))
+
     def close(self) -> None:
         self.transport.close()
 
@@ -143,7 +150,8 @@ class ArcticClient(_Calls):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+        if _owns_server(self.transport):  # a remote server is shared: leaving only closes the connection
+            self.shutdown()
         self.close()
 
 
@@ -157,12 +165,32 @@ class AsyncArcticClient(_Calls):
     def in_process(cls, config: ArcticConfig | dict[str, Any]) -> AsyncArcticClient:
         return cls(_in_process_transport(config))
 
+    @classmethod
+    def http(cls, url: str, token: str | None = None, timeout: float = 600.0) -> AsyncArcticClient:
+        """An async client of the server at ``url``; calls are truly async (httpx.AsyncClient)."""
+        from arctic_core.transports.http import HttpTransport
+
+        return cls(HttpTransport(url, token=token, timeout=timeout))
+
+    async def aclose(self) -> None:
+        aclose = getattr(self.transport, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        else:
+            self.transport.close()
+
     async def __aenter__(self) -> AsyncArcticClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.shutdown()
-        self.transport.close()
+        if _owns_server(self.transport):
+            await self.shutdown()
+        await self.aclose()
+
+
+def _owns_server(transport: Transport) -> bool:
+    """Whether closing the client should shut the server down (an embedded one, not a remote one)."""
+    return getattr(transport, "owns_server", True)
 
 
 def _in_process_transport(config: ArcticConfig | dict[str, Any]) -> Transport:

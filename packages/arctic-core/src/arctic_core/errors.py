@@ -25,3 +25,12 @@ class PluginConflictError(ArcticError):
 
 class RequestError(ArcticError, ValueError):
     """A client request is invalid (bad parameters, unknown op, wrong state)."""
+
+
+class RemoteError(ArcticError, RuntimeError):
+    """The server refused or failed a call for a reason with no Arctic error class."""
+
+    def __init__(self, status: int | None, error: str, message: str) -> None:
+        where = f"HTTP {status}" if status is not None else "no answer"
+        super().__init__(f"{error} ({where}): {message}")
+        self.status, self.error, self.message = status, error, message

@@ -66,6 +66,11 @@ class ArcticServer:
         log.info("building %s %r", kind, name)
         return factory(*args, seed=self.config.seed)
 
+    @property
+    def closed(self) -> bool:
+        """True once ``shutdown`` has run: every later call is refused."""
+        return self._closed
+
     # ----------------------------------------------------------------- dispatch
     def handle(self, op: str, request: Message) -> Result:
         """Run one operation; calls are serialised. Unknown ops and wrong request types are refused."""

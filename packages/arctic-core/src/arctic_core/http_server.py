@@ -1,0 +1,205 @@
+"""The HTTP server: a FastAPI app that exposes an :class:`ArcticServer` over the wire format.
+
+Endpoints (see ``/openapi.json`` of a running server, or ``/docs``):
+
+- ``POST /v1/{op}`` for every operation in :data:`arctic_core.protocol.OPS`: the body is the
+  request in the wire format (``arctic_core.wire``: safetensors bytes, never pickle), the answer
+  is the result in the same format.
+- ``GET /health``: status, policy version, step and engines, as JSON. It never waits for a call.
+- ``GET /metrics``: Prometheus text (calls, seconds, tokens per operation, process memory).
+
+**Calls on one model are serialised**: one operation runs at a time, in a worker thread, so the
+event loop keeps answering ``/health`` and accepting requests while the engines compute. Several
+clients may share a server; their calls queue in arrival order and never interleave (a
+``fwd_bwd`` of one client cannot run in the middle of another's ``step``). Gradients from
+``fwd_bwd`` of all clients add up until a ``step``.
+
+Errors are JSON ``{"error": <class name>, "message": <what is wrong>}``:
+
+| status | when |
+|---|---|
+| 400 | an Arctic error: malformed or truncated body, wrong dtype or shape, missing field (``RequestError``, ``BatchError``), an unknown loss or processor name (``PluginNotFoundError``: a bad value inside a valid request, not a missing URL, hence 400, not 404), a wrong state (engine asleep, server shut down) |
+| 401 | a token is configured and the ``Authorization: Bearer`` header is missing or wrong (``/health`` and ``/openapi.json`` stay open: they reveal no data) |
+| 404 | an unknown operation |
+| 413 | a body over the size limit (checked on ``Content-Length`` before reading, and on the bytes read) |
+| 500 | an unexpected exception, with its message; the server keeps serving |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from arctic_core import wire
+from arctic_core.errors import ArcticError
+from arctic_core.http_metrics import CallMetrics
+from arctic_core.http_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from arctic_core.protocol import OPS, Message, Result
+from arctic_core.server import ArcticServer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 256 * 2**20
+
+
+class ApiError(Exception):
+    """An HTTP-level refusal (auth, size, route) answered as ``{"error", "message"}`` JSON."""
+
+    def __init__(self, status: int, error: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.error, self.message = status, error, message
+
+
+def error_response(status: int, error: str, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": error, "message": message}, status_code=status, headers=headers)
+
+
+def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving ``server``; ``token`` set means every call needs that bearer token.
+
+    The ``arctic-rl serve`` command reads the token from ``--token`` or ``ARCTIC_RL_TOKEN``; here
+    ``None`` means no authentication.
+    """
+    if token is not None and not token:
+        raise ValueError("the bearer token must not be empty (pass None for no authentication)")
+    if max_body_bytes <= 0:
+        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    app = FastAPI(title="Arctic RL", version="1", description=(__doc__ or "").replace("``", "`"))  # Markdown, not RST
+    app.state.server, app.state.metrics = server, CallMetrics()
+    authorised = Depends(_bearer_check(token))
+    gate = asyncio.Lock()  # queues waiting calls on the event loop rather than in worker threads
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.error, exc.message)
+
+    for op in OPS:
+        app.add_api_route(
+            f"/v1/{op}", _op_endpoint(op, server, app.state.metrics, gate, max_body_bytes), methods=["POST"],
+            dependencies=[authorised], openapi_extra=_openapi_op(op), summary=f"{op} (serialised with every other call)",
+            response_class=Response, responses={200: {"content": {wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
+        )
+
+    @app.post("/v1/{op}", dependencies=[authorised], include_in_schema=False)
+    async def _unknown_op(op: str) -> Response:
+        return error_response(404, "RequestError", f"unknown operation {op!r}; operations: {sorted(OPS)}")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """Liveness and state; answers at once, even while a call runs."""
+        return _health(server, busy=gate.locked())
+
+    @app.get("/metrics", dependencies=[authorised], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus text format."""
+        return Response(app.state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    return app
+
+
+# ----------------------------------------------------------------- one operation
+def _op_endpoint(
+    op: str, server: ArcticServer, metrics: CallMetrics, gate: asyncio.Lock, limit: int
+) -> Callable[[Request], Awaitable[Response]]:
+    request_schema, _ = OPS[op]
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            body = await read_body(request, limit)
+            message: Message = await asyncio.to_thread(wire.decode, body, request_schema)
+            async with gate:
+                # The blocking engines run in a worker thread; ArcticServer's own lock is the
+                # guarantee that calls never interleave, the gate only keeps waiters off threads.
+                result: Result = await asyncio.to_thread(server.handle, op, message)
+            payload = await asyncio.to_thread(wire.encode, result)
+        except ApiError as exc:
+            metrics.record_error(op, exc.error)
+            return error_response(exc.status, exc.error, exc.message)
+        except ArcticError as exc:
+            metrics.record_error(op, type(exc).__name__)
+            return error_response(400, type(exc).__name__, str(exc))
+        except Exception as exc:  # a bug or an engine failure: answer it, keep serving
+            log.exception("operation %r failed", op)
+            metrics.record_error(op, type(exc).__name__)
+            return error_response(500, type(exc).__name__, f"{op} failed on the server: {exc}")
+        metrics.record_ok(op, result, server.policy_version)
+        return Response(payload, media_type=wire.CONTENT_TYPE)
+
+    endpoint.__name__ = f"op_{op}"
+    endpoint.__doc__ = f"Request: `{request_schema.__name__}`; result: `{OPS[op][1].__name__}` (wire format)."
+    return endpoint
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, "RequestError", f"Content-Length {declared!r} is not a byte count")
+        if int(declared) > limit:
+            raise ApiError(413, "PayloadTooLarge", f"body of {declared} bytes exceeds the server's limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():  # chunked uploads declare no length: count as we read
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "PayloadTooLarge", f"body exceeds the server's limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# ----------------------------------------------------------------- auth, health, docs
+def _bearer_check(token: str | None) -> Callable[..., None]:
+    scheme = HTTPBearer(auto_error=False, description="Required when the server has a token (ARCTIC_RL_TOKEN).")
+    expected = token.encode() if token else None
+
+    # A default, not Annotated[...]: string annotations cannot see the local ``scheme``.
+    def check(credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:  # noqa: B008
+        if expected is None:
+            return
+        if credentials is None:
+            raise ApiError(401, "Unauthorized", "missing bearer token: send 'Authorization: Bearer <token>' (the server's ARCTIC_RL_TOKEN)")
+        # Constant time: a wrong token must not reveal how many of its leading bytes were right.
+        if not hmac.compare_digest(credentials.credentials.encode(), expected):
+            raise ApiError(401, "Unauthorized", "wrong bearer token")
+
+    return check
+
+
+def _health(server: ArcticServer, busy: bool) -> dict[str, Any]:
+    config = server.config
+    engines: dict[str, Any] = {
+        "trainer": {"backend": config.trainer.backend, "asleep": getattr(server.trainer, "asleep", None)},
+        "sampler": {"backend": config.sampler.backend, "asleep": getattr(server.sampler, "asleep", None)},
+    }
+    if server.reference is not None and config.reference is not None:
+        engines["reference"] = {"backend": config.reference.backend, "asleep": getattr(server.reference, "asleep", None)}
+    return {
+        "status": "shut down" if server.closed else "ok",
+        "policy_version": server.policy_version,
+        "step": server.step_count,
+        "busy": busy,
+        "engines": engines,
+    }
+
+
+def _openapi_op(op: str) -> dict[str, Any]:
+    request_schema, result_schema = OPS[op]
+    return {
+        "requestBody": {
+            "required": True,
+            "description": (
+                f"A `{request_schema.__name__}` in the wire format: safetensors bytes whose tensors are "
+                f"the batch (`batch.<field>`) and whose metadata key `arctic` holds the other fields as JSON."
+            ),
+            "content": {wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+        },
+        "description": f"Runs `{op}`; answers a `{result_schema.__name__}` in the wire format. Calls are serialised.",
+    }

@@ -1,0 +1,371 @@
+"""The HTTP server and transport against a real uvicorn server on loopback (never another host).
+
+Same results as in process, the async client, bad input answered 4xx with the cause, a bounded
+load test, /metrics and /openapi.json, and the ``arctic-rl serve`` command itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import uvicorn
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import save as st_save
+from typer.testing import CliRunner
+
+from arctic_core import wire
+from arctic_core.batch import RolloutBatch
+from arctic_core.cli import app as cli_app
+from arctic_core.client import ArcticClient, AsyncArcticClient
+from arctic_core.config import ArcticConfig
+from arctic_core.errors import BatchError, PluginNotFoundError, RequestError
+from arctic_core.http_server import create_app
+from arctic_core.protocol import OPS, GenerateRequest
+from arctic_core.server import ArcticServer
+from arctic_core.errors import RemoteError
+
+HOST = "127.0.0.1"
+TOKEN = "s3cret-token"
+PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
+TIMING = ("seconds",)  # wall-clock metrics: the only values allowed to differ between transports
+
+
+class LiveServer:
+    """uvicorn serving ``app`` in a background thread on a loopback socket it bound itself."""
+
+    def __init__(self, app) -> None:
+        # proto=IPPROTO_TCP, as asyncio's own server sockets: only then does asyncio set TCP_NODELAY
+        # on accepted connections (without it every keep-alive answer waits ~40 ms for an ACK).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, 0))  # port 0: the OS picks a free one, and we hold it, so no race
+        self.url = f"http://{HOST}:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        assert httpx.get(f"{self.url}/health").status_code == 200
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_policy: Path) -> ArcticConfig:
+    return ArcticConfig.from_dict(
+        {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0, "trainer": {"backend": "reference"}, "reference": {"backend": "reference"}}
+    )
+
+
+@pytest.fixture(scope="module")
+def shared(config: ArcticConfig) -> Iterator[tuple[ArcticServer, LiveServer]]:
+    """One server for the tests that do not need a fresh model, no token."""
+    server = ArcticServer(config)
+    live = LiveServer(create_app(server))
+    yield server, live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded(shared) -> Iterator[LiveServer]:
+    """The same model behind a second app with a token and a 64 KiB body limit."""
+    live = LiveServer(create_app(shared[0], token=TOKEN, max_body_bytes=64 * 1024))
+    yield live
+    live.stop()
+
+
+# ----------------------------------------------------------------- (a) same results as in process
+def grpo_loop(client: ArcticClient, steps: int = 2) -> list[dict]:
+    """The demo's GRPO step (generate, log-probs, reference log-probs, ppo + kl, step, sync)."""
+    record = []
+    for step in range(steps):
+        gen = client.generate(PROMPTS, n=3, max_tokens=6, seed=100 + step)
+        batch = gen.batch
+        rewards = (batch.response_ids % 2 == 0).float().sum(1) / batch.response_lens.clamp(min=1)
+        old = client.log_probs(batch, processors=["logprobs", "entropy"])
+        ref = client.log_probs(batch, model="reference").outputs["logprobs"]
+        adv = torch.zeros_like(rewards)
+        for rows in batch.groups():
+            adv[rows] = rewards[rows] - rewards[rows].mean()
+        batch = batch.replace(old_logprobs=old.outputs["logprobs"], ref_logprobs=ref, rewards=rewards, advantages=adv)
+        train = client.fwd_bwd(batch, [{"name": "ppo", "clip_low": 0.2, "clip_high": 0.28}, {"name": "kl", "weight": 0.1}])
+        opt = client.step()
+        sync = client.sync_weights()
+        record.append({
+            "batch": gen.batch.to_tensors(), "outputs": old.outputs, "ref": ref, "policy_version": sync.policy_version,
+            "metrics": [{k: v for k, v in r.metrics.items() if k not in TIMING} for r in (gen, old, train, opt, sync)],
+        })
+    return record
+
+
+def test_grpo_over_http_equals_in_process(config):
+    in_process = ArcticClient.in_process(config)
+    expected = grpo_loop(in_process)
+    in_process.shutdown()
+    live = LiveServer(create_app(ArcticServer(config)))
+    try:
+        with ArcticClient.http(live.url) as client:
+            got = grpo_loop(client)
+    finally:
+        live.stop()
+    assert expected[-1]["metrics"][2]["loss"] != 0 and expected[-1]["policy_version"] == 2
+    for want, have in zip(expected, got, strict=True):
+        assert want["metrics"] == have["metrics"]  # exact: the same computation, only the bytes moved
+        assert want["policy_version"] == have["policy_version"]
+        assert torch.equal(want["ref"], have["ref"])
+        for key in ("batch", "outputs"):
+            assert want[key].keys() == have[key].keys()
+            for name in want[key]:
+                assert want[key][name].dtype == have[key][name].dtype and torch.equal(want[key][name], have[key][name]), name
+
+
+# ----------------------------------------------------------------- (b) the async client
+def test_async_client_gathers_concurrent_calls(shared):
+    server, live = shared
+    with ArcticClient.http(live.url) as sync_client:
+        expected = [sync_client.generate(PROMPTS, n=2, max_tokens=3, seed=s).batch for s in range(5)]
+
+    async def main():
+        client = AsyncArcticClient.http(live.url)
+        try:
+            results = await asyncio.gather(*(client.generate(PROMPTS, n=2, max_tokens=3, seed=s) for s in range(5)))
+            status, logps = await asyncio.gather(client.status(), client.log_probs(results[0].batch))
+            return results, status, logps
+        finally:
+            await client.aclose()
+
+    results, status, logps = asyncio.run(main())
+    for want, got in zip(expected, results, strict=True):
+        assert torch.equal(want.response_ids, got.batch.response_ids)
+    assert status.policy_version == server.policy_version
+    assert logps.outputs["logprobs"].shape == results[0].batch.response_ids.shape
+
+
+# ----------------------------------------------------------------- (c) bad input
+def post(live: LiveServer, op: str, body: bytes, token: str | None = TOKEN, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(f"{live.url}/v1/{op}", content=body, headers=headers, timeout=30, **kwargs)
+
+
+def raw_body(tensors: dict[str, torch.Tensor], fields: dict, message: str) -> bytes:
+    return st_save(tensors, metadata={wire.JSON_KEY: json.dumps(fields), wire.MESSAGE_KEY: message})
+
+
+def small_batch(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
+    tensors = RolloutBatch.from_lists([[1, 2]], [[3, 4]], [0]).to_tensors() | changes
+    return {f"batch.{k}": v for k, v in tensors.items()}
+
+
+def assert_refused(response: httpx.Response, status: int, error: str, match: str) -> None:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["error"] == error and match in body["message"], body
+
+
+def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(guarded):
+    valid = wire.encode(GenerateRequest(prompts=[[1, 2]], params={"max_tokens": 2}))
+    ppo = {"loss": [{"name": "ppo"}]}
+    assert_refused(post(guarded, "generate", b"\x00" * 3), 400, "RequestError", "truncated body: 3 bytes")
+    assert_refused(post(guarded, "generate", b"\xff" * 100), 400, "RequestError", "not a safetensors message")
+    assert_refused(post(guarded, "generate", valid[: len(valid) // 2]), 400, "RequestError", "truncated body")
+    assert_refused(post(guarded, "fwd_bwd", raw_body(small_batch(), ppo, "FwdBwdRequest")[:-3]), 400, "RequestError", "malformed or truncated")
+    assert_refused(post(guarded, "fwd_bwd", valid), 400, "RequestError", "holds a 'GenerateRequest' message but this operation takes a FwdBwdRequest")
+    wrong_dtype = raw_body(small_batch(response_ids=torch.ones(1, 2)), ppo, "FwdBwdRequest")
+    assert_refused(post(guarded, "fwd_bwd", wrong_dtype), 400, "BatchError", "response_ids must hold integers")
+    assert_refused(post(guarded, "fwd_bwd", raw_body(small_batch(), {}, "FwdBwdRequest")), 400, "RequestError", "loss: Field required")
+    no_index = {k: v for k, v in small_batch().items() if k != "batch.prompt_index"}
+    assert_refused(post(guarded, "fwd_bwd", raw_body(no_index, ppo, "FwdBwdRequest")), 400, "BatchError", "missing required batch field(s) ['prompt_index']")
+    assert_refused(post(guarded, "train", valid), 404, "RequestError", "unknown operation 'train'")
+    unknown_loss = raw_body(small_batch(advantages=torch.ones(1)), {"loss": [{"name": "pp0"}]}, "FwdBwdRequest")
+    assert_refused(post(guarded, "fwd_bwd", unknown_loss), 400, "PluginNotFoundError", "no loss named 'pp0'")
+    # Too big: refused on Content-Length before reading, and on the bytes read when no length is sent.
+    assert_refused(post(guarded, "generate", b"\x00" * 100_000), 413, "PayloadTooLarge", "exceeds the server's limit of 65536 bytes")
+    chunked = httpx.post(f"{guarded.url}/v1/generate", content=iter([b"\x00" * 40_000] * 3), headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert_refused(chunked, 413, "PayloadTooLarge", "exceeds the server's limit")
+    # Tokens: missing or wrong -> 401, on the calls and on /metrics.
+    assert_refused(post(guarded, "generate", valid, token=None), 401, "Unauthorized", "missing bearer token")
+    assert_refused(post(guarded, "generate", valid, token="s3cret-tokem"), 401, "Unauthorized", "wrong bearer token")
+    assert httpx.get(f"{guarded.url}/metrics").status_code == 401
+    # Still serving.
+    assert httpx.get(f"{guarded.url}/health").json()["status"] == "ok"
+    assert post(guarded, "generate", valid).status_code == 200
+
+
+def test_client_sees_the_same_error_classes_as_in_process(guarded):
+    client = ArcticClient.http(guarded.url, token=TOKEN)
+    batch = client.generate(PROMPTS, n=1, max_tokens=3, seed=1).batch.replace(advantages=torch.ones(3))
+    with pytest.raises(PluginNotFoundError, match="no loss named 'pp0'.*ppo"):
+        client.fwd_bwd(batch, "pp0")
+    with pytest.raises(RequestError, match="token id 100000 >= vocab size"):
+        client.generate([[1, 100000]], n=1)
+    with pytest.raises(BatchError, match="old_logprobs"):
+        client.fwd_bwd(batch, "ppo")
+    with pytest.raises(RequestError, match="unknown operation 'train'"):
+        client.transport.call("train", None)
+    with pytest.raises(RemoteError, match="PayloadTooLarge.*413") as info:
+        client.log_probs(RolloutBatch.from_lists([[1]], [[2] * 10_000], [0]))
+    assert info.value.status == 413
+    with pytest.raises(RemoteError, match="Unauthorized.*401.*wrong bearer token"):
+        ArcticClient.http(guarded.url, token="nope").status()
+    assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3
+    client.close()
+
+
+def test_an_unexpected_failure_is_a_500_and_the_server_keeps_serving(shared, monkeypatch):
+    server, live = shared
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the sampler fell over")
+
+    client = ArcticClient.http(live.url)
+    monkeypatch.setattr(server.sampler, "generate", broken)
+    with pytest.raises(RemoteError, match="RuntimeError.*500.*generate failed on the server: the sampler fell over") as info:
+        client.generate(PROMPTS, n=1, max_tokens=2)
+    assert info.value.status == 500
+    monkeypatch.undo()
+    assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3
+    client.close()
+
+
+def test_refused_without_a_reachable_server():
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    with pytest.raises(RemoteError, match=f"status to the Arctic server at http://{HOST}:{port} failed"):
+        ArcticClient.http(f"http://{HOST}:{port}", timeout=5).status()
+
+
+# ----------------------------------------------------------------- (d) bounded load
+def load_prompt(i: int) -> list[int]:
+    return [5 + i // 50, 5 + i % 50, 60]  # distinct per call for i < 2500 (vocab 288)
+
+
+@pytest.mark.timeout(120)
+def test_hundreds_of_concurrent_generate_calls_lose_and_duplicate_nothing(shared):
+    server, live = shared
+    calls = 300
+
+    async def main():
+        client = AsyncArcticClient.http(live.url, timeout=60)
+        health_seconds: list[float] = []
+
+        async def probe():  # the event loop keeps answering while calls queue behind the model
+            async with httpx.AsyncClient(base_url=live.url) as http:
+                for _ in range(3):
+                    await asyncio.sleep(0.2)
+                    start = time.perf_counter()
+                    assert (await http.get("/health", timeout=10)).status_code == 200
+                    health_seconds.append(time.perf_counter() - start)
+
+        try:
+            calls_ = [client.generate([load_prompt(i)], n=1, max_tokens=1, seed=i) for i in range(calls)]
+            results, _ = await asyncio.gather(asyncio.gather(*calls_), probe())
+            return results, health_seconds
+        finally:
+            await client.aclose()
+
+    start = time.perf_counter()
+    results, health_seconds = asyncio.run(main())
+    assert time.perf_counter() - start < 100
+    assert len(results) == calls
+    assert [r.batch.prompt(0) for r in results] == [load_prompt(i) for i in range(calls)]  # none lost, none swapped
+    assert all(r.batch.num_responses == 1 and int(r.batch.response_lens[0]) == 1 for r in results)
+    assert max(health_seconds) < 2.0, health_seconds
+    # A few results against the same call made alone: concurrency changed nothing.
+    with ArcticClient.http(live.url) as client:
+        for i in (0, 137, calls - 1):
+            alone = client.generate([load_prompt(i)], n=1, max_tokens=1, seed=i).batch
+            assert torch.equal(alone.response_ids, results[i].batch.response_ids)
+
+
+# ----------------------------------------------------------------- (e) metrics, (f) openapi
+def counts(url: str, headers: dict | None = None) -> dict[tuple[str, str], float]:
+    text = httpx.get(f"{url}/metrics", headers=headers).text
+    return {
+        (s.labels["op"], s.labels["outcome"]): s.value
+        for family in text_string_to_metric_families(text) if family.name == "arctic_calls"
+        for s in family.samples if s.name == "arctic_calls_total"
+    }
+
+
+def test_metrics_count_calls_per_operation_and_outcome(shared):
+    _, live = shared
+    before = counts(live.url)
+    with ArcticClient.http(live.url) as client:
+        client.generate(PROMPTS, n=1, max_tokens=2)
+        client.generate(PROMPTS, n=1, max_tokens=2)
+        client.status()
+        with pytest.raises(RequestError):
+            client.generate([[1, 100000]], n=1)
+    after = counts(live.url)
+    assert after[("generate", "ok")] - before.get(("generate", "ok"), 0) == 2
+    assert after[("status", "ok")] - before.get(("status", "ok"), 0) == 1
+    assert after[("generate", "RequestError")] - before.get(("generate", "RequestError"), 0) == 1
+    text = httpx.get(f"{live.url}/metrics").text
+    for name in ("arctic_call_seconds_count", "arctic_tokens_total", "arctic_policy_version", "process_resident_memory_bytes"):
+        assert name in text, name
+
+
+def test_openapi_lists_every_operation(shared):
+    _, live = shared
+    spec = httpx.get(f"{live.url}/openapi.json").json()
+    for op in OPS:
+        assert "post" in spec["paths"][f"/v1/{op}"], op
+        assert wire.CONTENT_TYPE in spec["paths"][f"/v1/{op}"]["post"]["requestBody"]["content"]
+    assert {"/health", "/metrics"} <= spec["paths"].keys()
+    assert "serialised" in spec["info"]["description"]
+
+
+# ----------------------------------------------------------------- the serve command
+def test_serve_refuses_a_public_host_without_a_token():
+    result = CliRunner().invoke(cli_app, ["serve", "--host", "0.0.0.0"], env={"ARCTIC_RL_TOKEN": ""})
+    assert result.exit_code != 0 and "without a token" in result.output
+
+
+@pytest.mark.timeout(120)
+def test_serve_command_answers_with_the_env_token(config, tmp_path):
+    path = tmp_path / "arctic.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "ARCTIC_RL_TOKEN": TOKEN}
+    cmd = [sys.executable, "-m", "arctic_core.cli", "serve", "--config", str(path), "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://{HOST}:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "arctic-rl serve did not come up"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert httpx.post(f"{url}/v1/status", content=b"").status_code == 401
+        client = ArcticClient.http(url, token=TOKEN)
+        assert client.generate(PROMPTS, n=2, max_tokens=2).batch.num_responses == 6
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
