@@ -49,6 +49,8 @@ def test_generate_returns_n_grouped_samples_with_sampling_logprobs(arctic_config
         assert batch.prompt(5) == PROMPTS[1] and int(batch.response_lens.max()) <= 5
         assert batch.policy_version.tolist() == [0] * 12
         assert result.metrics["generated_tokens"] == float(batch.response_lens.sum())
+        assert result.metrics["tokens_per_s"] == pytest.approx(result.metrics["generated_tokens"] / result.metrics["seconds"])
+        assert result.metrics["peak_rss_gib"] > 0.1  # a process holding torch and two tiny models
         # The sampler's log-probs are the trainer's (same weights, temperature 1, no top-k/top-p).
         trainer_logp = client.log_probs(batch).outputs["logprobs"]
         torch.testing.assert_close(batch.sampling_logprobs, trainer_logp, atol=1e-5, rtol=0)

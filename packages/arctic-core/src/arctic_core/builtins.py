@@ -8,6 +8,7 @@ from __future__ import annotations
 from arctic_core import processors
 from arctic_core.hookspecs import hookimpl
 from arctic_core.losses import policy, regularizers
+from arctic_core.weight_files import SafetensorsFilesTransport
 from arctic_core.weight_sync import InProcessTransport
 
 
@@ -29,4 +30,4 @@ def arctic_processors():
 
 @hookimpl
 def arctic_weight_transports():
-    return {"inprocess": InProcessTransport}
+    return {"inprocess": InProcessTransport, "safetensors-files": SafetensorsFilesTransport}

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import RequestError
@@ -84,7 +87,7 @@ class ArcticServer:
                 raise RequestError("the server has been shut down")
             start = time.perf_counter()
             result: Result = getattr(self, f"_op_{op}")(request)
-            result.metrics["seconds"] = time.perf_counter() - start
+            result.metrics.update(call_metrics(result.metrics, time.perf_counter() - start))
             return result
 
     # ----------------------------------------------------------------- operations
@@ -178,6 +181,17 @@ class ArcticServer:
 
     def _status(self) -> StatusResult:
         return StatusResult(policy_version=self.policy_version, step=self.step_count, info={"config": self.config.model_dump()})
+
+
+def call_metrics(metrics: dict[str, float], seconds: float) -> dict[str, float]:
+    """Time, throughput and memory added to every result (the process's peak RSS; CUDA peak too)."""
+    out = {"seconds": seconds, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    tokens = metrics.get("generated_tokens", metrics.get("tokens"))
+    if tokens is not None and seconds > 0:
+        out["tokens_per_s"] = tokens / seconds
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
