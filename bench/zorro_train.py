@@ -27,7 +27,12 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest
 from arctic_zorro.forward import response_outputs, scatter_values
-from arctic_zorro.packed_forward import enable_forest_attention, head_outputs, packed_response_outputs
+from arctic_zorro.packed_forward import (
+    enable_forest_attention,
+    head_outputs,
+    packed_response_outputs,
+    set_attention_implementation,
+)
 
 SHAPES = [(1024, 512, 8), (4096, 512, 8), (8192, 512, 8), (4096, 1024, 16), (16384, 1024, 8)]
 QWEN3_1_7B = dict(
@@ -89,13 +94,6 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 AttentionInterface.register("arctic_varlen", varlen_attention)
 
 
-def set_attention(model, name: str) -> None:
-    for sub in model.modules():
-        config = getattr(sub, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = name
-
-
 def plain_packed_outputs(model, batch: RolloutBatch, processors, full_head: bool = False) -> dict[str, torch.Tensor]:
     """Baseline forward: every row packed back to back (no padding, no dedup), response-only head.
 
@@ -155,10 +153,10 @@ def bf16_error(model_bf16, shape) -> dict[str, float]:
     ref = copy.deepcopy(model_bf16).float()
     processors = {"logprobs": LogProbs()}
     with torch.no_grad():
-        set_attention(ref, "sdpa")
+        set_attention_implementation(ref, "sdpa")
         exact = response_outputs(ref, batch, processors)["logprobs"]
         del ref
-        set_attention(model_bf16, "arctic_varlen")
+        set_attention_implementation(model_bf16, "arctic_varlen")
         plain = plain_packed_outputs(model_bf16, batch, processors)["logprobs"]
         enable_forest_attention(model_bf16)
         packed = packed_response_outputs(model_bf16, batch, processors)["logprobs"]
@@ -178,7 +176,7 @@ def profile(model, batch: RolloutBatch) -> None:
 
     for name, forward, attention in (("zorro", packed_response_outputs, None), ("baseline", plain_packed_outputs, "arctic_varlen")):
         if attention:
-            set_attention(model, attention)
+            set_attention_implementation(model, attention)
         else:
             enable_forest_attention(model)
         timed_fwd_bwd(model, forward, batch, 1)
@@ -190,7 +188,7 @@ def profile(model, batch: RolloutBatch) -> None:
 
 def extra_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
     """ZoRRo without gradient checkpointing (its memory allows it) and the full-head baseline."""
-    set_attention(model, "arctic_varlen")
+    set_attention_implementation(model, "arctic_varlen")
     full_ms, full_peak, _ = timed_fwd_bwd(model, lambda m, b, p: plain_packed_outputs(m, b, p, full_head=True), batch, iters)
     enable_forest_attention(model)
     model.gradient_checkpointing_disable()
@@ -216,7 +214,7 @@ def gpu(args) -> dict[str, object]:
         ratio = n * (prompt + response) / (prompt + n * response)
         enable_forest_attention(model)
         z_ms, z_peak, z_extra = timed_fwd_bwd(model, packed_response_outputs, batch, args.iters)
-        set_attention(model, "arctic_varlen")
+        set_attention_implementation(model, "arctic_varlen")
         b_ms, b_peak, b_extra = timed_fwd_bwd(model, plain_packed_outputs, batch, args.iters)
         row = {"prompt": prompt, "response": response, "n": n, "token_ratio": round(ratio, 2),
                "baseline_ms": round(b_ms, 1), "zorro_ms": round(z_ms, 1), "speedup": round(b_ms / z_ms, 2),

@@ -40,7 +40,7 @@ from arctic_core.errors import RemoteError
 HOST = "127.0.0.1"
 TOKEN = "s3cret-token"
 PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
-TIMING = ("seconds",)  # wall-clock metrics: the only values allowed to differ between transports
+TIMING = ("seconds", "tokens_per_s", "peak_rss_gib", "cuda_peak_gib")  # wall-clock and memory readings: the only values allowed to differ between transports
 
 
 class LiveServer:

@@ -52,11 +52,15 @@ def check_supported(model: PreTrainedModel) -> None:
 def enable_forest_attention(model: PreTrainedModel) -> None:
     """Route every attention layer of ``model`` to the forest attention (masks are then skipped)."""
     check_supported(model)
-    model.config._attn_implementation = ATTENTION_NAME
+    set_attention_implementation(model, ATTENTION_NAME)
+
+
+def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
+    """Point ``model`` at a registered attention function by name (read at call time by each layer)."""
     for sub in model.modules():  # some models keep per-submodule configs (e.g. text_config)
         config = getattr(sub, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = ATTENTION_NAME
+            config._attn_implementation = name
 
 
 def packed_response_outputs(
