@@ -199,3 +199,16 @@ def test_async_client_runs_calls_concurrently_and_serialises_them(arctic_config)
     results, step, version = asyncio.run(main())
     assert [r.batch.num_responses for r in results] == [6, 6, 6, 6]
     assert step.metrics["step"] == 1.0 and version == 1
+
+
+def test_keep_last_prunes_older_checkpoints_only(arctic_config, tmp_path):
+    (tmp_path / "notes").mkdir()  # not a checkpoint: must survive
+    with ArcticClient.in_process(arctic_config(trainer={"backend": "reference"})) as client:
+        batch = rollout(client)
+        for step in range(4):
+            client.fwd_bwd(batch, "ppo")
+            client.step()
+            client.save_checkpoint(str(tmp_path / f"step-{step}"), keep_last=2)
+        with pytest.raises(RequestError, match="keep_last: Input should be greater than or equal to 1"):
+            client.save_checkpoint(str(tmp_path / "bad"), keep_last=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step-2", "step-3"]

@@ -99,9 +99,11 @@ class _Calls:
         """Push the trainer's weights to the samplers; returns the new policy version."""
         return self._call("sync_weights", Empty())
 
-    def save_checkpoint(self, path: str, export_hf: bool = False) -> Any:
-        """Atomically save trainer state (and, with ``export_hf``, a Hugging Face folder at ``path/hf``)."""
-        return self._call("save_checkpoint", _request(CheckpointRequest, path=str(path), export_hf=export_hf))
+    def save_checkpoint(self, path: str, export_hf: bool = False, keep_last: int | None = None) -> Any:
+        """Atomically save trainer state (with ``export_hf``, also a Hugging Face folder at ``path/hf``;
+        with ``keep_last``, then delete all but the newest k checkpoints beside ``path``)."""
+        request = _request(CheckpointRequest, path=str(path), export_hf=export_hf, keep_last=keep_last)
+        return self._call("save_checkpoint", request)
 
     def load_checkpoint(self, path: str) -> Any:
         return self._call("load_checkpoint", _request(CheckpointRequest, path=str(path)))

@@ -67,6 +67,9 @@ class SyncWeightsResult(Result):
 class CheckpointRequest(Message):
     path: str
     export_hf: bool = Field(False, description="save: also write the policy as a Hugging Face folder at {path}/hf.")
+    keep_last: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="save: afterwards keep only the newest k Arctic checkpoints beside {path} (by step)."
+    )
 
 
 class EnginesRequest(Message):

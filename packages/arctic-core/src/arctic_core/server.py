@@ -133,6 +133,8 @@ class ArcticServer:
             self.trainer.export_hf(staging / HF_EXPORT)
         (staging / STATE_FILE).write_text(json.dumps(self._state()))
         _replace_dir(staging, target)  # readers never see a half-written checkpoint
+        if req.keep_last is not None:
+            _prune_checkpoints(target.parent, req.keep_last)
         return self._status()
 
     def _op_load_checkpoint(self, req: CheckpointRequest) -> StatusResult:
@@ -192,6 +194,14 @@ def call_metrics(metrics: dict[str, float], seconds: float) -> dict[str, float]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+def _prune_checkpoints(folder: Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest Arctic checkpoints in ``folder`` (other folders untouched)."""
+    found = [d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".") and (d / STATE_FILE).is_file()]
+    found.sort(key=lambda d: (json.loads((d / STATE_FILE).read_text())["step"], d.stat().st_mtime))
+    for old in found[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
