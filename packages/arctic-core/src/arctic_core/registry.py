@@ -87,9 +87,6 @@ class Registry:
     def all(self) -> list[Provided]:
         return [p for kind in KINDS for p in sorted(self.entries.get(kind, {}).values(), key=lambda p: p.name)]
 
-    def plugins(self) -> list[str]:
-        return sorted({p.plugin for p in self.all()})
-
 
 def build_registry(extra_plugins: dict[str, object] | None = None) -> Registry:
     """Load the ``arctic`` entry points (plus ``extra_plugins``, e.g. in tests) and index them."""

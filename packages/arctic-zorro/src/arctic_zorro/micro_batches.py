@@ -127,8 +127,9 @@ def micro_forward_backward(
     """Accumulate ``scale * loss`` gradients over the micro-batches; metrics summed (ctx-normalised)."""
     totals: dict[str, float] = {}
     for rows in plan_micro_batches(batch, token_budget, grouped):
-        micro = batch.select(rows).to(device)
-        loss, metrics = objective(forward(micro, objective.processors), micro, ctx)
+        host = batch.select(rows)  # forwards index on the host: give them the host copy (no round trip)
+        micro = host.to(device)
+        loss, metrics = objective(forward(host, objective.processors), micro, ctx)
         backward(loss * scale)
         for key, value in metrics.items():
             totals[key] = totals.get(key, 0.0) + value
