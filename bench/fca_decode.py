@@ -6,9 +6,11 @@ paged computation in fp32; prints the largest difference.
 
 GPU (no flag): Qwen3-8B attention shape (32 q heads, 8 KV heads, head_dim 128, bf16, block 16),
 groups x samples = 1x64, 8x16, 32x8, 128x1, prefix 1024 / 4096 / 16384, suffix 256. Times, in the
-same process, the torch FCA path, the plain torch paged reference and torch SDPA over KV already
-gathered per request (the plain decode's ideal: it streams the duplicated KV, no paging). The
-torch FCA path is the exact specification, not the kernel: the Triton kernel replaces it.
+same process: the Triton FCA kernels, the same Triton kernel as a plain FlashDecoding-style paged
+decode (every request reads its whole KV, split-K), the cost model's pick between them ("auto"),
+and torch SDPA over KV already gathered per request, each replayed from a CUDA graph as the engine
+runs them (no host launch cost); and the exact torch FCA path, eagerly. Reports the
+bandwidth FCA achieves on the unique KV bytes against the copy bandwidth measured in the process.
 
 The last line printed is a JSON object of all results.
 """
@@ -16,6 +18,7 @@ The last line printed is a JSON object of all results.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -24,8 +27,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from arctic_fca.fca import build_plan, choose, estimate_bytes, fca_attention_with_lse, fca_decode_attention
-from arctic_fca.fca.reference import gather_paged_kv, paged_decode_attention, plain_decode
+from arctic_fca.fca.decode import prepare_decode
+from arctic_fca.fca.reference import gather_paged_kv, paged_decode_attention
 
 QWEN3_8B_HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 GPU_SHAPES = [(1, 64), (8, 16), (32, 8), (128, 1)]  # groups x samples
@@ -128,62 +133,132 @@ def time_us(fn, min_seconds: float = 0.2) -> float:
     return statistics.median(times)
 
 
-def gpu_case(groups: int, samples: int, prefix: int) -> dict:
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after a warm-up call that compiles its kernels); returns the replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def copy_bandwidth_bytes_per_s() -> float:
+    """Device-to-device copy bandwidth, measured here (bytes read + written per second)."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src))
+    return 2 * src.numel() / (us * 1e-6)
+
+
+def gpu_case(groups: int, samples: int, prefix: int, copy_bw: float) -> dict:
     batch = build_batch(groups, samples, prefix, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **QWEN3_8B_HEADS)
     query, key_cache, value_cache, block_tables, seq_lens = attention_args(batch)
     scale = 1 / math.sqrt(QWEN3_8B_HEADS["head_dim"])
-    plan_start = time.perf_counter()
-    info = describe(batch)  # host-side, once per step (shared by all layers)
-    plan_ms = (time.perf_counter() - plan_start) * 1e3
-    plan, seq_lens_host = info["plan"], seq_lens.cpu()
+    info = describe(batch)
+    tables_host, lens_host = block_tables.cpu(), seq_lens.cpu()
+    shape = dict(num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2], head_dim=query.shape[2],
+                 dtype=query.dtype, device="cuda")
+    prepared, prepare_ms = {}, {}
+    for mode in ("fca", "plain", "auto"):
+        begin = time.perf_counter()  # host-side, once per step (shared by all layers)
+        prepared[mode] = prepare_decode(tables_host, lens_host, key_cache.shape[1], mode=mode, **shape)
+        torch.cuda.synchronize()
+        prepare_ms[mode] = (time.perf_counter() - begin) * 1e3
     # Dense per-request KV for SDPA, gathered outside the timing: [requests, kv_heads, seq, head_dim].
-    dense_k, dense_v = (gather_paged_kv(cache, block_tables, torch.zeros_like(seq_lens_host), seq_lens_host).transpose(1, 2)
+    dense_k, dense_v = (gather_paged_kv(cache, block_tables, torch.zeros_like(lens_host), lens_host).transpose(1, 2)
                         .contiguous() for cache in (key_cache, value_cache))
-
-    # Time the computations only: the batch is well formed by construction, and validation (host
-    # reads of seq_lens / block ids) is per-step work an engine does once, not per layer.
-    def run_fca():
-        return fca_attention_with_lse(query, key_cache, value_cache, block_tables, scale, plan)[0]
-
-    def run_plain():
-        return plain_decode(query, key_cache, value_cache, block_tables, seq_lens_host, scale)
-
-    def run_sdpa():
-        return F.scaled_dot_product_attention(query[:, :, None], dense_k, dense_v, scale=scale, enable_gqa=True)[:, :, 0]
-
-    reference = run_sdpa().float()
-    max_diff = max((run() - reference).abs().max().item() for run in (run_fca, run_plain))
-    us = {name: time_us(run) for name, run in (("fca", run_fca), ("plain", run_plain), ("sdpa", run_sdpa))}
+    runs = {mode: (lambda p=p: p(query, key_cache, value_cache, scale)) for mode, p in prepared.items()}
+    runs["torch_fca"] = lambda: fca_attention_with_lse(query, key_cache, value_cache, block_tables, scale, info["plan"])[0]
+    runs["sdpa"] = lambda: F.scaled_dot_product_attention(query[:, :, None], dense_k, dense_v, scale=scale,
+                                                          enable_gqa=True)[:, :, 0]
+    reference = runs["sdpa"]().float()
+    max_diff = max((runs[m]().float() - reference).abs().max().item() for m in ("fca", "plain", "torch_fca"))
+    # An engine replays decode attention inside a CUDA graph (no host launch cost): time it so.
+    runs.update({name: graphed(runs[name]) for name in ("fca", "plain", "auto", "sdpa")})
+    us = {name: time_us(run) for name, run in runs.items()}
     estimate = info["bytes"]
-    result = {
+    return {
         "groups": groups, "samples": samples, "prefix": prefix, "suffix": GPU_SUFFIX, "nodes": info["nodes"],
-        "byte_ratio": info["byte_ratio"], "cost_model_choice": info["choice"], "plan_ms": round(plan_ms, 2),
+        "byte_ratio": info["byte_ratio"], "auto_choice": "fca" if prepared["auto"].uses_fca else "plain",
+        "prepare_ms": {k: round(v, 2) for k, v in prepare_ms.items()},
         **{f"{name}_us": round(t, 1) for name, t in us.items()},
-        "speedup_vs_plain": round(us["plain"] / us["fca"], 2), "speedup_vs_sdpa": round(us["sdpa"] / us["fca"], 2),
-        "fca_unique_tb_s": round(estimate.unique_kv / us["fca"] / 1e6, 3),
-        "sdpa_tb_s": round(estimate.plain / us["sdpa"] / 1e6, 3),  # SDPA streams every request's whole KV
+        "fca_speedup_vs_plain_kernel": round(us["plain"] / us["fca"], 2),
+        "auto_speedup_vs_plain_kernel": round(us["plain"] / us["auto"], 2),
+        "fca_speedup_vs_sdpa": round(us["sdpa"] / us["fca"], 2),
+        # Decode attention reads each byte once: bandwidth on the unique KV bytes vs the copy's (read + write).
+        "fca_unique_bw_fraction": round(estimate.unique_kv / (us["fca"] * 1e-6) / copy_bw, 3),
+        "plain_bw_fraction": round(estimate.plain / (us["plain"] * 1e-6) / copy_bw, 3),
         "max_abs_diff_vs_sdpa": max_diff,
     }
-    return result
 
 
 def gpu() -> dict:
     results = []
+    copy_bw = copy_bandwidth_bytes_per_s()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     for prefix in GPU_PREFIXES:
         for groups, samples in GPU_SHAPES:
-            result = gpu_case(groups, samples, prefix)
+            result = gpu_case(groups, samples, prefix, copy_bw)
             torch.cuda.empty_cache()  # the case's caches are gone with its frame: hand the memory back
             print(" ".join(f"{k}={v}" for k, v in result.items()), flush=True)
             results.append(result)
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_tb_s": round(copy_bw / 1e12, 3),
+            "results": results}
+
+
+SWEEP_SHAPES = [(32, 8, 4096), (8, 16, 16384), (1, 64, 4096), (128, 1, 4096)]
+
+
+def sweep() -> dict:
+    """Time FCA and plain over launch settings (one knob group at a time, the others at their
+    defaults); prints one line per setting. Used to pick the defaults in triton_decode / work."""
+    from arctic_fca.fca import triton_decode, work
+
+    batches = [build_batch(g, s, p, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **QWEN3_8B_HEADS)
+               for g, s, p in SWEEP_SHAPES]
+    scale = 1 / math.sqrt(QWEN3_8B_HEADS["head_dim"])
+
+    def measure() -> dict:
+        times = {}
+        for (g, s, p), batch in zip(SWEEP_SHAPES, batches, strict=True):
+            query, key_cache, value_cache, block_tables, seq_lens = attention_args(batch)
+            for mode in ("fca", "plain"):
+                prepared = prepare_decode(block_tables.cpu(), seq_lens.cpu(), key_cache.shape[1], mode=mode,
+                                          num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2],
+                                          head_dim=query.shape[2], dtype=query.dtype, device="cuda")
+                run = functools.partial(prepared, query, key_cache, value_cache, scale)
+                times[f"{g}x{s}@{p} {mode}"] = round(time_us(run), 1)
+        return times
+
+    defaults = (dict(triton_decode.NODE_CONFIG), dict(triton_decode.SINGLE_CONFIG), work.ITEMS_PER_SM,
+                triton_decode.PROGRAMS_PER_SM)
+    settings = [("default", {})]
+    settings += [(f"node bn{bn} w{w} s{st}", {"node": {"block_n": bn, "num_warps": w, "num_stages": st}})
+                 for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    settings += [(f"single bn{bn} w{w} s{st}", {"single": {"block_n": bn, "num_warps": w, "num_stages": st}})
+                 for bn in (32, 64, 128) for w in (2, 4) for st in (2, 3)]
+    settings += [(f"items/SM {i} programs/SM {pr}", {"items": i, "programs": pr}) for i in (4, 8, 16) for pr in (8, 16, 32)]
+    results = {}
+    for name, change in settings:
+        triton_decode.NODE_CONFIG = change.get("node", defaults[0])
+        triton_decode.SINGLE_CONFIG = change.get("single", defaults[1])
+        work.ITEMS_PER_SM = change.get("items", defaults[2])
+        triton_decode.PROGRAMS_PER_SM = change.get("programs", defaults[3])
+        results[name] = measure()
+        print(name, json.dumps(results[name]), flush=True)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU exactness check (< 1 min)")
+    parser.add_argument("--sweep", action="store_true", help="GPU: time the kernels over launch settings")
     args = parser.parse_args()
     if args.smoke:
         print(json.dumps(smoke()))
+    elif args.sweep:
+        print(json.dumps(sweep()))
     elif torch.cuda.is_available():
         print(json.dumps(gpu()))
     else:

@@ -24,15 +24,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AttentionInterface
 
 from arctic_core.batch import RolloutBatch
+from arctic_core.hf import set_attention_implementation
 from arctic_core.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest
 from arctic_zorro.forward import response_outputs, scatter_values
-from arctic_zorro.packed_forward import (
-    enable_forest_attention,
-    head_outputs,
-    packed_response_outputs,
-    set_attention_implementation,
-)
+from arctic_zorro.packed_forward import enable_forest_attention, head_outputs, packed_response_outputs
 
 SHAPES = [(1024, 512, 8), (4096, 512, 8), (8192, 512, 8), (4096, 1024, 16), (16384, 1024, 8)]
 QWEN3_1_7B = dict(

@@ -10,7 +10,7 @@ from arctic_core.errors import ConfigError
 
 def test_defaults_fill_everything_but_the_model():
     config = ArcticConfig.from_dict({"model": {"path": "/m"}})
-    assert config.trainer.backend == "deepspeed" and config.sampler.backend == "hf-generate"
+    assert config.trainer.backend == "deepspeed" and config.sampler.backend == "embedded"
     assert config.trainer.optimizer.max_grad_norm == 1.0 and config.reference is None
 
 

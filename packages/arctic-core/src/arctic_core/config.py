@@ -72,7 +72,7 @@ class LogProbConfig(StrictModel):
 
 
 class SamplerConfig(StrictModel):
-    backend: str = "hf-generate"
+    backend: str = "embedded"
     max_batch_size: Annotated[int, Field(gt=0)] = 256
     options: dict[str, Any] = Field(default_factory=dict)
 

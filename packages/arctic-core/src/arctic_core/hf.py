@@ -49,3 +49,21 @@ def copy_weights_(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Ten
 def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     if ids.numel() and int(ids.max()) >= vocab_size:
         raise RequestError(f"{what} contain token id {int(ids.max())} >= vocab size {vocab_size}")
+
+
+def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
+    """Point ``model`` at a registered attention function by name (read at call time by each layer)."""
+    for sub in model.modules():  # some models keep per-submodule configs (e.g. text_config)
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
+
+
+def default_stop_tokens(model: PreTrainedModel) -> list[int]:
+    """The model's end-of-sequence ids (generation config first), as a list."""
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        raise RequestError("the model has no eos_token_id; pass stop_token_ids in the sampling params")
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -11,7 +11,7 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate
 from arctic_core.errors import RequestError
-from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
+from arctic_core.hf import check_token_ids, copy_weights_, default_stop_tokens, load_causal_lm
 from arctic_core.interfaces import NamedTensors
 
 
@@ -38,7 +38,7 @@ class HFGenerateSampler:
             raise RequestError("the sampler is asleep; call wake() first")
         for i, prompt in enumerate(prompts):
             check_token_ids(torch.tensor(prompt), self.model.config.vocab_size, f"prompts[{i}]")
-        stops = params.stop_token_ids or _default_stops(self.model)
+        stops = params.stop_token_ids or default_stop_tokens(self.model)
         per_chunk = max(1, self.config.max_batch_size // params.n)
         seed = params.seed if params.seed is not None else self.seed + self.calls
         self.calls += 1
@@ -106,15 +106,6 @@ class HFGenerateSampler:
 
     def shutdown(self) -> None:
         self.asleep = True
-
-
-def _default_stops(model: torch.nn.Module) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = model.config.eos_token_id
-    if eos is None:
-        raise RequestError("the model has no eos_token_id; pass stop_token_ids in the sampling params")
-    return [eos] if isinstance(eos, int) else list(eos)
 
 
 def _length_through_stop(tokens: list[int], stops: list[int]) -> int:

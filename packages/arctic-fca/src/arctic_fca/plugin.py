@@ -8,4 +8,9 @@ from arctic_core.registry import Lazy
 
 @hookimpl
 def arctic_sampling_backends():
-    return {"hf-generate": Lazy("arctic_fca.hf_sampler:HFGenerateSampler", "transformers generate(): n samples per prompt, sampling log-probs.")}
+    return {
+        "embedded": Lazy("arctic_fca.embedded_sampler:EmbeddedSampler",
+                         "Embedded engine: continuous batching, paged KV with prefix sharing, FCA decode."),
+        "hf-generate": Lazy("arctic_fca.hf_sampler:HFGenerateSampler",
+                            "transformers generate(): n samples per prompt, sampling log-probs."),
+    }

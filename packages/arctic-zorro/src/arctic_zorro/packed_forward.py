@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import StrictModel
 from arctic_core.errors import ConfigError
+from arctic_core.hf import set_attention_implementation
 from arctic_core.interfaces import Processor
 from arctic_zorro.forest import build_forest, response_gather_index
 from arctic_zorro.forest_attention import ATTENTION_NAME, ForestAttentionMeta
@@ -53,14 +54,6 @@ def enable_forest_attention(model: PreTrainedModel) -> None:
     """Route every attention layer of ``model`` to the forest attention (masks are then skipped)."""
     check_supported(model)
     set_attention_implementation(model, ATTENTION_NAME)
-
-
-def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
-    """Point ``model`` at a registered attention function by name (read at call time by each layer)."""
-    for sub in model.modules():  # some models keep per-submodule configs (e.g. text_config)
-        config = getattr(sub, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = name
 
 
 def packed_response_outputs(

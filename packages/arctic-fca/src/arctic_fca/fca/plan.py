@@ -78,6 +78,11 @@ class FCAPlan:
         """KV tokens FCA reads: each node once, plus every suffix."""
         return self.node_kv_indices.numel() * self.block_size + int(self.suffix_lens.sum())
 
+    def for_seq_lens(self, seq_lens: torch.Tensor) -> FCAPlan:
+        """The same tree for sequences that grew inside their last blocks (no block filled up):
+        only the suffix lengths change. Callers check that no request's full-block count moved."""
+        return replace(self, suffix_lens=(seq_lens.cpu() - self.suffix_block_start * self.block_size).to(torch.int32))
+
     def to(self, device: torch.device | str) -> FCAPlan:
         moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}

@@ -1,0 +1,48 @@
+"""The ``embedded`` sampling backend: the embedded engine behind the sampling hookspec."""
+
+from __future__ import annotations
+
+import torch
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate
+from arctic_core.hf import load_causal_lm
+from arctic_core.interfaces import NamedTensors
+from arctic_fca.engine import EmbeddedEngine, EngineOptions
+
+class EmbeddedSampler:
+    """Continuous batching + prefix sharing + FCA decode; options are :class:`EngineOptions`."""
+
+    def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
+        options = validate(EngineOptions, {"max_num_seqs": config.max_batch_size, **config.options},
+                           "SamplerConfig.options")
+        self.engine = EmbeddedEngine(load_causal_lm(model), options, seed=seed)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        outputs = self.engine.generate(prompts, params)
+        batch = RolloutBatch.from_lists(prompts, [o.tokens for o in outputs], [o.prompt_index for o in outputs])
+        sampled = torch.zeros(tuple(batch.response_ids.shape))
+        for row, out in enumerate(outputs):
+            sampled[row, : len(out.logprobs)] = torch.tensor(out.logprobs)
+        version = torch.tensor([o.policy_version for o in outputs], dtype=torch.long)
+        return batch.replace(sampling_logprobs=sampled, policy_version=version)
+
+    def update_weights(self, weights: NamedTensors, version: int) -> None:
+        self.engine.update_weights(weights, version)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def shutdown(self) -> None:
+        self.engine.sleep()

@@ -1,0 +1,88 @@
+"""The engine's attention, plugged into transformers' attention registry.
+
+Each layer's attention module computes its query/key/value (norms and rotary included, the model's
+own code) and calls this function, which writes the step's keys/values into the paged cache and
+attends over it:
+
+- prefill: per sequence, its new tokens attend causally to its cached prefix (blocks another
+  prompt already filled, e.g. a shared system prompt) and to themselves;
+- decode: one token per sequence, through the step's prepared FCA / plain decode
+  (``arctic_fca.fca.decode``), planned once per step for all layers.
+
+Step metadata reaches every layer through the model's ``**kwargs`` (``paged=...``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from arctic_fca.engine.kv_cache import PagedKVCache
+from arctic_fca.fca.decode import PreparedDecode
+
+ATTENTION_NAME = "arctic_fca_paged"
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One sequence's new tokens in a packed prefill: rows ``start:end`` of the step, preceded by
+    ``cached`` tokens already in the cache (whose slots ``context_slots`` lists, new ones included)."""
+
+    start: int
+    end: int
+    cached: int
+    context_slots: torch.Tensor | None  # [cached + new] flat slots; None when nothing is cached
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    cache: PagedKVCache
+    slots: torch.Tensor  # [tokens] flat cache slot of every token of the step
+    decode: PreparedDecode | None = None
+    spans: tuple[PrefillSpan, ...] = ()
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    paged: StepMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, H, D]``."""
+    if paged is None:
+        raise RuntimeError(f"attention '{ATTENTION_NAME}' needs step metadata; run the model through EmbeddedEngine")
+    if sliding_window is not None:
+        raise NotImplementedError("the embedded engine has no sliding-window attention; use another sampler")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer = module.layer_idx
+    paged.cache.write(layer, paged.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    if paged.decode is not None:
+        out = paged.decode(query[0].transpose(0, 1), paged.cache.keys[layer], paged.cache.values[layer], scale)
+        return out[None], None
+    parts = [_prefill_span(query, key, value, paged.cache, layer, span, scale) for span in paged.spans]
+    return torch.cat(parts, dim=2).transpose(1, 2), None
+
+
+def _prefill_span(query, key, value, cache: PagedKVCache, layer: int, span: PrefillSpan, scale: float) -> torch.Tensor:
+    q = query[:, :, span.start : span.end]
+    gqa = query.shape[1] != key.shape[1]
+    if span.context_slots is None:
+        k, v = key[:, :, span.start : span.end], value[:, :, span.start : span.end]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    k, v = (c.view(-1, *c.shape[2:])[span.context_slots].transpose(0, 1)[None]
+            for c in (cache.keys[layer], cache.values[layer]))
+    new = span.end - span.start
+    visible = torch.ones(new, span.cached + new, dtype=torch.bool, device=q.device).tril(diagonal=span.cached)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -1,0 +1,102 @@
+"""CUDA graphs of the decode step: the model's forward and LM head replayed without the host.
+
+An eager decode step of a 28-layer transformers model costs tens of milliseconds of Python and
+kernel-launch time, more than its GPU work at RL batch sizes. Each graph here is captured once per
+(batch-size bucket, FCA or plain) and replayed every step: the batch is padded to the bucket with
+dummy sequences that read and write only the reserved scratch block 0, and the attention's work
+items go through fixed-capacity buffers (``arctic_fca.fca.graph_work``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from arctic_fca.engine.attention import StepMetadata
+from arctic_fca.engine.kv_cache import PagedKVCache
+from arctic_fca.fca.decode import PreparedDecode
+from arctic_fca.fca.graph_work import StaticDecodeWork
+from arctic_fca.fca.work import DecodeWork
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    work: StaticDecodeWork
+    input_ids: torch.Tensor  # [1, B]
+    positions: torch.Tensor  # [1, B]
+    slots: torch.Tensor  # [B]
+    logits: torch.Tensor  # [B, vocab] fp32
+    tables_key: object = None  # whose block tables the work's kv_index holds
+
+
+class DecodeGraphs:
+    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, *, table_width: int, max_num_seqs: int,
+                 num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.model, self.cache = model, cache
+        self.table_width, self.heads = table_width, (num_q_heads, num_kv_heads, head_dim)
+        self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
+        self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def bucket(self, num_requests: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, num_requests)]
+
+    def clear(self) -> None:
+        """Drop every graph (they hold pointers into the KV cache, freed by sleep)."""
+        self.graphs.clear()
+
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, work: DecodeWork,
+            tables: np.ndarray, tables_key: object) -> torch.Tensor | None:
+        """Replay (capturing first if needed) the graph for this padded step; the logits ``[B,
+        vocab]`` of the padded batch, or None when the work does not fit (run eagerly then)."""
+        key = (ids.size, work.node is not None)
+        graph = self.graphs.get(key)
+        fresh = graph is None
+        if fresh:
+            graph = self._allocate(ids.size, with_nodes=key[1])
+        if not graph.work.load(work, tables if graph.tables_key != tables_key else None):
+            return None
+        graph.tables_key = tables_key
+        for target, values in ((graph.input_ids[0], ids), (graph.positions[0], positions), (graph.slots, slots)):
+            target.copy_(torch.from_numpy(values.astype(np.int64)), non_blocking=True)
+        if fresh:
+            self._capture(graph)
+            self.graphs[key] = graph
+        graph.graph.replay()
+        return graph.logits
+
+    def _allocate(self, batch: int, with_nodes: bool) -> _Graph:
+        device = self.cache.device
+        num_q_heads, num_kv_heads, head_dim = self.heads
+        work = StaticDecodeWork(batch, self.table_width, self.cache.num_blocks, with_nodes=with_nodes,
+                                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device)
+
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=torch.long, device=device)
+
+        return _Graph(torch.cuda.CUDAGraph(), work, zeros(1, batch), zeros(1, batch), zeros(batch), logits=None)
+
+    def _forward(self, graph: _Graph) -> torch.Tensor:
+        decode = PreparedDecode(None, None, None, "triton", graph.work.work)
+        meta = StepMetadata(self.cache, graph.slots, decode=decode)
+        hidden = self.model.base_model(input_ids=graph.input_ids, position_ids=graph.positions, paged=meta,
+                                       use_cache=False).last_hidden_state[0]
+        return self.model.get_output_embeddings()(hidden).float()
+
+    def _capture(self, graph: _Graph) -> None:
+        # Warm up on a side stream (compiles the Triton kernels, settles the allocator), then record.
+        # Both run the real step: their K/V writes store the same values the replay stores.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._forward(graph)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph.graph, pool=self.pool):
+            graph.logits = self._forward(graph)

@@ -1,0 +1,58 @@
+"""Next-token sampling for a batch of rows, each with its own temperature / top-k / top-p.
+
+Returns the sampled tokens and their log-probs under the distribution actually sampled from
+(after temperature, top-k and top-p; the raw distribution for greedy rows), which is what an RL
+trainer needs for importance ratios against the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Per-row sampling settings on the logits' device."""
+
+    temperature: torch.Tensor  # [rows] float, 0 = greedy
+    top_k: torch.Tensor  # [rows] long, 0 = off
+    top_p: torch.Tensor  # [rows] float, 1 = off
+    # Whether any row filters, known on the host where the settings come from (no device sync);
+    # when False the sort that filtering needs is skipped.
+    any_top_k: bool = True
+    any_top_p: bool = True
+
+
+def filtered_log_probs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """log-softmax of ``logits / temperature`` restricted to each row's top-k and top-p set."""
+    greedy = params.temperature == 0
+    scaled = logits.float() / torch.where(greedy, 1.0, params.temperature)[:, None]
+    if params.any_top_k or params.any_top_p:
+        scaled = _filter(scaled, params, greedy)
+    return scaled.log_softmax(-1)
+
+
+def _filter(scaled: torch.Tensor, params: RowParams, greedy: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    vocab = scaled.shape[-1]
+    ranks = torch.arange(vocab, device=scaled.device)
+    k = torch.where((params.top_k > 0) & ~greedy, params.top_k.clamp(max=vocab), vocab)
+    drop = ranks[None, :] >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    # Keep the smallest head whose mass reaches top_p: drop a token when the mass before it already does.
+    before = probs.cumsum(-1) - probs
+    top_p = torch.where(greedy, 1.0, params.top_p)
+    drop |= (before >= top_p[:, None]) & (ranks[None, :] > 0)
+    return scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def sample(logits: torch.Tensor, params: RowParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``[rows]`` and their log-probs ``[rows]`` (fp32)."""
+    log_probs = filtered_log_probs(logits, params)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p (one random number per
+    # vocabulary entry, no sort and no cumulative sum).
+    race = log_probs - torch.empty_like(log_probs).exponential_(generator=generator).log()
+    tokens = torch.where(params.temperature == 0, log_probs.argmax(-1), race.argmax(-1))
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,259 @@
+"""Triton kernels for paged decode attention: FCA and the plain FlashDecoding-style baseline.
+
+Two kernels serve both (see ``arctic_fca.fca.work`` for the work items):
+
+- ``_partial_attention``: one program per (work item, KV head). It loads the query heads of that
+  KV head for every request the item serves (a tile of ``requests x group`` rows), streams the
+  item's KV tokens through the block table ``BLOCK_N`` tokens at a time (each a gather of
+  ``BLOCK_N / block_size`` pages) with an online softmax, and writes one fp32 partial (out, lse)
+  per request -- or, when every request is a single unsplit item, the final output directly.
+- ``_merge_partials``: one program per (request, head); combines its partial rows with
+  log-sum-exp weights.
+
+FCA launches the partial kernel twice (shared-node items with tall query tiles, then the
+one-request suffix items) and merges; plain decode is the same kernel over whole sequences, so the
+comparison is between two uses of one kernel of the same quality.
+
+Under ``TRITON_INTERPRET=1`` the same kernels run on the CPU (slowly), which is how the CPU test
+suite checks them against the exact torch path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from arctic_fca.fca.plan import FCAPlan
+from arctic_fca.fca.work import DecodeWork, Launch, build_work, device_sms
+
+LOG2E = 1.4426950408889634
+# Launch settings per kind of item, tuned on the H200 (bench/fca_decode.py --sweep): KV tokens per
+# inner step (a gather of block_n / block_size pages), warps, software-pipeline stages.
+NODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+SINGLE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2}
+PROGRAMS_PER_SM = 32  # persistent programs (x KV heads) per streaming multiprocessor
+MERGE_ROWS = 16  # partial rows a merge program reads at once
+
+
+@triton.jit
+def _partial_attention(
+    q_ptr, k_ptr, v_ptr, kv_index_ptr, q_index_ptr, items_ptr, count_ptr,
+    out_ptr, lse_ptr,
+    stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_or, stride_oh, stride_lr, stride_items,
+    scale_log2,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    # Persistent over items: a fixed grid (a CUDA graph replays the same one every step) strides
+    # over this step's items, however many there are.
+    for item in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
+        _attend_item(q_ptr, k_ptr, v_ptr, kv_index_ptr, q_index_ptr, items_ptr, out_ptr, lse_ptr, item, kv_head,
+                     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                     stride_or, stride_oh, stride_lr, stride_items, scale_log2,
+                     GROUP, PAGE, HEAD_DIM, DIM_P2, BLOCK_Q, BLOCK_N, DIRECT, IEEE)
+
+
+@triton.jit
+def _attend_item(q_ptr, k_ptr, v_ptr, kv_index_ptr, q_index_ptr, items_ptr, out_ptr, lse_ptr, item, kv_head,
+                 stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_or, stride_oh, stride_lr, stride_items, scale_log2,
+                 GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
+    kv_start = tl.load(items_ptr + item)
+    kv_len = tl.load(items_ptr + stride_items + item)
+    q_start = tl.load(items_ptr + 2 * stride_items + item)
+    q_count = tl.load(items_ptr + 3 * stride_items + item)
+    out_row = tl.load(items_ptr + 4 * stride_items + item)
+
+    rows = tl.arange(0, BLOCK_Q)
+    local = rows // GROUP  # which of the item's requests a row belongs to
+    row_ok = local < q_count
+    request = tl.load(q_index_ptr + q_start + local, mask=row_ok, other=0).to(tl.int64)
+    head = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + request[:, None] * stride_qr + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q], tl.float32)
+    acc = tl.zeros([BLOCK_Q, DIM_P2], tl.float32)
+    for start in range(0, kv_len, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        tok_ok = tokens < kv_len
+        page = tl.load(kv_index_ptr + kv_start + tokens // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        slot = tokens % PAGE
+        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+                    mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(tok_ok[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
+                    mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    out = acc / l[:, None]
+    if DIRECT:
+        # Single unsplit item per request: this is the final result (row = the request).
+        target = request[:, None] * stride_or + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + target, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        partial = (out_row + local).to(tl.int64)
+        tl.store(out_ptr + partial[:, None] * stride_or + head[:, None] * stride_oh + dims[None, :], out,
+                 mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(lse_ptr + partial * stride_lr + head, (m + tl.log2(l)) * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
+def _merge_partials(
+    part_ptr, lse_ptr, indptr_ptr, rows_ptr, out_ptr,
+    stride_pr, stride_ph, stride_lr, stride_or, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, ROWS: tl.constexpr,
+):
+    # One program per (request, query head). A request's partial rows are read ROWS at a time as one
+    # gather (not one dependent load after another), then reduced: usually a single chunk.
+    request = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(indptr_ptr + request)
+    last = tl.load(indptr_ptr + request + 1)
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([DIM_P2], tl.float32)
+    for start in range(first, last, ROWS):
+        index = start + tl.arange(0, ROWS)
+        row_ok = index < last
+        row = tl.load(rows_ptr + index, mask=row_ok, other=0).to(tl.int64)
+        lse = tl.load(lse_ptr + row * stride_lr + head, mask=row_ok, other=float("-inf"))
+        part = tl.load(part_ptr + row[:, None] * stride_pr + head * stride_ph + dims[None, :],
+                       mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        weight = tl.exp(lse - m_new)  # padded rows: exp(-inf) = 0
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(weight, 0)
+        acc = acc * alpha + tl.sum(weight[:, None] * part, 0)
+        m = m_new
+    out = acc / total
+    tl.store(out_ptr + request * stride_or + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+ITEM_COLUMNS = ("kv_start", "kv_len", "q_start", "q_count", "out_row")
+
+
+@dataclass
+class DeviceLaunch:
+    items: torch.Tensor  # [5, capacity] int32: ITEM_COLUMNS
+    count: torch.Tensor  # [1] int32: items in use this step (the grid covers the capacity)
+    requests_per_tile: int
+
+
+@dataclass
+class DeviceWork:
+    """A step's work items on the device (``work.DecodeWork`` with the block tables in front)."""
+
+    kv_index: torch.Tensor
+    q_index: torch.Tensor
+    node: DeviceLaunch | None
+    single: DeviceLaunch
+    merge_indptr: torch.Tensor
+    merge_rows: torch.Tensor
+    partial: torch.Tensor  # [rows, q_heads, head_dim] fp32
+    lse: torch.Tensor  # [rows, q_heads] fp32
+    direct: bool  # one unsplit item per request: no partials, no merge
+
+
+def _items(launch: Launch) -> np.ndarray:
+    return np.stack([getattr(launch, c) for c in ITEM_COLUMNS]) if launch.num_items else np.zeros((5, 1), np.int32)
+
+
+def to_device(work: DecodeWork, block_tables: torch.Tensor, num_q_heads: int, head_dim: int) -> DeviceWork:
+    """Exactly sized device copies of ``work`` (``block_tables``: the device tables it was built for)."""
+    device = block_tables.device
+
+    def tensor(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)).to(device, non_blocking=True)
+
+    def launch(host: Launch) -> DeviceLaunch:
+        return DeviceLaunch(tensor(_items(host)), tensor(np.array([host.num_items])), host.requests_per_tile)
+
+    rows = max(1, work.num_partial_rows)
+    return DeviceWork(
+        kv_index=torch.cat([block_tables.reshape(-1).to(torch.int32), tensor(work.node_kv)]),
+        q_index=tensor(work.q_index),
+        node=launch(work.node) if work.node is not None else None,
+        single=launch(work.single),
+        merge_indptr=tensor(work.merge_indptr),
+        merge_rows=tensor(work.merge_rows),
+        partial=torch.empty(rows, num_q_heads, head_dim, dtype=torch.float32, device=device),
+        lse=torch.empty(rows, num_q_heads, dtype=torch.float32, device=device),
+        direct=work.one_item_per_request,
+    )
+
+
+def plan_work(plan: FCAPlan | None, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+              num_q_heads: int, num_kv_heads: int, head_dim: int, chunk: int | None = None) -> DeviceWork:
+    """The work items of one decode step (FCA with ``plan``, plain without) on the tables' device."""
+    host = build_work(plan, seq_lens.cpu().numpy(), block_tables.shape[1], block_size,
+                      group=num_q_heads // num_kv_heads, num_kv_heads=num_kv_heads,
+                      num_sms=device_sms(block_tables.device), chunk=chunk)
+    return to_device(host, block_tables, num_q_heads, head_dim)
+
+
+def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cache, out, lse, scale: float) -> None:
+    head_dim = query.shape[2]
+    num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
+    group = query.shape[1] // num_kv_heads
+    block_q = max(16, triton.next_power_of_2(launch.requests_per_tile * group))
+    config = NODE_CONFIG if launch.requests_per_tile > 1 else SINGLE_CONFIG
+    programs = max(1, min(launch.items.shape[1], PROGRAMS_PER_SM * device_sms(query.device) // num_kv_heads))
+    _partial_attention[(programs, num_kv_heads)](
+        query, key_cache, value_cache, work.kv_index, work.q_index, launch.items, launch.count,
+        out, lse,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out.stride(0), out.stride(1), lse.stride(0), launch.items.stride(0),
+        scale * LOG2E,
+        GROUP=group, PAGE=page, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
+        BLOCK_N=config["block_n"], DIRECT=work.direct, IEEE=query.dtype == torch.float32,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+
+
+def triton_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            work: DeviceWork, scale: float) -> torch.Tensor:
+    """Decode attention over prepared work items (inputs already validated; see ``plan_work``).
+    Returns ``[num_requests, num_q_heads, head_dim]`` in the query dtype. Launches a fixed number
+    of kernels with fixed grids, so it can be captured in a CUDA graph."""
+    num_requests, num_q_heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    if num_requests == 0:
+        return out
+    if work.direct:
+        _launch(work.single, work, query, key_cache, value_cache, out, out, scale)
+        return out
+    for launch in (work.node, work.single):
+        if launch is not None:
+            _launch(launch, work, query, key_cache, value_cache, work.partial, work.lse, scale)
+    _merge_partials[(num_requests, num_q_heads)](
+        work.partial, work.lse, work.merge_indptr, work.merge_rows, out,
+        work.partial.stride(0), work.partial.stride(1), work.lse.stride(0), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), ROWS=MERGE_ROWS, num_warps=2,
+    )
+    return out

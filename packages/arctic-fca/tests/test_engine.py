@@ -1,0 +1,176 @@
+"""The embedded engine against transformers: greedy equality, prefill-once, sampling, lifecycle, errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from arctic_core.config import SamplingParams, validate
+from arctic_core.demo.task import CountingTask
+from arctic_core.demo.tiny_model import build_tiny_model, build_tokenizer
+from arctic_core.errors import ConfigError, RequestError
+from arctic_fca.engine import EmbeddedEngine, EngineOptions
+from arctic_fca.engine.sampling import RowParams, filtered_log_probs
+
+NO_STOP = [10**6]  # a stop id no model emits: every sample runs to max_tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(CountingTask().corpus())
+
+
+def make_engine(tokenizer, family="qwen3", seed=1, **options):
+    model = build_tiny_model(tokenizer, family=family, seed=seed)
+    reference = copy.deepcopy(model)
+    return EmbeddedEngine(model, EngineOptions(**{"kv_cache_tokens": 4096, **options})), reference
+
+
+def random_prompts(lengths, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt, max_tokens):
+    ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                         min_new_tokens=max_tokens, pad_token_id=0)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("mode", ["fca", "plain"])
+def test_greedy_equals_transformers_generate(tokenizer, family, mode):
+    engine, reference = make_engine(tokenizer, family, fca=mode)
+    prompts = random_prompts((5, 16, 23, 40, 7), len(tokenizer))
+    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=24, stop_token_ids=NO_STOP))
+    assert [o.prompt_index for o in outputs] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    for out in outputs:
+        assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 24)
+    if mode == "fca":  # the shared prompts really went through the cascade
+        assert engine.stats.fca_steps == engine.stats.decode_steps == 23
+
+
+def test_a_group_prefills_its_prompt_once_and_shared_prefixes_are_reused(tokenizer):
+    engine, reference = make_engine(tokenizer, fca="fca")
+    system = random_prompts((32,), len(tokenizer), seed=5)[0]  # two full blocks shared by both prompts
+    prompts = [system + tail for tail in random_prompts((9, 20), len(tokenizer), seed=6)]
+    outputs = engine.generate(prompts, SamplingParams(n=8, temperature=0, max_tokens=10, stop_token_ids=NO_STOP))
+    # Each prompt once (not 8 times), and the second prompt's system blocks came from the first.
+    assert engine.stats.prefill_tokens == sum(map(len, prompts)) - 32
+    assert engine.stats.prefix_hit_tokens == 32
+    for out in outputs:
+        assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 10)
+    assert engine.pool.num_free == engine.pool.capacity  # every block came back
+
+
+def test_continuous_batching_admits_groups_as_blocks_free_up(tokenizer):
+    # 20 blocks hold about two groups at a time: the rest wait and run as earlier ones finish.
+    engine, reference = make_engine(tokenizer, kv_cache_tokens=20 * 16, max_num_seqs=4)
+    prompts = random_prompts((18, 30, 12, 25, 40), len(tokenizer), seed=2)
+    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=20, stop_token_ids=NO_STOP))
+    for out in outputs:
+        assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 20)
+    assert engine.stats.prefill_steps >= 3  # admitted in waves, not all at once
+
+
+def test_stop_tokens_end_a_sample_and_are_kept(tokenizer):
+    engine, reference = make_engine(tokenizer)
+    prompt = random_prompts((12,), len(tokenizer))[0]
+    expected = hf_greedy(reference, prompt, 16)
+    stop = expected[5]
+    (out,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop]))
+    assert out.tokens == expected[: expected.index(stop) + 1]
+
+
+def test_sampling_log_probs_are_those_of_the_distribution_sampled_from(tokenizer):
+    engine, reference = make_engine(tokenizer)
+    prompts = random_prompts((10, 21), len(tokenizer), seed=3)
+    params = SamplingParams(n=3, temperature=0.7, max_tokens=12, stop_token_ids=NO_STOP, seed=11)
+    outputs = engine.generate(prompts, params)
+    for out in outputs:
+        ids = torch.tensor([prompts[out.prompt_index] + out.tokens])
+        logits = reference(ids).logits[0, len(prompts[out.prompt_index]) - 1 : -1]
+        expected = (logits / 0.7).log_softmax(-1).gather(-1, torch.tensor(out.tokens)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-5, rtol=0)
+    # Same seed, same samples; another seed, other samples.
+    assert [o.tokens for o in engine.generate(prompts, params)] == [o.tokens for o in outputs]
+    other = engine.generate(prompts, params.model_copy(update={"seed": 12}))
+    assert [o.tokens for o in other] != [o.tokens for o in outputs]
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.4, 0.3, 0.2, 0.1]]))
+    params = RowParams(temperature=torch.tensor([1.0, 1.0, 0.0]), top_k=torch.tensor([2, 0, 1]),
+                       top_p=torch.tensor([1.0, 0.8, 0.5]))
+    probs = filtered_log_probs(logits, params).exp()
+    torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0, 0]))  # top-2, renormalised
+    torch.testing.assert_close(probs[1], torch.tensor([0.625, 0.375, 0, 0]))  # 0.5 + 0.3 reaches 0.8
+    torch.testing.assert_close(probs[2], torch.tensor([0.4, 0.3, 0.2, 0.1]))  # greedy rows keep the raw distribution
+
+
+def test_weight_update_sleep_and_wake(tokenizer):
+    engine, _ = make_engine(tokenizer, seed=1)
+    other = build_tiny_model(tokenizer, seed=2)
+    prompts = random_prompts((14, 30), len(tokenizer))
+    params = SamplingParams(n=2, temperature=0, max_tokens=8, stop_token_ids=NO_STOP)
+    engine.update_weights(other.state_dict().items(), version=7)
+    outputs = engine.generate(prompts, params)
+    assert {o.policy_version for o in outputs} == {7}
+    assert all(o.tokens == hf_greedy(other, prompts[o.prompt_index], 8) for o in outputs)
+    engine.sleep()
+    assert not engine.cache.keys
+    with pytest.raises(RequestError, match="asleep"):
+        engine.generate(prompts, params)
+    engine.wake()
+    assert [o.tokens for o in engine.generate(prompts, params)] == [o.tokens for o in outputs]
+
+
+def test_bad_requests_and_unsupported_models_get_clear_errors(tokenizer):
+    engine, _ = make_engine(tokenizer, max_num_seqs=4, kv_cache_tokens=64)
+    with pytest.raises(RequestError, match="n=8 exceeds the engine's max_num_seqs=4"):
+        engine.generate([[5, 6]], SamplingParams(n=8))
+    with pytest.raises(RequestError, match=r"prompts\[0\] with n=2 and max_tokens=100 needs 16 KV blocks; the cache has 3"):
+        engine.generate([[5] * 20], SamplingParams(n=2, max_tokens=100))
+    with pytest.raises(RequestError, match=r"prompts\[1\] is empty"):
+        engine.generate([[5], []], SamplingParams())
+    with pytest.raises(RequestError, match=r"prompts\[0\] contain token id 99999 >= vocab size"):
+        engine.generate([[5, 99999]], SamplingParams())
+    with pytest.raises(ConfigError, match="temperature: Input should be greater than or equal to 0"):
+        validate(SamplingParams, {"temperature": -1})
+    with pytest.raises(ConfigError, match="block_size"):
+        validate(EngineOptions, {"block_size": "big"})
+    with pytest.raises(ConfigError, match="sliding-window"):
+        EmbeddedEngine(build_tiny_model(tokenizer, family="mistral"))
+    assert engine.generate([[5, 6]], SamplingParams(max_tokens=2))  # still serving
+
+
+def test_a_failing_call_gives_every_block_back(tokenizer, monkeypatch):
+    engine, reference = make_engine(tokenizer)
+    prompts = random_prompts((20, 33), len(tokenizer))
+    params = SamplingParams(n=2, temperature=0, max_tokens=8, stop_token_ids=NO_STOP)
+
+    def dies(*args, **kwargs):
+        raise RuntimeError("device fell over mid-decode")
+
+    monkeypatch.setattr(engine, "_decode", dies)
+    with pytest.raises(RuntimeError, match="mid-decode"):
+        engine.generate(prompts, params)
+    monkeypatch.undo()
+    assert engine.pool.num_free == engine.pool.capacity
+    assert all(o.tokens == hf_greedy(reference, prompts[o.prompt_index], 8) for o in engine.generate(prompts, params))
+
+
+def test_triton_kernels_and_engine_under_the_interpreter():
+    """The GPU kernels' own code, run by Triton's CPU interpreter against the exact torch path."""
+    script = Path(__file__).with_name("triton_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["cases"] == 28 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]

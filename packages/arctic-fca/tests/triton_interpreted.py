@@ -1,0 +1,104 @@
+"""Run under ``TRITON_INTERPRET=1`` (the CPU test suite starts it as a subprocess): the Triton
+decode kernels against the exact torch path on random forests, split-K forced, GQA and MHA, and
+the embedded engine's greedy output with the Triton kernels against transformers ``generate``.
+Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+from test_fca import attention_args, make_batch, random_forest  # noqa: E402
+
+from arctic_fca.fca import build_plan, paged_decode_attention, triton_decode  # noqa: E402
+from arctic_fca.fca.triton_decode import plan_work, triton_decode_attention  # noqa: E402
+
+# Few persistent programs (8 nominal SMs x 1): each strides over several items, as on a busy GPU.
+triton_decode.PROGRAMS_PER_SM = 1
+triton_decode.MERGE_ROWS = 2  # requests with more partial rows than that merge in several chunks
+
+
+def kernel_cases() -> tuple[float, int]:
+    worst, cases = 0.0, 0
+    for seed in range(4):
+        for block_size, heads, chunk in ((16, (6, 2), 32), (32, (4, 4), None), (16, (8, 1), 16)):
+            segments, requests = random_forest(seed, block_size)
+            batch = make_batch(segments, requests, block_size, num_q_heads=heads[0], num_kv_heads=heads[1],
+                               head_dim=24, seed=seed)
+            query, key_cache, value_cache, tables, lens = attention_args(batch)
+            expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
+            for plan in (build_plan(tables, lens, block_size), None):
+                work = plan_work(plan, tables, lens, block_size, heads[0], heads[1], 24, chunk=chunk)
+                out = triton_decode_attention(query, key_cache, value_cache, work, 0.3)
+                worst = max(worst, (out - expected).abs().max().item())
+                cases += 1
+    return worst, cases
+
+
+def static_work_cases() -> tuple[float, int]:
+    """The fixed-capacity buffers a CUDA graph replays: batch padded with scratch rows, wider tables,
+    two different steps loaded one after the other into the same buffers."""
+    import numpy as np
+    from arctic_fca.fca.graph_work import StaticDecodeWork
+    from arctic_fca.fca.work import build_work
+
+    worst, cases = 0.0, 0
+    for with_nodes in (True, False):
+        static = None
+        for seed in (5, 6):
+            segments, requests = random_forest(seed, 16)
+            batch = make_batch(segments, requests, 16, num_q_heads=4, num_kv_heads=2, head_dim=16, seed=seed)
+            query, key_cache, value_cache, tables, lens = attention_args(batch)
+            real = len(requests)
+            rows, width = 12, tables.shape[1] + 3
+            padded = np.zeros((rows, width), np.int32)
+            padded[:real, : tables.shape[1]] = tables.clamp(min=0).numpy()
+            lens_padded = np.ones(rows, np.int32)
+            lens_padded[:real] = lens.numpy()
+            plan = build_plan(torch.from_numpy(padded), torch.from_numpy(lens_padded), 16) if with_nodes else None
+            work = build_work(plan, lens_padded, width, 16, group=2, num_kv_heads=2, num_sms=8, chunk=32)
+            if static is None:
+                static = StaticDecodeWork(rows, width, key_cache.shape[0], with_nodes=with_nodes, num_q_heads=4,
+                                          num_kv_heads=2, head_dim=16, device=torch.device("cpu"))
+            assert static.load(work, padded)
+            query_padded = torch.cat([query, torch.zeros(rows - real, *query.shape[1:])])
+            out = triton_decode_attention(query_padded, key_cache, value_cache, static.work, 0.3)[:real]
+            expected = paged_decode_attention(query, key_cache, value_cache, tables.clamp(min=0), lens, 0.3)
+            worst = max(worst, (out - expected).abs().max().item())
+            cases += 1
+    return worst, cases
+
+
+def engine_matches_generate() -> bool:
+    import copy
+
+    from arctic_core.config import SamplingParams
+    from arctic_core.demo.task import CountingTask
+    from arctic_core.demo.tiny_model import build_tiny_model, build_tokenizer
+    from arctic_fca.engine import EmbeddedEngine, EngineOptions
+
+    tokenizer = build_tokenizer(CountingTask().corpus())
+    model = build_tiny_model(tokenizer, family="qwen3", seed=3)
+    reference = copy.deepcopy(model)
+    engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=2048, fca="fca", kernel="triton"))
+    prompts = [[5 + (i * 7 + j) % 200 for j in range(length)] for i, length in enumerate((20, 33))]
+    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=[10**6]))
+    for out in outputs:
+        prompt = prompts[out.prompt_index]
+        expected = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
+        if out.tokens != expected:
+            return False
+    return engine.stats.fca_steps == engine.stats.decode_steps > 0
+
+
+if __name__ == "__main__":
+    worst, cases = kernel_cases()
+    static_worst, static_cases = static_work_cases()
+    print(json.dumps({"max_abs_diff": max(worst, static_worst), "cases": cases + static_cases,
+                      "engine_greedy_matches": engine_matches_generate()}))
