@@ -104,6 +104,19 @@ def test_ppo_token_mean_value_clipfrac_and_gradient() -> None:
     assert_rows(grad_of(loss, logp), [[-0.25, 0.0, -0.1], [0.0, 0.44, 0.0]])
 
 
+def test_ppo_on_policy_uses_the_current_logprobs_detached() -> None:
+    """old_logprobs: current (TRL / verl without re-use): ratio 1, gradient -A / n per token."""
+    batch, logp = ppo_case()
+    batch = batch.replace(old_logprobs=None)
+    loss, metrics = PPOLoss(**PPO_OPTS, old_logprobs="current")({"logprobs": logp}, batch, LossContext.of(batch))
+    adv = [a for a, n in zip(PPO_ADV, [3, 2], strict=True) for _ in range(n)]
+    assert loss.item() == pytest.approx(-sum(adv) / 5, abs=TOL)
+    assert metrics["clipfrac"] == 0.0
+    assert_rows(grad_of(loss, logp), [[-PPO_ADV[0] / 5] * 3, [-PPO_ADV[1] / 5] * 2 + [0.0]])
+    with pytest.raises(BatchError, match="needs batch.old_logprobs"):
+        PPOLoss(**PPO_OPTS)({"logprobs": logp}, batch, LossContext.of(batch))
+
+
 def test_ppo_symmetric_clip_when_clip_high_is_unset() -> None:
     # clip_high defaults to clip_low = 0.2: ratio 1.25 (A=+1) is now clipped at 1.2 -> -1.2.
     # sum = -1.2 - 1.2 - 0.5 + 1.6 + 2.2 = 0.9 -> 0.18; clipped tokens 3 of 5.

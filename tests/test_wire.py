@@ -12,7 +12,6 @@ from arctic_core import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.errors import BatchError, RequestError
 from arctic_core.protocol import (
-    OPS,
     CheckpointRequest,
     Empty,
     EnginesRequest,
@@ -22,8 +21,10 @@ from arctic_core.protocol import (
     LogProbsRequest,
     LogProbsResult,
     Message,
+    OPS,
     Result,
     StatusResult,
+    StepRequest,
     SyncWeightsResult,
 )
 
@@ -57,7 +58,7 @@ def samples() -> dict[str, tuple[Message, Result]]:
             FwdBwdRequest(batch=batch, loss=[{"name": "ppo", "clip_low": 0.2}, {"name": "kl", "weight": 1e-3}], scale=0.5, max_response_len=7),
             Result(metrics={"loss": 1.25, "ppo/clipfrac": 0.0}),
         ),
-        "step": (Empty(), Result(metrics={"grad_norm": 3.5, "step": 1.0})),
+        "step": (StepRequest(lr=1e-4), Result(metrics={"grad_norm": 3.5, "step": 1.0})),
         "sync_weights": (Empty(), SyncWeightsResult(policy_version=3, metrics={"bytes": 10.0})),
         "save_checkpoint": (CheckpointRequest(path="/tmp/ckpt", export_hf=True), status),
         "load_checkpoint": (CheckpointRequest(path="/tmp/ckpt"), status),

@@ -24,6 +24,7 @@ from arctic_core.protocol import (
     GenerateRequest,
     LogProbsRequest,
     Message,
+    StepRequest,
 )
 from arctic_core.transports import Transport
 
@@ -91,9 +92,10 @@ class _Calls:
             ),
         )
 
-    def step(self) -> Any:
-        """Clip, apply and zero the accumulated gradients; advance the LR schedule."""
-        return self._call("step", Empty())
+    def step(self, lr: float | None = None) -> Any:
+        """Clip, apply and zero the accumulated gradients; advance the LR schedule (``lr``: use this
+        learning rate for the step instead, for a framework that drives its own schedule)."""
+        return self._call("step", _request(StepRequest, lr=lr))
 
     def sync_weights(self) -> Any:
         """Push the trainer's weights to the samplers; returns the new policy version."""

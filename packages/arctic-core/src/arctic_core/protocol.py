@@ -60,6 +60,13 @@ class Empty(Message):
     """The request of operations that take no arguments."""
 
 
+class StepRequest(Message):
+    lr: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="Learning rate for this step, for a framework that drives its own schedule "
+        "(it then replaces the configured schedule's value)."
+    )
+
+
 class SyncWeightsResult(Result):
     policy_version: int
 
@@ -86,7 +93,7 @@ OPS: dict[str, tuple[type[Message], type[Result]]] = {
     "generate": (GenerateRequest, GenerateResult),
     "log_probs": (LogProbsRequest, LogProbsResult),
     "fwd_bwd": (FwdBwdRequest, Result),
-    "step": (Empty, Result),
+    "step": (StepRequest, Result),
     "sync_weights": (Empty, SyncWeightsResult),
     "save_checkpoint": (CheckpointRequest, StatusResult),
     "load_checkpoint": (CheckpointRequest, StatusResult),

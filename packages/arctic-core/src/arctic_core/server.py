@@ -24,7 +24,6 @@ from arctic_core.errors import RequestError
 from arctic_core.interfaces import LossContext, LogProbBackend, SamplingBackend, TrainingBackend
 from arctic_core.objective import build_objective, build_processors
 from arctic_core.protocol import (
-    OPS,
     CheckpointRequest,
     Empty,
     EnginesRequest,
@@ -34,8 +33,10 @@ from arctic_core.protocol import (
     LogProbsRequest,
     LogProbsResult,
     Message,
+    OPS,
     Result,
     StatusResult,
+    StepRequest,
     SyncWeightsResult,
 )
 from arctic_core.registry import Registry, default_registry
@@ -113,8 +114,8 @@ class ArcticServer:
         metrics["tokens"] = float(req.batch.total_tokens())
         return Result(metrics=metrics)
 
-    def _op_step(self, req: Empty) -> Result:
-        metrics = self.trainer.optimizer_step()
+    def _op_step(self, req: StepRequest) -> Result:
+        metrics = self.trainer.optimizer_step(lr=req.lr)
         self.step_count += 1
         return Result(metrics={**metrics, "step": float(self.step_count)})
 

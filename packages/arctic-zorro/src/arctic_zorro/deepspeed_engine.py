@@ -262,9 +262,12 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
             self.micro_batch_tokens, self.options.zorro.enable, self.device,
         )
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         if self.asleep:
             raise RequestError("DeepSpeedTrainer is asleep; call wake() first")
+        if lr is not None:  # a framework's schedule; the engine's own sets the next value after step()
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] = lr
         # A plain (non-ZeRO, fp32) optimizer clips without reporting the norm: measure it first.
         norm_before = self._local_grad_norm() if self._grads_in_params() else None
         lr = self.engine.get_lr()[0]

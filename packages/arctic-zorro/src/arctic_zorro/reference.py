@@ -101,9 +101,12 @@ class ReferenceTrainer(ReferenceLogProbEngine):
             self.micro_batch_tokens, self.grouped, self.device,
         )
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         if self.asleep:
             raise RequestError("ReferenceTrainer is asleep; call wake() first")
+        if lr is not None:  # a framework's schedule: it replaces the scheduler's value for this step
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         max_norm = self.config.optimizer.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))

@@ -7,7 +7,7 @@ policy that produced the data) and ``batch.advantages`` (per response or per tok
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -24,6 +24,9 @@ class ClipOptions(StrictModel):
     clip_low: Annotated[float, Field(ge=0)] = 0.2
     clip_high: Annotated[float, Field(ge=0)] | None = Field(None, description="Defaults to clip_low; DAPO uses 0.28.")
     aggregation: Aggregation = "token-mean"
+    old_logprobs: Literal["batch", "current"] = Field(
+        "batch", description="batch: batch.old_logprobs; current: the data is on-policy (sampled by exactly "
+        "these weights), so the current log-probs, detached, serve (ratio 1, policy-gradient direction).")
 
     @property
     def high(self) -> float:
@@ -48,7 +51,9 @@ class GSPOOptions(ClipOptions):
         return self
 
 
-def _old_logprobs(batch: RolloutBatch, term: str) -> torch.Tensor:
+def _old_logprobs(batch: RolloutBatch, term: str, logp: torch.Tensor, source: str) -> torch.Tensor:
+    if source == "current":
+        return logp.detach()
     if batch.old_logprobs is None:
         raise BatchError(f"loss {term!r} needs batch.old_logprobs (log-probs of the policy that sampled the data)")
     return batch.old_logprobs.float()
@@ -77,7 +82,7 @@ class PPOLoss:
         opts, mask = self.options, batch.loss_mask
         logp = outputs["logprobs"]
         adv = batch.token_advantages().to(logp)
-        log_ratio = (logp - _old_logprobs(batch, "ppo")).masked_fill(~mask, 0.0)
+        log_ratio = (logp - _old_logprobs(batch, "ppo", logp, opts.old_logprobs)).masked_fill(~mask, 0.0)
         ratio = torch.exp(log_ratio)
         losses, clipped = _clipped_surrogate(ratio, adv, opts.clip_low, opts.high)
         dual = torch.zeros_like(clipped)
@@ -109,7 +114,7 @@ class GSPOLoss:
         logp = outputs["logprobs"]
         adv = batch.token_advantages().to(logp)
         fmask = mask.to(logp.dtype)
-        log_ratio = (logp - _old_logprobs(batch, "gspo")) * fmask
+        log_ratio = (logp - _old_logprobs(batch, "gspo", logp, self.options.old_logprobs)) * fmask
         seq_log_ratio = log_ratio.sum(-1) / fmask.sum(-1).clamp(min=1)
         # s_i,t = sg(s_i) * pi_t / sg(pi_t): value s_i for every token, gradient s_i * grad(log pi_t) / |y_i|
         # once aggregated per sequence, which is GSPO's sequence-level gradient.

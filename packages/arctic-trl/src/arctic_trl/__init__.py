@@ -1,0 +1,18 @@
+"""TRL on the Arctic backend: replace ``from trl import GRPOTrainer`` with
+``from arctic_trl import GRPOTrainer``; nothing else in the script changes.
+
+Supported: trl 1.16.x (the adapter overrides TRL internals that change between minor releases).
+"""
+
+from importlib.metadata import version
+
+from packaging.version import Version
+
+SUPPORTED_TRL = (Version("1.16"), Version("1.17"))
+_found = Version(version("trl"))
+if not SUPPORTED_TRL[0] <= _found < SUPPORTED_TRL[1]:
+    raise ImportError(f"arctic_trl supports trl >=1.16,<1.17; trl {_found} is installed")
+
+from arctic_trl.trainer import ArcticOptimizer, GRPOTrainer, PolicyStub  # noqa: E402
+
+__all__ = ["ArcticOptimizer", "GRPOTrainer", "PolicyStub"]

@@ -1,0 +1,229 @@
+"""``arctic_trl.GRPOTrainer``: TRL's GRPOTrainer with generation, log-probs, loss, backward and the
+optimizer step on the Arctic backend. Swap one import; keep the script.
+
+What stays TRL's: the dataset and its repeat sampler, chat templates, reward functions, advantages,
+generation buffering (``steps_per_generation`` / ``num_iterations``), the LR schedule, logging and
+callbacks. What moves to Arctic (each at one TRL seam):
+
+- ``_generate_single_turn`` -> ``client.generate`` (n samples per prompt, sampling log-probs);
+- ``_get_per_token_logps_and_entropies`` -> ``client.log_probs`` (old-policy and reference);
+- ``training_step`` -> ``client.fwd_bwd`` with the loss terms of ``mapping.loss_terms``;
+- the optimizer -> :class:`ArcticOptimizer`, whose ``step`` is ``client.step(lr)`` then
+  ``client.sync_weights()``: the sampler gets the new weights after every optimizer step.
+
+No full model is built on the client: TRL's Trainer machinery gets :class:`PolicyStub` (the
+policy's config, its generation config and one placeholder parameter).
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import trl
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedModel
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.client import ArcticClient
+from arctic_trl.mapping import arctic_config, loss_terms, unsupported
+
+REFERENCE = "reference"  # stands for TRL's ref_model: log-probs come from Arctic's reference engine
+
+
+class PolicyStub(PreTrainedModel):
+    """The policy as TRL's Trainer sees it: config and generation config, no weights (they live in
+    the Arctic backend). Any forward call is a bug in the adapter, and says so."""
+
+    def __init__(self, config, generation_config: GenerationConfig) -> None:
+        super().__init__(config)
+        self.placeholder = torch.nn.Parameter(torch.zeros(1))  # the optimizer and DDP need one
+        self.post_init()
+        self.generation_config = generation_config
+
+    @classmethod
+    def from_path(cls, path: str) -> PolicyStub:
+        config = AutoConfig.from_pretrained(path)
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:
+            generation = GenerationConfig.from_model_config(config)
+        return cls(config, generation)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the policy runs in the Arctic backend; arctic_trl routed a call to the client-side stub")
+
+
+class ArcticOptimizer(torch.optim.Optimizer):
+    """The optimizer TRL's Trainer steps: it applies the backend's accumulated gradients at the
+    learning rate of TRL's schedule, then syncs the sampler's weights."""
+
+    def __init__(self, stub: PolicyStub, client: ArcticClient, lr: float,
+                 on_step: Callable[[dict[str, float]], None]) -> None:
+        super().__init__([stub.placeholder], {"lr": lr})
+        self.client, self.on_step = client, on_step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        metrics = dict(self.client.step(lr=self.param_groups[0]["lr"]).metrics)
+        metrics["policy_version"] = float(self.client.sync_weights().policy_version)
+        self.on_step(metrics)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the backend; ``step`` already cleared them there."""
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """Drop-in for ``trl.GRPOTrainer``. ``model`` is a local model folder (or a loaded model, which
+    is saved to a temporary folder for the backend). ``arctic``: an ``ArcticClient``, an
+    ``http://`` URL of ``arctic-rl serve``, or a dict of ArcticConfig overrides for the in-process
+    backend (default: DeepSpeed + ZoRRo trainer and the embedded FCA sampler on this machine)."""
+
+    def __init__(self, model: str | PreTrainedModel, reward_funcs: Any, args: trl.GRPOConfig | None = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 reward_processing_classes: Any = None, callbacks: Any = None, optimizers: Any = (None, None),
+                 peft_config: Any = None, *, arctic: ArcticClient | str | dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        args = copy.copy(args) if args is not None else trl.GRPOConfig(output_dir="arctic-grpo")
+        problems = unsupported(args)
+        if peft_config is not None:
+            problems.append("peft_config: Arctic trains full weights")
+        if optimizers != (None, None):
+            problems.append("optimizers: the optimizer runs in the Arctic backend (configure it in GRPOConfig)")
+        if problems:
+            raise ValueError("arctic_trl cannot run these settings exactly:\n  - " + "\n  - ".join(problems))
+        path = _model_folder(model)
+        self.arctic = _connect(arctic, path, args)
+        beta = args.beta
+        # TRL must not build a reference model or clip the placeholder: both are the backend's job
+        # (it was configured with these values above).
+        args.beta, args.gradient_checkpointing, args.max_grad_norm = 0.0, False, 0.0
+        stub = PolicyStub.from_path(path)
+        self._step_metrics: dict[str, float] = {}
+        optimizer = ArcticOptimizer(stub, self.arctic, args.learning_rate, self._record_step)
+        super().__init__(model=stub, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class or AutoTokenizer.from_pretrained(path),
+                         reward_processing_classes=reward_processing_classes, callbacks=callbacks,
+                         optimizers=(optimizer, None), **kwargs)
+        self.beta = args.beta = beta
+        self.ref_model = REFERENCE if beta != 0.0 else None
+        self._generations = 0
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if images is not None and any(image is not None for image in images):
+            raise NotImplementedError("arctic_trl samples text only; images are not supported")
+        runs = _runs(prompt_ids)  # TRL's sampler repeats each prompt num_generations times in a row
+        params = {"temperature": self.temperature, "top_p": self.args.top_p, "top_k": self.args.top_k or 0,
+                  "max_tokens": self.max_completion_length, "stop_token_ids": list(self.eos_token_ids),
+                  "seed": self.args.seed + self._generations}
+        self._generations += 1
+        sizes = {n for _, n in runs}
+        # One call when every prompt has the same sample count (always, in training); else per prompt.
+        calls = [(runs, sizes.pop())] if len(sizes) == 1 else [([run], run[1]) for run in runs]
+        completions, logprobs = [], []
+        for group, n in calls:  # results come prompt-major, samples contiguous: TRL's row order
+            batch = self.arctic.generate([prompt for prompt, _ in group], n=n, **params).batch
+            for i in range(batch.num_responses):
+                completions.append(batch.response(i))
+                logprobs.append(batch.sampling_logprobs[i, : int(batch.response_lens[i])].tolist())
+        return completions, logprobs
+
+    # ---- log-probs and loss -----------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        batch = _rollout_batch(input_ids, attention_mask, logits_to_keep)
+        processors = ["logprobs", "entropy"] if compute_entropy else ["logprobs"]
+        outputs = self.arctic.log_probs(batch, model="reference" if model is REFERENCE else "policy",
+                                        processors=processors, temperature=self.temperature).outputs
+        device = input_ids.device
+        logps = _widen(outputs["logprobs"], logits_to_keep).to(device)
+        entropy = _widen(outputs["entropy"], logits_to_keep).to(device) if compute_entropy else None
+        return logps, entropy, None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        begin = time.perf_counter()
+        model.train()
+        metrics = self.arctic_fwd_bwd(self._prepare_inputs(inputs))  # TRL: generation, rewards, advantages
+        self._record(metrics)
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - begin
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return torch.tensor(metrics["loss"], device=self.args.device)
+
+    def arctic_fwd_bwd(self, inputs: dict[str, Any]) -> dict[str, float]:
+        """TRL's ``_compute_loss`` + backward for one prepared micro-batch, run by the backend
+        (gradients accumulate there until the optimizer step). Returns the backend's metrics."""
+        mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+        on_policy = inputs.get("old_per_token_logps") is None
+        fields = {"advantages": inputs["advantages"]}
+        if not on_policy:
+            fields["old_logprobs"] = inputs["old_per_token_logps"]
+        if self.beta != 0.0:
+            fields["ref_logprobs"] = inputs["ref_per_token_logps"]
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        batch = _rollout_batch(input_ids, attention, inputs["completion_ids"].shape[1], mask, **fields)
+        terms, max_len = loss_terms(self.args, accumulation_steps=self.current_gradient_accumulation_steps,
+                                    local_tokens=int(mask.sum()), num_items_in_batch=float(inputs["num_items_in_batch"]),
+                                    num_processes=self.accelerator.num_processes, on_policy=on_policy)
+        return dict(self.arctic.fwd_bwd(batch, terms, temperature=self.temperature, max_response_len=max_len).metrics)
+
+    def _record(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self._metrics["train"][f"arctic/{key}"].append(float(value))
+
+    def _record_step(self, metrics: dict[str, float]) -> None:
+        self._record({f"step/{k}": v for k, v in metrics.items()})
+
+
+def _model_folder(model: str | PreTrainedModel) -> str:
+    if isinstance(model, str):
+        if not Path(model).is_dir():
+            raise ValueError(f"arctic_trl needs a local model folder (the backend loads it); {model!r} is not one")
+        return model
+    folder = tempfile.mkdtemp(prefix="arctic-trl-policy-")  # a loaded model: hand its weights to the backend
+    model.save_pretrained(folder)
+    return folder
+
+
+def _connect(arctic: ArcticClient | str | dict[str, Any] | None, path: str, args: trl.GRPOConfig) -> ArcticClient:
+    if isinstance(arctic, ArcticClient):
+        return arctic
+    if isinstance(arctic, str):
+        return ArcticClient.http(arctic)
+    return ArcticClient.in_process(arctic_config(path, args, arctic))
+
+
+def _runs(prompt_ids: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Consecutive identical prompts as (prompt, count)."""
+    runs: list[tuple[list[int], int]] = []
+    for prompt in prompt_ids:
+        if runs and runs[-1][0] == list(prompt):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((list(prompt), 1))
+    return runs
+
+
+def _rollout_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,
+                   loss_mask: torch.Tensor | None = None, **fields: torch.Tensor) -> RolloutBatch:
+    """TRL's layout (left-padded prompts + right-padded completions) as an Arctic batch."""
+    cpu = {k: v.detach().cpu() for k, v in fields.items()}
+    return RolloutBatch.from_padded(input_ids.cpu(), attention_mask.cpu(), input_ids.shape[1] - completion_len,
+                                    response_mask=None if loss_mask is None else loss_mask.cpu().bool(), **cpu)
+
+
+def _widen(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Per-token outputs ``[B, longest response]`` right-padded with zeros to TRL's ``[B, width]``."""
+    out = values.new_zeros(values.shape[0], width)
+    out[:, : values.shape[1]] = values[:, :width]
+    return out
