@@ -9,6 +9,7 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # Ray workers use this checkout, nothing uploaded
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

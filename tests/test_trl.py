@@ -72,7 +72,7 @@ def test_first_step_loss_and_gradients_equal_plain_trl(policy, tmp_path, overrid
                          train_dataset=DATASET)
     arctic.current_gradient_accumulation_steps = args.gradient_accumulation_steps
     metrics = arctic.arctic_fwd_bwd(inputs)
-    assert metrics["loss"] == pytest.approx(float(expected), abs=1e-5)
+    assert metrics["loss"] == pytest.approx(expected.detach().item(), abs=1e-5)
     grads = arctic.arctic.transport.server.trainer.full_gradients()
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
@@ -95,3 +95,26 @@ def test_no_full_model_on_the_client(policy, tmp_path):
     with pytest.raises(RuntimeError, match="runs in the Arctic backend"):
         trainer.model(torch.zeros(1, 2, dtype=torch.long))
     trainer.arctic.close()
+
+
+def test_trl_over_http_drives_a_served_backend_with_trls_schedule(policy, tmp_path):
+    """The same trainer against ``arctic-rl serve``'s app on loopback: every step reaches the
+    server at the learning rate of TRL's (linear) schedule, and the sampler follows each step."""
+    from test_http import LiveServer
+
+    from arctic_core.config import ArcticConfig
+    from arctic_core.http_server import create_app
+    from arctic_core.server import ArcticServer
+
+    server = ArcticServer(ArcticConfig.from_dict({"model": {"path": policy, "device": "cpu"}, "seed": 0}))
+    live = LiveServer(create_app(server))
+    try:
+        args = grpo_args(tmp_path, max_steps=3, lr_scheduler_type="linear")
+        trainer = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET,
+                              arctic=live.url)
+        trainer.train()
+    finally:
+        live.stop()
+    assert server.step_count == 3 and server.policy_version == 3
+    lrs = [h["arctic/step/lr"] for h in trainer.state.log_history if "arctic/step/lr" in h]
+    assert lrs == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3], rel=1e-6)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from arctic_core import processors
 from arctic_core.hookspecs import hookimpl
 from arctic_core.losses import policy, regularizers
+from arctic_core.registry import Lazy
 from arctic_core.weight_files import SafetensorsFilesTransport
 from arctic_core.weight_sync import InProcessTransport
 
@@ -26,6 +27,12 @@ def arctic_losses():
 @hookimpl
 def arctic_processors():
     return {"logprobs": processors.LogProbs, "entropy": processors.Entropy}
+
+
+@hookimpl
+def arctic_training_backends():
+    return {"ray": Lazy("arctic_core.ray_trainer:RayDataParallelTrainer",
+                        "Data parallel over Ray actors: one rank of an inner training backend per worker.")}
 
 
 @hookimpl

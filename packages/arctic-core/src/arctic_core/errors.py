@@ -34,3 +34,7 @@ class RemoteError(ArcticError, RuntimeError):
         where = f"HTTP {status}" if status is not None else "no answer"
         super().__init__(f"{error} ({where}): {message}")
         self.status, self.error, self.message = status, error, message
+
+
+class WorkerError(RequestError):
+    """A worker process (e.g. one data-parallel training rank) died or failed; the message names it."""

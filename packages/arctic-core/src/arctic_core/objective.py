@@ -20,6 +20,7 @@ class WeightedObjective:
 
     terms: list[tuple[str, float, LossTerm]]
     processors: Mapping[str, Processor]
+    spec: tuple[list[LossTermConfig], float] | None = None  # what it was built from: rebuildable elsewhere
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
@@ -36,9 +37,18 @@ class WeightedObjective:
         return total, metrics
 
 
-def build_processors(registry: Registry, names: Sequence[str], temperature: float) -> dict[str, Processor]:
+class ProcessorSet(dict):
+    """Processors keyed by each output they produce, remembering the plugin names and temperature
+    they were built from (so another process can build the same set)."""
+
+    def __init__(self, names: Sequence[str], temperature: float) -> None:
+        super().__init__()
+        self.names, self.temperature = list(names), temperature
+
+
+def build_processors(registry: Registry, names: Sequence[str], temperature: float) -> ProcessorSet:
     """Instantiate the named processors at ``temperature``, keyed by each output they produce."""
-    out: dict[str, Processor] = {}
+    out = ProcessorSet(list(dict.fromkeys(names)), temperature)
     for name in dict.fromkeys(names):
         processor = registry.get("processor", name)(temperature=temperature)
         for output in processor.outputs:
@@ -54,4 +64,4 @@ def build_objective(
         raise RequestError("fwd_bwd needs at least one loss term, e.g. [{'name': 'ppo'}]")
     built = [(t.name, t.weight, registry.get("loss", t.name)(**t.options())) for t in terms]
     names = [name for _, _, term in built for name in term.requires]
-    return WeightedObjective(built, build_processors(registry, names, temperature))
+    return WeightedObjective(built, build_processors(registry, names, temperature), (list(terms), temperature))

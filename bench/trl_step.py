@@ -1,0 +1,91 @@
+"""GRPO step time of TRL on Arctic (H200), shaped like the peer harness in
+../shared/scripts/peers/trl_grpo.py: a Qwen3-1.7B-shaped random bf16 model, 8 prompts x 8 samples
+per optimizer step, 512 new tokens, prompts of P random tokens, gradient checkpointing.
+
+    P=2048 STEPS=4 python3 bench/trl_step.py      # then the peer: torchrun ... trl_grpo.py vllm
+
+The only change from the peer script is the import of GRPOTrainer (and no vLLM settings): the
+backend runs in process, the DeepSpeed trainer and the embedded sampler sharing the GPU (the
+sampler's KV cache is capped so the trainer fits beside it). The last line is a JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+from datasets import Dataset
+from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
+from trl import GRPOConfig
+
+from arctic_core.demo.tiny_model import build_tokenizer
+from arctic_trl import GRPOTrainer
+
+QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                  tie_word_embeddings=True, rope_theta=1000000.0)
+
+
+def make_model(folder: str) -> None:
+    """Random bf16 weights and a small byte-level tokenizer (token ids stay below its vocabulary)."""
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return
+    tokenizer = build_tokenizer([f"w{i} alpha{i % 37} beta{i % 91}" for i in range(3000)], vocab_size=1000)
+    config = AutoConfig.for_model("qwen3", **QWEN3_1_7B, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self) -> None:
+        self.begin, self.steps = 0.0, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.begin = time.time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        torch.cuda.synchronize()
+        self.steps.append(time.time() - self.begin)
+        print("step", len(self.steps), round(self.steps[-1], 2), "s", flush=True)
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("bench/trl_step.py measures the H200; the CPU example is examples/trl_grpo.py")
+    folder = "/tmp/qwen3-1.7b-shape-arctic"
+    make_model(folder)
+    prompt_len, samples = int(os.environ.get("P", 2048)), 8
+    prompts, new_tokens = int(os.environ.get("PROMPTS", 8)), int(os.environ.get("T", 512))
+    random.seed(0)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = [tokenizer.decode([random.randrange(3, 999) for _ in range(prompt_len)]) for _ in range(prompts * 4)]
+
+    def reward(completions, **kwargs):
+        return [float(len(c) % 7) for c in completions]
+
+    args = GRPOConfig(output_dir="/tmp/trl_arctic_out", per_device_train_batch_size=8,
+                      gradient_accumulation_steps=prompts * samples // 8, num_generations=samples,
+                      max_completion_length=new_tokens, bf16=True, gradient_checkpointing=True, learning_rate=1e-6,
+                      logging_steps=1, max_steps=int(os.environ.get("STEPS", 4)), report_to=[], temperature=1.0,
+                      beta=0.0, save_strategy="no")
+    timer = StepTimer()
+    arctic = {"sampler": {"options": {"gpu_memory_utilization": float(os.environ.get("SAMPLER_MEMORY", 0.35))}}}
+    trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": texts}),
+                          callbacks=[timer], arctic=arctic)
+    trainer.train()
+    steady = timer.steps[1:] or timer.steps
+    print(json.dumps({"system": "trl-1.16 on arctic", "prompts": prompts, "n": samples, "prompt_len": prompt_len,
+                      "max_new": new_tokens, "step_s_steady_mean": round(sum(steady) / len(steady), 2),
+                      "steps": [round(s, 2) for s in timer.steps]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

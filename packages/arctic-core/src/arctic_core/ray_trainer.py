@@ -1,0 +1,250 @@
+"""The ``ray`` training backend: any data-parallel training backend, one Ray actor per rank.
+
+``trainer: {backend: ray, options: {workers: 2, backend: deepspeed, options: {zero_stage: 2}}}``
+starts (or joins, with ``address``) a Ray cluster and runs ``workers`` copies of the inner backend
+as torch.distributed ranks (gloo on the CPU, NCCL on GPUs; DeepSpeed shards optimizer state and
+gradients over them). The server sees one training backend, so every client call works unchanged.
+
+- ``forward_backward`` splits the batch by whole prompt groups (a group's shared prompt stays on
+  one rank, as ZoRRo needs), balanced by tokens; every rank normalises by the GLOBAL loss context,
+  and its loss is scaled by the world size because the inner engine averages gradients over ranks.
+  The gradients then equal one rank's on the whole batch.
+- ``optimizer_step`` and every stateful call (checkpoints, sleep/wake, weights) run on all ranks:
+  they may be collectives. Results come from rank 0.
+- Requests travel to the workers in the wire format (safetensors + JSON), as over HTTP.
+
+A dead worker raises :class:`~arctic_core.errors.WorkerError` naming its rank; the server stays up.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from arctic_core import wire
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import ModelConfig, StrictModel, TrainerConfig, validate
+from arctic_core.errors import ConfigError, RequestError, WorkerError
+from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
+from arctic_core.objective import ProcessorSet
+from arctic_core.protocol import FwdBwdRequest, LogProbsRequest
+
+
+class RayTrainerOptions(StrictModel):
+    workers: int = Field(2, ge=1, description="Data-parallel ranks, one Ray actor each.")
+    backend: str = Field("deepspeed", description="The training backend every worker runs.")
+    options: dict[str, Any] = Field(default_factory=dict, description="That backend's options.")
+    address: str | None = Field(None, description="Ray cluster to join; None starts a local one.")
+    gpus_per_worker: float = Field(0.0, ge=0, description="1 per worker for a GPU each; fractions to colocate.")
+    cpus_per_worker: float = Field(1.0, ge=0)
+
+
+class TrainerWorker:
+    """One rank (a Ray actor): the inner training backend in its own process."""
+
+    def __init__(self, rank: int, world: int, port: int, backend: str, config_json: str, model_json: str,
+                 seed: int) -> None:
+        os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        from arctic_core.registry import default_registry
+
+        self.registry = default_registry()
+        factory = self.registry.get("training_backend", backend)
+        self.trainer = factory(TrainerConfig.model_validate_json(config_json),
+                               ModelConfig.model_validate_json(model_json), seed=seed)
+
+    def forward_backward(self, request: bytes | None, ctx: dict[str, int]) -> dict[str, float]:
+        from arctic_core.objective import build_objective
+
+        if request is None:  # no prompt group landed on this rank this time
+            return {}
+        req = wire.decode(request, FwdBwdRequest)
+        objective = build_objective(self.registry, req.loss, req.temperature)
+        return self.trainer.forward_backward(req.batch, objective, LossContext(**ctx), req.scale)
+
+    def log_probs(self, request: bytes) -> bytes:
+        from arctic_core.objective import build_processors
+
+        req = wire.decode(request, LogProbsRequest)
+        outputs = self.trainer.log_probs(req.batch, build_processors(self.registry, req.processors, req.temperature))
+        return save_safetensors({k: v.contiguous() for k, v in outputs.items()})
+
+    def weights(self) -> bytes:
+        """All ranks call this (a gather under ZeRO-3); the driver keeps rank 0's."""
+        # Cloned: tied weights (embeddings / LM head) share memory, which safetensors refuses.
+        return save_safetensors({name: t.detach().cpu().clone() for name, t in self.trainer.named_weights()})
+
+    def load_weights(self, blob: bytes) -> None:
+        self.trainer.load_weights(list(load_safetensors(blob).items()))
+
+    def ready(self) -> bool:
+        return True
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.trainer, method)(*args, **kwargs)
+
+
+class RayDataParallelTrainer:
+    def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
+        ray_environment()
+        import ray
+
+        self.options = validate(RayTrainerOptions, config.options, "TrainerConfig.options (ray)")
+        if self.options.backend == "ray":
+            raise ConfigError("the ray backend cannot run itself in its workers; name the inner backend")
+        if not ray.is_initialized():
+            ray.init(address=self.options.address, include_dashboard=False, log_to_driver=False,
+                     **({} if self.options.address else {"num_cpus": max(os.cpu_count() or 1, self.options.workers)}))
+        inner = config.model_copy(update={"backend": self.options.backend, "options": self.options.options})
+        actor = ray.remote(num_cpus=self.options.cpus_per_worker, num_gpus=self.options.gpus_per_worker)(TrainerWorker)
+        port = _free_port()
+        self.workers = [actor.remote(rank, self.options.workers, port, self.options.backend, inner.model_dump_json(),
+                                     model.model_dump_json(), seed) for rank in range(self.options.workers)]
+        self._gather([w.ready.remote() for w in self.workers], "start")  # surfaces construction errors
+
+    # ---- training ----------------------------------------------------------------------------
+
+    def forward_backward(self, batch: RolloutBatch, objective: Objective, ctx: LossContext,
+                         scale: float = 1.0) -> dict[str, float]:
+        spec = getattr(objective, "spec", None)
+        if spec is None:
+            raise RequestError("the ray backend needs an objective built by build_objective (it rebuilds it per rank)")
+        terms, temperature = spec
+        world = len(self.workers)
+        shards = split_by_groups(batch, world)
+        if self.options.options.get("zero_stage") == 3 and None in shards:
+            # Under ZeRO-3 every forward gathers parameters with all ranks: an idle rank would hang the others.
+            raise RequestError(f"fwd_bwd with ZeRO-3 over {world} ranks needs at least {world} prompt groups; "
+                               f"this batch has {batch.num_prompts}")
+        requests = [None if rows is None else wire.encode(FwdBwdRequest(
+            batch=batch.select(rows), loss=terms, temperature=temperature, scale=scale * world,
+            max_response_len=ctx.max_response_len)) for rows in shards]
+        context = {"num_tokens": ctx.num_tokens, "num_sequences": ctx.num_sequences,
+                   "max_response_len": ctx.max_response_len}
+        results = self._gather([w.forward_backward.remote(r, context) for w, r in zip(self.workers, requests,
+                                                                                          strict=True)], "fwd_bwd")
+        return _sum_metrics(results)
+
+    def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
+        return self._on_all("optimizer_step", lr=lr)[0]
+
+    def log_probs(self, batch: RolloutBatch, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
+        # Rank 0 holds whole parameters below ZeRO-3 and answers alone; under ZeRO-3 every rank must
+        # join the parameter gathers, so all run the batch and rank 0's answer is kept.
+        if not isinstance(processors, ProcessorSet):
+            raise RequestError("the ray backend needs processors built by build_processors (it rebuilds them per rank)")
+        request = wire.encode(LogProbsRequest(batch=batch, processors=processors.names,
+                                              temperature=processors.temperature))
+        everyone = self.options.options.get("zero_stage") == 3
+        targets = self.workers if everyone else self.workers[:1]
+        return load_safetensors(self._gather([w.log_probs.remote(request) for w in targets], "log_probs")[0])
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from load_safetensors(self._gather([w.weights.remote() for w in self.workers], "named_weights")[0]).items()
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Rank 0's view of the accumulated gradients (before the step's reduction: its shard's)."""
+        return self._gather([self.workers[0].call.remote("full_gradients")], "full_gradients")[0]
+
+    def load_weights(self, weights: NamedTensors) -> None:
+        blob = save_safetensors({name: t.detach().cpu().clone() for name, t in weights})
+        self._gather([w.load_weights.remote(blob) for w in self.workers], "load_weights")
+
+    def save_checkpoint(self, path: Path) -> None:
+        self._on_all("save_checkpoint", path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        self._on_all("load_checkpoint", path)
+
+    def export_hf(self, path: Path) -> None:
+        self._on_all("export_hf", path)
+
+    def sleep(self) -> None:
+        self._on_all("sleep")
+
+    def wake(self) -> None:
+        self._on_all("wake")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._gather([w.call.remote(method, *args, **kwargs) for w in self.workers], method)
+
+    def _gather(self, refs: list[Any], what: str) -> list[Any]:
+        """Every rank's answer. A dead rank is named first: its peers then fail in their collectives
+        too, and those errors are only the echo."""
+        import ray
+
+        results, dead, failed = [], [], []
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                dead.append(rank)
+            except ray.exceptions.RayTaskError as exc:
+                failed.append((rank, exc.as_instanceof_cause()))
+        if dead:
+            raise WorkerError(f"training worker rank {dead[0]} died during {what}; restart the server from the "
+                              "last checkpoint")
+        if failed:
+            rank, cause = failed[0]
+            if isinstance(cause, RequestError):  # bad input: the same error class as in process
+                raise type(cause)(f"rank {rank}: {cause}") from None
+            raise WorkerError(f"training worker rank {rank} failed during {what}: {cause}") from None
+        return results
+
+
+def split_by_groups(batch: RolloutBatch, ranks: int) -> list[list[int] | None]:
+    """Response rows per rank: whole prompt groups, the largest first onto the lightest rank
+    (tokens: the prompt once plus its responses). A rank with nothing gets None."""
+    loads = [0] * ranks
+    rows: list[list[int]] = [[] for _ in range(ranks)]
+    groups = batch.groups()
+    cost = [int(batch.prompt_lens[p]) + int(batch.response_lens[g].sum()) if g else 0 for p, g in enumerate(groups)]
+    for p in sorted(range(len(groups)), key=lambda p: -cost[p]):
+        if groups[p]:
+            rank = loads.index(min(loads))
+            rows[rank] += groups[p]
+            loads[rank] += cost[p]
+    return [sorted(r) if r else None for r in rows]
+
+
+def _sum_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    """Per-rank metrics are parts over the global loss context (the world-size scale touches only
+    the backward), so the whole batch's are their sums."""
+    total: dict[str, float] = {}
+    for metrics in results:
+        for key, value in metrics.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def ray_environment() -> None:
+    """Workers run this interpreter and this checkout as they are: Ray's ``uv run`` integration
+    would otherwise upload the whole working directory (virtual environment included) to each.
+    Its switch is read when Ray is imported, so set it and, if Ray is loaded already, its constant."""
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    import ray._private.ray_constants as constants
+
+    constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] not in ("0", "false")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
