@@ -9,7 +9,9 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
 from arctic_core.errors import WorkerError
-from arctic_core.ray_trainer import ray_environment
+from arctic_core.config import TrainerConfig
+from arctic_core.http_server import _health
+from arctic_core.ray_trainer import ray_environment, ray_trainer_config
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -80,3 +82,14 @@ def test_a_dead_worker_is_named_and_the_server_keeps_serving(tiny_policy):
         with pytest.raises(WorkerError, match="training worker rank 1 died during fwd_bwd"):
             client.fwd_bwd(batch, PPO)
         assert client.status().step == 0  # still answering
+        health = _health(client.transport.server, busy=False)
+        assert health["status"] == "degraded" and health["engines"]["trainer"]["dead_ranks"] == [1]
+
+
+def test_serve_ray_wraps_the_configured_trainer():
+    trainer = TrainerConfig(backend="deepspeed", options={"zero_stage": 2})
+    wrapped = ray_trainer_config(trainer, workers=4, address="ray://head:10001")
+    assert wrapped.backend == "ray"
+    assert wrapped.options == {"workers": 4, "backend": "deepspeed", "options": {"zero_stage": 2},
+                               "address": "ray://head:10001"}
+    assert ray_trainer_config(wrapped, workers=2).options["workers"] == 2

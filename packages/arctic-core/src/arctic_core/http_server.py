@@ -105,6 +105,12 @@ def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: i
     return app
 
 
+def _engine_health(engine: Any, backend: str) -> dict[str, Any]:
+    """Backend name, asleep or not, and whatever the engine reports itself (e.g. dead workers)."""
+    own = engine.health() if callable(getattr(engine, "health", None)) else {}
+    return {"backend": backend, "asleep": getattr(engine, "asleep", None), **own}
+
+
 # ----------------------------------------------------------------- one operation
 def _op_endpoint(
     op: str, server: ArcticServer, metrics: CallMetrics, gate: asyncio.Lock, limit: int
@@ -176,13 +182,14 @@ def _bearer_check(token: str | None) -> Callable[..., None]:
 def _health(server: ArcticServer, busy: bool) -> dict[str, Any]:
     config = server.config
     engines: dict[str, Any] = {
-        "trainer": {"backend": config.trainer.backend, "asleep": getattr(server.trainer, "asleep", None)},
-        "sampler": {"backend": config.sampler.backend, "asleep": getattr(server.sampler, "asleep", None)},
+        "trainer": _engine_health(server.trainer, config.trainer.backend),
+        "sampler": _engine_health(server.sampler, config.sampler.backend),
     }
     if server.reference is not None and config.reference is not None:
-        engines["reference"] = {"backend": config.reference.backend, "asleep": getattr(server.reference, "asleep", None)}
+        engines["reference"] = _engine_health(server.reference, config.reference.backend)
+    degraded = any(e.get("dead_ranks") for e in engines.values())
     return {
-        "status": "shut down" if server.closed else "ok",
+        "status": "shut down" if server.closed else "degraded" if degraded else "ok",
         "policy_version": server.policy_version,
         "step": server.step_count,
         "busy": busy,

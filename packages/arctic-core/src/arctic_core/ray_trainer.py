@@ -106,6 +106,7 @@ class RayDataParallelTrainer:
         inner = config.model_copy(update={"backend": self.options.backend, "options": self.options.options})
         actor = ray.remote(num_cpus=self.options.cpus_per_worker, num_gpus=self.options.gpus_per_worker)(TrainerWorker)
         port = _free_port()
+        self.dead_ranks: list[int] = []
         self.workers = [actor.remote(rank, self.options.workers, port, self.options.backend, inner.model_dump_json(),
                                      model.model_dump_json(), seed) for rank in range(self.options.workers)]
         self._gather([w.ready.remote() for w in self.workers], "start")  # surfaces construction errors
@@ -180,6 +181,10 @@ class RayDataParallelTrainer:
             ray.kill(worker)
         self.workers = []
 
+    def health(self) -> dict[str, Any]:
+        """For ``/health``; never waits on a worker (deaths are those calls have observed)."""
+        return {"workers": len(self.workers), "dead_ranks": list(self.dead_ranks)}
+
     # ---- plumbing ----------------------------------------------------------------------------
 
     def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -199,6 +204,7 @@ class RayDataParallelTrainer:
             except ray.exceptions.RayTaskError as exc:
                 failed.append((rank, exc.as_instanceof_cause()))
         if dead:
+            self.dead_ranks = sorted(set(self.dead_ranks) | set(dead))
             raise WorkerError(f"training worker rank {dead[0]} died during {what}; restart the server from the "
                               "last checkpoint")
         if failed:
@@ -207,6 +213,15 @@ class RayDataParallelTrainer:
                 raise type(cause)(f"rank {rank}: {cause}") from None
             raise WorkerError(f"training worker rank {rank} failed during {what}: {cause}") from None
         return results
+
+
+def ray_trainer_config(trainer: TrainerConfig, workers: int, address: str | None = None) -> TrainerConfig:
+    """``trainer`` run as ``workers`` data-parallel Ray ranks (``arctic-rl serve --ray``)."""
+    if trainer.backend == "ray":
+        options = {**trainer.options, "workers": workers, **({"address": address} if address else {})}
+        return trainer.model_copy(update={"options": options})
+    options = {"workers": workers, "backend": trainer.backend, "options": trainer.options, "address": address}
+    return trainer.model_copy(update={"backend": "ray", "options": options})
 
 
 def split_by_groups(batch: RolloutBatch, ranks: int) -> list[list[int] | None]:
