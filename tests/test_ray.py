@@ -72,18 +72,26 @@ def test_two_ray_ranks_give_the_update_of_one(tiny_policy, stage):
     two.close()
 
 
-def test_a_dead_worker_is_named_and_the_server_keeps_serving(tiny_policy):
+def test_a_dead_worker_is_named_and_a_checkpoint_restarts_the_workers(tiny_policy, tmp_path):
     config = {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
-              "trainer": {"backend": "ray", "options": {"workers": 2, "backend": "deepspeed"}}}
+              "trainer": {"backend": "ray", "optimizer": OPTIMIZER, "options": {"workers": 2, "backend": "deepspeed"}}}
     with ArcticClient.in_process(config) as client:
-        trainer = client.transport.server.trainer
-        batch = grpo_batch(client.transport.server.sampler.model.config.vocab_size)
-        ray.kill(trainer.workers[1])
+        server = client.transport.server
+        batch = grpo_batch(server.sampler.model.config.vocab_size)
+        client.fwd_bwd(batch, PPO)
+        client.step()
+        client.save_checkpoint(str(tmp_path / "ckpt"))
+        expected_loss = client.fwd_bwd(batch, PPO).metrics["loss"]  # the next step's loss, from the checkpoint
+        client.step()
+        ray.kill(server.trainer.workers[1])
         with pytest.raises(WorkerError, match="training worker rank 1 died during fwd_bwd"):
             client.fwd_bwd(batch, PPO)
-        assert client.status().step == 0  # still answering
-        health = _health(client.transport.server, busy=False)
+        assert client.status().step == 2  # still answering
+        health = _health(server, busy=False)
         assert health["status"] == "degraded" and health["engines"]["trainer"]["dead_ranks"] == [1]
+        client.load_checkpoint(str(tmp_path / "ckpt"))  # restarts both ranks and restores them
+        assert _health(server, busy=False)["status"] == "ok" and client.status().step == 1
+        assert client.fwd_bwd(batch, PPO).metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
 
 
 def test_serve_ray_wraps_the_configured_trainer():

@@ -13,7 +13,8 @@ gradients over them). The server sees one training backend, so every client call
   they may be collectives. Results come from rank 0.
 - Requests travel to the workers in the wire format (safetensors + JSON), as over HTTP.
 
-A dead worker raises :class:`~arctic_core.errors.WorkerError` naming its rank; the server stays up.
+A dead worker raises :class:`~arctic_core.errors.WorkerError` naming its rank; the server stays up,
+``/health`` says "degraded", and ``load_checkpoint`` restarts all ranks from a checkpoint.
 """
 
 from __future__ import annotations
@@ -104,11 +105,22 @@ class RayDataParallelTrainer:
             ray.init(address=self.options.address, include_dashboard=False, log_to_driver=False,
                      **({} if self.options.address else {"num_cpus": max(os.cpu_count() or 1, self.options.workers)}))
         inner = config.model_copy(update={"backend": self.options.backend, "options": self.options.options})
+        self._spawn_args = (inner.model_dump_json(), model.model_dump_json(), seed)
+        self.workers: list[Any] = []
+        self.dead_ranks: list[int] = []
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start every rank afresh (a new process group: survivors of a dead rank cannot rejoin)."""
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker)
         actor = ray.remote(num_cpus=self.options.cpus_per_worker, num_gpus=self.options.gpus_per_worker)(TrainerWorker)
         port = _free_port()
-        self.dead_ranks: list[int] = []
-        self.workers = [actor.remote(rank, self.options.workers, port, self.options.backend, inner.model_dump_json(),
-                                     model.model_dump_json(), seed) for rank in range(self.options.workers)]
+        self.workers = [actor.remote(rank, self.options.workers, port, self.options.backend, *self._spawn_args)
+                        for rank in range(self.options.workers)]
+        self.dead_ranks = []
         self._gather([w.ready.remote() for w in self.workers], "start")  # surfaces construction errors
 
     # ---- training ----------------------------------------------------------------------------
@@ -163,6 +175,10 @@ class RayDataParallelTrainer:
         self._on_all("save_checkpoint", path)
 
     def load_checkpoint(self, path: Path) -> None:
+        """Restore every rank; after a worker died this restarts all of them first (the server's
+        ``load_checkpoint`` is how a client recovers from a dead rank)."""
+        if self.dead_ranks:
+            self._spawn()
         self._on_all("load_checkpoint", path)
 
     def export_hf(self, path: Path) -> None:
@@ -205,8 +221,8 @@ class RayDataParallelTrainer:
                 failed.append((rank, exc.as_instanceof_cause()))
         if dead:
             self.dead_ranks = sorted(set(self.dead_ranks) | set(dead))
-            raise WorkerError(f"training worker rank {dead[0]} died during {what}; restart the server from the "
-                              "last checkpoint")
+            raise WorkerError(f"training worker rank {dead[0]} died during {what}; load_checkpoint restarts the "
+                              "workers from a checkpoint")
         if failed:
             rank, cause = failed[0]
             if isinstance(cause, RequestError):  # bad input: the same error class as in process
