@@ -28,14 +28,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from arctic_core.config import SamplingParams
 from arctic_core.hf import set_attention_implementation
 from arctic_fca.engine import EmbeddedEngine, EngineOptions
+from shapes import QWEN3_1_7B
 
 SHAPES = [(64, 8, 2048), (16, 16, 4096), (32, 8, 7680)]  # prompts x samples @ prompt length
 NEW_TOKENS = 512
 NO_STOP = [10**9]
-QWEN3_1_7B = dict(
-    hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True, rope_theta=1000000.0,
-)
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -22,11 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
-
-QWEN3_1_7B = dict(
-    hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-    vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True, rope_theta=1000000.0,
-)
+from shapes import QWEN3_1_7B
 
 
 def save_model(path: Path, layers: int, smoke: bool) -> None:
@@ -34,7 +30,7 @@ def save_model(path: Path, layers: int, smoke: bool) -> None:
         shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
     else:
         shape = QWEN3_1_7B
-    config = AutoConfig.for_model("qwen3", num_hidden_layers=layers, **shape)
+    config = AutoConfig.for_model("qwen3", **{**shape, "num_hidden_layers": layers})
     torch.manual_seed(0)
     with torch.device("cuda" if not smoke else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if smoke else torch.bfloat16)

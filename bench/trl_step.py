@@ -24,10 +24,7 @@ from trl import GRPOConfig
 
 from arctic_core.demo.tiny_model import build_tokenizer
 from arctic_trl import GRPOTrainer
-
-QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                  tie_word_embeddings=True, rope_theta=1000000.0)
+from shapes import QWEN3_1_7B
 
 
 def make_model(folder: str) -> None:

@@ -29,13 +29,9 @@ from arctic_core.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest
 from arctic_zorro.forward import response_outputs, scatter_values
 from arctic_zorro.packed_forward import enable_forest_attention, head_outputs, packed_response_outputs
+from shapes import QWEN3_1_7B
 
 SHAPES = [(1024, 512, 8), (4096, 512, 8), (8192, 512, 8), (4096, 1024, 16), (16384, 1024, 8)]
-QWEN3_1_7B = dict(
-    hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-    tie_word_embeddings=True, rope_theta=1000000.0,
-)
 
 
 # ----------------------------------------------------------------------------- CPU smoke

@@ -107,6 +107,24 @@ class RolloutBatch:
         return cls(prompt_ids, prompt_lens, response_ids, response_lens, index, **fields)
 
     @classmethod
+    def from_samples(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        prompt_index: Sequence[int],
+        sampling_logprobs: Sequence[Sequence[float]],
+        policy_version: int | Sequence[int],
+    ) -> RolloutBatch:
+        """A sampler's result: ``from_lists`` plus each response's sampling log-probs (one per token)
+        and the policy version it was generated with (one for all, or one per response)."""
+        batch = cls.from_lists(prompts, responses, prompt_index)
+        sampled = torch.zeros(tuple(batch.response_ids.shape))
+        for row, values in enumerate(sampling_logprobs):
+            sampled[row, : len(values)] = torch.tensor(values)
+        versions = torch.as_tensor(policy_version, dtype=torch.long).expand(batch.num_responses).clone()
+        return batch.replace(sampling_logprobs=sampled, policy_version=versions)
+
+    @classmethod
     def from_padded(
         cls,
         input_ids: torch.Tensor,

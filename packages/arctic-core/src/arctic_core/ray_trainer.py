@@ -133,7 +133,7 @@ class RayDataParallelTrainer:
         terms, temperature = spec
         world = len(self.workers)
         shards = split_by_groups(batch, world)
-        if self.options.options.get("zero_stage") == 3 and None in shards:
+        if self._zero3 and None in shards:
             # Under ZeRO-3 every forward gathers parameters with all ranks: an idle rank would hang the others.
             raise RequestError(f"fwd_bwd with ZeRO-3 over {world} ranks needs at least {world} prompt groups; "
                                f"this batch has {batch.num_prompts}")
@@ -156,8 +156,7 @@ class RayDataParallelTrainer:
             raise RequestError("the ray backend needs processors built by build_processors (it rebuilds them per rank)")
         request = wire.encode(LogProbsRequest(batch=batch, processors=processors.names,
                                               temperature=processors.temperature))
-        everyone = self.options.options.get("zero_stage") == 3
-        targets = self.workers if everyone else self.workers[:1]
+        targets = self.workers if self._zero3 else self.workers[:1]
         return load_safetensors(self._gather([w.log_probs.remote(request) for w in targets], "log_probs")[0])
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -202,6 +201,11 @@ class RayDataParallelTrainer:
         return {"workers": len(self.workers), "dead_ranks": list(self.dead_ranks)}
 
     # ---- plumbing ----------------------------------------------------------------------------
+
+    @property
+    def _zero3(self) -> bool:
+        """Parameters are sharded: every forward is a collective that all ranks must join."""
+        return self.options.options.get("zero_stage") == 3
 
     def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self._gather([w.call.remote(method, *args, **kwargs) for w in self.workers], method)

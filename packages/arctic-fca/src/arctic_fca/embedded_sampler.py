@@ -28,12 +28,8 @@ class EmbeddedSampler:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         outputs = self.engine.generate(prompts, params)
-        batch = RolloutBatch.from_lists(prompts, [o.tokens for o in outputs], [o.prompt_index for o in outputs])
-        sampled = torch.zeros(tuple(batch.response_ids.shape))
-        for row, out in enumerate(outputs):
-            sampled[row, : len(out.logprobs)] = torch.tensor(out.logprobs)
-        version = torch.tensor([o.policy_version for o in outputs], dtype=torch.long)
-        return batch.replace(sampling_logprobs=sampled, policy_version=version)
+        return RolloutBatch.from_samples(prompts, [o.tokens for o in outputs], [o.prompt_index for o in outputs],
+                                         [o.logprobs for o in outputs], [o.policy_version for o in outputs])
 
     def update_weights(self, weights: NamedTensors, version: int) -> None:
         self.engine.update_weights(weights, version)

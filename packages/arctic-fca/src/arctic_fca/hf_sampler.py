@@ -52,12 +52,7 @@ class HFGenerateSampler:
             responses += r
             logprobs += lp
         index = [p for p in range(len(prompts)) for _ in range(params.n)]
-        batch = RolloutBatch.from_lists(prompts, responses, index)
-        sampled = torch.zeros(tuple(batch.response_ids.shape))
-        for i, row in enumerate(logprobs):
-            sampled[i, : len(row)] = torch.tensor(row)
-        version = torch.full((batch.num_responses,), self.policy_version, dtype=torch.long)
-        return batch.replace(sampling_logprobs=sampled, policy_version=version)
+        return RolloutBatch.from_samples(prompts, responses, index, logprobs, self.policy_version)
 
     @torch.no_grad()
     def _generate_chunk(

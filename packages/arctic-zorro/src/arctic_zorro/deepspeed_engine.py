@@ -26,7 +26,7 @@ from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerC
 from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
-from arctic_zorro.lr_schedule import lr_factor
+from arctic_zorro.lr_schedule import lr_factor, set_lr
 from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
 from arctic_zorro.packed_forward import Forward, ZorroOptions, select_forward
 
@@ -265,9 +265,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         if self.asleep:
             raise RequestError("DeepSpeedTrainer is asleep; call wake() first")
-        if lr is not None:  # a framework's schedule; the engine's own sets the next value after step()
-            for group in self.engine.optimizer.param_groups:
-                group["lr"] = lr
+        set_lr(self.engine.optimizer, lr)
         # A plain (non-ZeRO, fp32) optimizer clips without reporting the norm: measure it first.
         norm_before = self._local_grad_norm() if self._grads_in_params() else None
         lr = self.engine.get_lr()[0]

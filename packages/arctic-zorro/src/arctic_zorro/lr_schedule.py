@@ -1,11 +1,22 @@
-"""Learning-rate schedules from :class:`arctic_core.config.SchedulerConfig` (as LambdaLR factors)."""
+"""Learning-rate schedules from :class:`arctic_core.config.SchedulerConfig` (as LambdaLR factors),
+and a framework's per-step override."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
+import torch
+
 from arctic_core.config import SchedulerConfig
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> None:
+    """A framework's learning rate for the coming step (None: keep the scheduler's value). The
+    scheduler sets its own value again after the step."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
 
 
 def lr_factor(config: SchedulerConfig) -> Callable[[int], float]:

@@ -16,7 +16,7 @@ from arctic_core.errors import RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
-from arctic_zorro.lr_schedule import lr_factor
+from arctic_zorro.lr_schedule import lr_factor, set_lr
 from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
 
 STATE_FILE = "trainer_state.pt"
@@ -104,13 +104,11 @@ class ReferenceTrainer(ReferenceLogProbEngine):
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         if self.asleep:
             raise RequestError("ReferenceTrainer is asleep; call wake() first")
-        if lr is not None:  # a framework's schedule: it replaces the scheduler's value for this step
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+        set_lr(self.optimizer, lr)
         max_norm = self.config.optimizer.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

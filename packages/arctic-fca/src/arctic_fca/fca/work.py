@@ -74,10 +74,6 @@ class DecodeWork:
         return self.merge_rows.size
 
     @property
-    def launches(self) -> tuple[Launch, ...]:
-        return (self.node, self.single) if self.node is not None else (self.single,)
-
-    @property
     def one_item_per_request(self) -> bool:
         """Plain and unsplit: each item can write its request's final output directly."""
         return self.node is None and self.single.num_items == self.merge_indptr.size - 1
