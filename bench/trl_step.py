@@ -3,6 +3,7 @@
 per optimizer step, 512 new tokens, prompts of P random tokens, gradient checkpointing.
 
     P=2048 STEPS=4 python3 bench/trl_step.py      # then the peer: torchrun ... trl_grpo.py vllm
+    uv run python bench/trl_step.py --smoke       # a tiny model on the CPU, end to end
 
 The only change from the peer script is the import of GRPOTrainer (and no vLLM settings): the
 backend runs in process, the DeepSpeed trainer and the embedded sampler sharing the GPU (the
@@ -27,15 +28,21 @@ from arctic_trl import GRPOTrainer
 from shapes import QWEN3_1_7B
 
 
-def make_model(folder: str) -> None:
+SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=True)
+
+
+def make_model(folder: str, shape: dict) -> None:
     """Random bf16 weights and a small byte-level tokenizer (token ids stay below its vocabulary)."""
     if os.path.exists(os.path.join(folder, "config.json")):
         return
     tokenizer = build_tokenizer([f"w{i} alpha{i % 37} beta{i % 91}" for i in range(3000)], vocab_size=1000)
-    config = AutoConfig.for_model("qwen3", **QWEN3_1_7B, eos_token_id=tokenizer.eos_token_id,
+    config = AutoConfig.for_model("qwen3", **shape, eos_token_id=tokenizer.eos_token_id,
                                   pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 1.7 B is slow on the CPU
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
@@ -47,18 +54,22 @@ class StepTimer(TrainerCallback):
         self.begin = time.time()
 
     def on_step_end(self, args, state, control, **kwargs):
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         self.steps.append(time.time() - self.begin)
         print("step", len(self.steps), round(self.steps[-1], 2), "s", flush=True)
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("bench/trl_step.py measures the H200; the CPU example is examples/trl_grpo.py")
-    folder = "/tmp/qwen3-1.7b-shape-arctic"
-    make_model(folder)
-    prompt_len, samples = int(os.environ.get("P", 2048)), 8
-    prompts, new_tokens = int(os.environ.get("PROMPTS", 8)), int(os.environ.get("T", 512))
+    smoke = "--smoke" in sys.argv  # a tiny model on the CPU: checks the harness end to end in seconds
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("bench/trl_step.py measures the H200; run it with --smoke on the CPU")
+    folder = "/tmp/tiny-qwen3-arctic" if smoke else "/tmp/qwen3-1.7b-shape-arctic"
+    started = time.time()
+    make_model(folder, SMOKE_SHAPE if smoke else QWEN3_1_7B)
+    print("model ready", round(time.time() - started, 1), "s", flush=True)
+    prompt_len, samples = int(os.environ.get("P", 64 if smoke else 2048)), 8
+    prompts, new_tokens = int(os.environ.get("PROMPTS", 8)), int(os.environ.get("T", 16 if smoke else 512))
     random.seed(0)
     from transformers import AutoTokenizer
 
@@ -70,13 +81,14 @@ def main() -> None:
 
     args = GRPOConfig(output_dir="/tmp/trl_arctic_out", per_device_train_batch_size=8,
                       gradient_accumulation_steps=prompts * samples // 8, num_generations=samples,
-                      max_completion_length=new_tokens, bf16=True, gradient_checkpointing=True, learning_rate=1e-6,
-                      logging_steps=1, max_steps=int(os.environ.get("STEPS", 4)), report_to=[], temperature=1.0,
+                      max_completion_length=new_tokens, bf16=not smoke, use_cpu=smoke, gradient_checkpointing=True, learning_rate=1e-6,
+                      logging_steps=1, max_steps=int(os.environ.get("STEPS", 2 if smoke else 4)), report_to=[], temperature=1.0,
                       beta=0.0, save_strategy="no")
     timer = StepTimer()
     arctic = {"sampler": {"options": {"gpu_memory_utilization": float(os.environ.get("SAMPLER_MEMORY", 0.35))}}}
     trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": texts}),
                           callbacks=[timer], arctic=arctic)
+    print("backend ready", round(time.time() - started, 1), "s", flush=True)
     trainer.train()
     steady = timer.steps[1:] or timer.steps
     print(json.dumps({"system": "trl-1.16 on arctic", "prompts": prompts, "n": samples, "prompt_len": prompt_len,

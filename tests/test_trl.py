@@ -13,6 +13,7 @@ from datasets import Dataset
 from arctic_core.demo.task import CountingTask
 from arctic_core.demo.tiny_model import save_tiny_policy
 from arctic_trl import GRPOTrainer
+from arctic_trl.trainer import group_micro_batches
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import trl_grpo  # noqa: E402
@@ -26,7 +27,8 @@ def test_trl_script_trains_through_arctic_and_logs_our_metrics(tmp_path):
     assert len(rewards) == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, rewards
     logged = {key for h in history for key in h}
-    assert {"arctic/loss", "arctic/ppo/clipfrac", "arctic/step/grad_norm", "arctic/step/policy_version"} <= logged
+    assert {"arctic/loss", "arctic/ppo/clipfrac", "arctic/step/grad_norm", "arctic/step/policy_version",
+            "arctic/generate/seconds"} <= logged
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +111,7 @@ def test_trl_over_http_drives_a_served_backend_with_trls_schedule(policy, tmp_pa
     server = ArcticServer(ArcticConfig.from_dict({"model": {"path": policy, "device": "cpu"}, "seed": 0}))
     live = LiveServer(create_app(server))
     try:
-        args = grpo_args(tmp_path, max_steps=3, lr_scheduler_type="linear")
+        args = grpo_args(tmp_path, max_steps=3, lr_scheduler_type="linear", gradient_checkpointing=True)
         trainer = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET,
                               arctic=live.url)
         trainer.train()
@@ -118,3 +120,39 @@ def test_trl_over_http_drives_a_served_backend_with_trls_schedule(policy, tmp_pa
     assert server.step_count == 3 and server.policy_version == 3
     lrs = [h["arctic/step/lr"] for h in trainer.state.log_history if "arctic/step/lr" in h]
     assert lrs == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3], rel=1e-6)
+
+
+def test_micro_batches_keep_prompt_groups_together_with_the_same_gradient(policy, tmp_path):
+    """TRL shuffles rows across an optimizer step's micro-batches; arctic_trl regroups them so
+    each micro-batch packs one prompt, and the step's summed gradient is unchanged (dapo)."""
+    args = grpo_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4)
+    distinct = Dataset.from_dict({"prompt": DATASET["prompt"][:4]})
+    plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=distinct)
+    plain.model.train()
+    plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
+    first, second = plain._buffered_inputs  # two prompts x 4 samples, in TRL's shuffled order
+
+    def mix(a: dict, b: dict) -> dict:  # two rows of each micro-batch
+        return {k: (torch.cat([a[k][:2], b[k][:2]]) if isinstance(v, torch.Tensor) else a[k][:2] + b[k][:2])
+                if isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim) else v for k, v in a.items()}
+
+    by_prompt = group_micro_batches([first, second], window=2)
+    assert all(len({tuple(p.tolist()) for p in b["prompt_ids"]}) == 1 for b in by_prompt)
+    rest = [{k: v[2:] if isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim) else v for k, v in b.items()}
+            for b in by_prompt]
+    shuffled = [mix(*by_prompt), mix(*rest)]
+    assert all(len({tuple(p.tolist()) for p in b["prompt_ids"]}) == 2 for b in shuffled)
+    grouped = group_micro_batches(shuffled, window=2)
+    assert all(len({tuple(p.tolist()) for p in b["prompt_ids"]}) == 1 for b in grouped)
+
+    gradients = []
+    for batches in (shuffled, grouped):
+        arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=distinct)
+        arctic.current_gradient_accumulation_steps = 2
+        for batch in batches:
+            arctic.arctic_fwd_bwd(batch)
+        gradients.append(arctic.arctic.transport.server.trainer.full_gradients())
+        arctic.arctic.close()
+    for name, grad in gradients[0].items():
+        assert grad.norm() > 0
+        assert (gradients[1][name] - grad).norm() <= 1e-4 * grad.norm(), name

@@ -12,6 +12,7 @@ from arctic_core.demo.tiny_model import TINY_SHAPES, build_tiny_model, build_tok
 from arctic_core.errors import ConfigError
 from arctic_core.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest, response_gather_index, row_sequences
+from arctic_zorro.forest_attention import forest_block_mask
 from arctic_zorro.forward import response_outputs
 from arctic_zorro.packed_forward import check_supported, enable_forest_attention, packed_response_outputs
 from forest_batches import forest_batch, padded_batch
@@ -62,6 +63,53 @@ def test_response_gather_points_at_the_predicting_token():
         prefix = batch.prompt(r) + batch.response(r)[:c]
         assert int(forest.position_ids[node]) == len(prefix) - 1
         assert int(forest.input_ids[node]) == prefix[-1]
+
+
+def random_forest_batch(seed: int) -> RolloutBatch:
+    """Groups of ragged samples over prompts that share a random-length system prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, 50, (int(torch.randint(0, 40, (1,), generator=gen)),), generator=gen).tolist()
+    prompts, responses, index = [], [], []
+    for group in range(int(torch.randint(1, 6, (1,), generator=gen))):
+        own = torch.randint(3, 50, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
+        prompts.append(system + own)
+        for _ in range(int(torch.randint(1, 9, (1,), generator=gen))):
+            responses.append(torch.randint(3, 50, (int(torch.randint(0, 25, (1,), generator=gen)),), generator=gen).tolist())
+            index.append(group)
+    return RolloutBatch.from_lists(prompts, responses, index)
+
+
+def block_mask_semantics(mask) -> torch.Tensor:
+    """What FlexAttention computes from a BlockMask: full blocks attend wholly, partial blocks
+    through the mask_mod, other blocks not at all."""
+    size = mask.seq_lengths[0]
+    q, k = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
+    rule = mask.mask_mod(0, 0, q, k)
+    block_q, block_k = mask.BLOCK_SIZE
+    blocks = -(-size // block_q)
+    kinds = torch.zeros(blocks, -(-size // block_k), dtype=torch.int8)
+    for num, index, kind in ((mask.kv_num_blocks, mask.kv_indices, 1), (mask.full_kv_num_blocks, mask.full_kv_indices, 2)):
+        for row in range(blocks):
+            kinds[row, index[0, 0, row, : num[0, 0, row]].long()] = kind
+    per_pair = kinds.repeat_interleave(block_q, 0).repeat_interleave(block_k, 1)[:size, :size]
+    return (per_pair == 2) | ((per_pair == 1) & rule)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block", [4, 16, 128])
+def test_forest_block_mask_equals_the_forest_rule(seed, block):
+    """The block mask built from the forest's structure (no dense mask, no compilation) makes
+    FlexAttention see exactly the dense forest mask, with and without a sliding window."""
+    forest = build_forest(random_forest_batch(seed))
+    mask = forest_block_mask(forest.subtree_end, forest.position_ids, block=block)
+    assert torch.equal(block_mask_semantics(mask), forest.dense_mask())
+    if block == 4:
+        assert int(mask.full_kv_num_blocks.sum()) > 0  # the shared prefix blocks are read whole
+    window = 7
+    windowed = forest_block_mask(forest.subtree_end, forest.position_ids, window=window, block=block)
+    pos = forest.position_ids
+    expected = forest.dense_mask() & ((pos[:, None] - pos[None, :]) < window)
+    assert torch.equal(block_mask_semantics(windowed), expected)
 
 
 # ----------------------------------------------------------------------------- exactness per family

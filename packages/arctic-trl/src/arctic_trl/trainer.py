@@ -54,6 +54,11 @@ class PolicyStub(PreTrainedModel):
             generation = GenerationConfig.from_model_config(config)
         return cls(config, generation)
 
+    def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+        """The backend checkpoints (``arctic_config`` passes TRL's ``gradient_checkpointing`` on)."""
+
+    activation_checkpointing_enable = gradient_checkpointing_enable  # the name transformers >= 5.2x calls
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("the policy runs in the Arctic backend; arctic_trl routed a call to the client-side stub")
 
@@ -112,6 +117,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.beta = args.beta = beta
         self.ref_model = REFERENCE if beta != 0.0 else None
         self._generations = 0
+        self._regrouped: list[dict[str, Any]] | None = None
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -128,11 +134,33 @@ class GRPOTrainer(trl.GRPOTrainer):
         calls = [(runs, sizes.pop())] if len(sizes) == 1 else [([run], run[1]) for run in runs]
         completions, logprobs = [], []
         for group, n in calls:  # results come prompt-major, samples contiguous: TRL's row order
-            batch = self.arctic.generate([prompt for prompt, _ in group], n=n, **params).batch
+            result = self.arctic.generate([prompt for prompt, _ in group], n=n, **params)
+            self._record({f"generate/{k}": v for k, v in result.metrics.items()})
+            batch = result.batch
             for i in range(batch.num_responses):
                 completions.append(batch.response(i))
                 logprobs.append(batch.sampling_logprobs[i, : int(batch.response_lens[i])].tolist())
         return completions, logprobs
+
+    # ---- micro-batches -------------------------------------------------------------------------
+
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        """TRL's, except that each optimizer step's micro-batches keep prompt groups together.
+
+        TRL shuffles a generation batch's rows before cutting it into micro-batches, so a
+        micro-batch of 8 holds 4-6 different prompts and ZoRRo packs each of them: with 2k-token
+        prompts that doubles the tokens trained. Regrouping the rows within one optimizer step
+        changes which micro-batch a row is in, not which step: the summed gradient is the same
+        for grpo, dr_grpo and dapo (per-row weights do not depend on the partition); bnpo and the
+        entropy bonus normalise per micro-batch, and see grouped micro-batches instead of random
+        ones. Which rows share an optimizer step (steps_per_generation > accumulation) stays TRL's.
+        """
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training and self._buffered_inputs is not self._regrouped:
+            self._buffered_inputs = group_micro_batches(self._buffered_inputs, self.args.gradient_accumulation_steps)
+            self._regrouped = self._buffered_inputs
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
 
     # ---- log-probs and loss -----------------------------------------------------------------------
 
@@ -212,6 +240,39 @@ def _runs(prompt_ids: list[list[int]]) -> list[tuple[list[int], int]]:
         else:
             runs.append((list(prompt), 1))
     return runs
+
+
+def group_micro_batches(batches: list[dict[str, Any]], window: int) -> list[dict[str, Any]]:
+    """Within each window of ``window`` micro-batches (one optimizer step), reorders the rows so
+    that rows with the same prompt are adjacent (groups in order of first appearance), then cuts
+    the window into micro-batches of the original sizes. Per-row fields are tensors or lists
+    with the rows first; 0-d tensors and ``None`` are per-batch and kept as they are."""
+    out: list[dict[str, Any]] = []
+    for start in range(0, len(batches), window):
+        chunk = batches[start:start + window]
+        rows = {k: _concat([b[k] for b in chunk]) for k, v in chunk[0].items() if _per_row(v)}
+        prompts = [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(rows["prompt_ids"], rows["prompt_mask"])]
+        first = {p: i for i, p in reversed(list(enumerate(prompts)))}
+        order = sorted(range(len(prompts)), key=lambda i: (first[prompts[i]], i))
+        offset = 0
+        for batch in chunk:
+            size = len(batch["prompt_ids"])
+            take = order[offset:offset + size]
+            out.append({k: _take(rows[k], take) if k in rows else v for k, v in batch.items()})
+            offset += size
+    return out
+
+
+def _per_row(value: Any) -> bool:
+    return isinstance(value, list) or (isinstance(value, torch.Tensor) and value.ndim > 0)
+
+
+def _concat(parts: list[Any]) -> Any:
+    return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else [x for part in parts for x in part]
+
+
+def _take(values: Any, rows: list[int]) -> Any:
+    return values[torch.tensor(rows, device=values.device)] if isinstance(values, torch.Tensor) else [values[i] for i in rows]
 
 
 def _rollout_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_len: int,

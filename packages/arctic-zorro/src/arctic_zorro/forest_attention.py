@@ -64,16 +64,51 @@ class ForestAttentionMeta:
         return mask
 
     def _block_mask(self, window: int | None) -> object:
-        from torch.nn.attention.flex_attention import create_block_mask
+        return forest_block_mask(self.forest.subtree_end, self.forest.position_ids, window)
 
-        end, pos = self.forest.subtree_end, self.forest.position_ids
 
-        def visible(b, h, q, k):
-            allowed = (k <= q) & (q <= end[k])
-            return allowed & ((pos[q] - pos[k]) < window) if window is not None else allowed
+def forest_block_mask(end: torch.Tensor, pos: torch.Tensor, window: int | None = None, block: int = FLEX_BLOCK) -> object:
+    """FlexAttention ``BlockMask`` of the forest rule, built from the forest's structure with a few
+    vectorised torch ops: no dense ``T x T`` mask, no compilation, no host sync.
 
-        size = self.forest.num_nodes
-        return create_block_mask(visible, None, None, size, size, device=end.device, BLOCK_SIZE=FLEX_BLOCK, _compile=True)
+    ``create_block_mask`` would evaluate the rule on every (query, key) pair through
+    ``torch.compile``, which recompiles for new sizes and closures (minutes per micro-batch shape
+    in a training loop). The rule ``k <= q <= end[k]`` needs only block-wise extremes of ``end``:
+    key block ``kb`` strictly before query block ``qb = [q0, q1]`` is *visible in part* iff
+    ``max(end[kb]) >= q0`` and *fully* iff ``min(end[kb]) >= q1``; diagonal blocks are causal,
+    hence partial; later blocks are invisible. Partial blocks apply the exact rule per element.
+    (The ragged last block is never strictly before another, so it is never called full.)
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    size = end.numel()
+    blocks = -(-size // block)
+    padded = torch.full((blocks * block,), -1, dtype=end.dtype, device=end.device)
+    padded[:size] = end
+    block_max, block_min = padded.view(blocks, block).amax(dim=1), padded.view(blocks, block).amin(dim=1)
+    index = torch.arange(blocks, device=end.device)
+    first_q = index * block
+    last_q = torch.clamp(first_q + block - 1, max=size - 1)
+    earlier = index[None, :] < index[:, None]  # [query block, key block]
+    any_visible = (earlier & (block_max[None, :] >= first_q[:, None])) | torch.eye(blocks, dtype=torch.bool, device=end.device)
+    full = earlier & (block_min[None, :] >= last_q[:, None])
+    if window is not None:  # a window cuts into blocks the structure calls full: they stay partial
+        full = torch.zeros_like(full)
+    partial = any_visible & ~full
+
+    def visible(b, h, q, k):
+        allowed = (k <= q) & (q <= end[k])
+        return allowed & ((pos[q] - pos[k]) < window) if window is not None else allowed
+
+    def indices(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = chosen.sum(dim=1, dtype=torch.int32)
+        order = torch.argsort(chosen.to(torch.int8), dim=1, descending=True, stable=True).to(torch.int32)
+        return counts[None, None], order[None, None]
+
+    kv_num, kv_index = indices(partial)
+    full_num, full_index = indices(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_index, full_num, full_index, BLOCK_SIZE=block, mask_mod=visible,
+                                    seq_lengths=(size, size))
 
 
 def forest_attention(
