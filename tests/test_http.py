@@ -125,6 +125,10 @@ def test_grpo_over_http_equals_in_process(config):
             got = grpo_loop(client)
     finally:
         live.stop()
+    assert_same_loop(expected, got)
+
+
+def assert_same_loop(expected: list[dict], got: list[dict]) -> None:
     assert expected[-1]["metrics"][2]["loss"] != 0 and expected[-1]["policy_version"] == 2
     for want, have in zip(expected, got, strict=True):
         assert want["metrics"] == have["metrics"]  # exact: the same computation, only the bytes moved

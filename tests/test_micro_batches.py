@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from arctic_core.batch import RolloutBatch
-from arctic_zorro.micro_batches import forest_cost, plan_micro_batches, split_across_ranks
+from arctic_core.ray_trainer import split_by_groups
+from arctic_zorro.micro_batches import forest_cost, plan_micro_batches
 
 
 def grpo_batch(prompt_lens: list[int], n: int, response_len: int) -> RolloutBatch:
@@ -48,7 +49,7 @@ def test_padded_plan_counts_rows_times_longest():
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_ranks_get_whole_groups_balanced_by_deduplicated_cost(world):
     batch = grpo_batch([400, 300, 200, 100, 100, 90], n=8, response_len=16)
-    shards = split_across_ranks(batch, world)
+    shards = [rows or [] for rows in split_by_groups(batch, world)]
     assert sorted(r for rows in shards for r in rows) == list(range(batch.num_responses))
     for group in batch.groups():
         assert sum(bool(set(group) & set(rows)) for rows in shards) == 1

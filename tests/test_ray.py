@@ -3,13 +3,15 @@ the update of one rank on the same global batch; a dead worker is reported by ra
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.client import ArcticClient
-from arctic_core.errors import WorkerError
-from arctic_core.config import TrainerConfig
+from arctic_core.client import ArcticClient, AsyncArcticClient
+from arctic_core.errors import PluginNotFoundError, WorkerError
+from arctic_core.config import ArcticConfig, TrainerConfig
 from arctic_core.http_server import _health
 from arctic_core.ray_trainer import ray_environment, ray_trainer_config
 
@@ -27,6 +29,12 @@ def cluster():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def config(tiny_policy):
+    return ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
+                                   "trainer": {"backend": "reference"}, "reference": {"backend": "reference"}})
 
 
 def grpo_batch(vocab: int) -> RolloutBatch:
@@ -94,10 +102,107 @@ def test_a_dead_worker_is_named_and_a_checkpoint_restarts_the_workers(tiny_polic
         assert client.fwd_bwd(batch, PPO).metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
 
 
-def test_serve_ray_wraps_the_configured_trainer():
-    trainer = TrainerConfig(backend="deepspeed", options={"zero_stage": 2})
-    wrapped = ray_trainer_config(trainer, workers=4, address="ray://head:10001")
-    assert wrapped.backend == "ray"
-    assert wrapped.options == {"workers": 4, "backend": "deepspeed", "options": {"zero_stage": 2},
-                               "address": "ray://head:10001"}
-    assert ray_trainer_config(wrapped, workers=2).options["workers"] == 2
+def test_serve_ray_wraps_the_configured_engines():
+    from arctic_core.cli import ray_config
+
+    config = ArcticConfig.from_dict({"model": {"path": "policy"}, "trainer": {"backend": "deepspeed", "options": {"zero_stage": 2}},
+                                     "sampler": {"backend": "embedded", "options": {"block_size": 32}}})
+    served = ray_config(config, workers=4, samplers=2, address="ray://head:10001")
+    assert served.trainer.backend == "ray" and served.sampler.backend == "ray"
+    assert served.trainer.options == {"workers": 4, "backend": "deepspeed", "options": {"zero_stage": 2},
+                                      "address": "ray://head:10001"}
+    assert served.sampler.options == {"replicas": 2, "backend": "embedded", "options": {"block_size": 32},
+                                      "address": "ray://head:10001"}
+    assert served.weight_sync.transport == "torch-broadcast"
+    assert ray_trainer_config(served.trainer, workers=2).options["workers"] == 2
+    in_server = ray_config(config, workers=2, samplers=0, address=None)
+    assert in_server.sampler.backend == "embedded" and in_server.weight_sync.transport == "inprocess"
+
+
+# ----------------------------------------------------------------- the Ray transport
+def test_grpo_through_the_ray_transport_equals_in_process(config):
+    """The demo's GRPO loop against the server as a Ray actor: the same numbers as in process."""
+    from test_http import assert_same_loop, grpo_loop
+
+    in_process = ArcticClient.in_process(config)
+    expected = grpo_loop(in_process)
+    in_process.shutdown()
+    # The same thread count as this process: float sums then run in the same order.
+    with ArcticClient.ray(config, name="arctic-loop", num_cpus=torch.get_num_threads()) as client:
+        assert_same_loop(expected, grpo_loop(client))
+
+
+def test_ray_clients_connect_by_name_see_arctic_errors_and_a_dead_server(config):
+    owner = ArcticClient.ray(config, name="arctic-shared")
+    other = ArcticClient.ray(name="arctic-shared")  # any process of the cluster: connect by name
+    assert other.status().policy_version == 0
+    with pytest.raises(PluginNotFoundError, match="no-such-loss"):
+        other.fwd_bwd(owner.generate([[1, 5, 6]], n=2, max_tokens=3).batch, "no-such-loss")
+    assert asyncio.run(_gather_status(AsyncArcticClient.ray(name="arctic-shared"), 8)) == [0] * 8
+    ray.kill(owner.transport.actor)
+    with pytest.raises(WorkerError, match="'arctic-shared' died"):
+        other.status()
+    with pytest.raises(WorkerError, match="no Arctic server actor named 'nobody'"):
+        ArcticClient.ray(name="nobody")
+
+
+async def _gather_status(client, calls: int) -> list[int]:
+    results = await asyncio.gather(*(client.status() for _ in range(calls)))
+    return [r.policy_version for r in results]
+
+
+# ----------------------------------------------------------------- sampler replicas and weight sync
+PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2], [1, 9, 8, 7, 6, 5, 2]]
+
+
+def greedy_reference(policy, weights: dict[str, torch.Tensor], prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """transformers' greedy generate with the given weights: what every replica must produce."""
+    from transformers import AutoModelForCausalLM
+
+    from arctic_core.hf import copy_weights_
+
+    model = AutoModelForCausalLM.from_pretrained(policy).eval()
+    copy_weights_(model, weights.items())
+    out = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("transport", ["torch-broadcast", "inprocess"])
+def test_sampler_replicas_follow_the_trainer_through_each_weight_transport(tiny_policy, transport):
+    """A Ray trainer rank and two Ray sampler replicas: after a step and a sync, every replica's
+    greedy output is transformers' greedy output with the trainer's new weights."""
+    config = {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
+              "trainer": ray_trainer_config(TrainerConfig(backend="reference", optimizer={"lr": 0.05}), workers=1).model_dump(),
+              "sampler": {"backend": "ray", "options": {"replicas": 2, "backend": "embedded"}},
+              "weight_sync": {"transport": transport}}
+    with ArcticClient.in_process(config) as client:
+        greedy = {"n": 1, "temperature": 0.0, "max_tokens": 5}
+        before = client.generate(PROMPTS, **greedy).batch
+        assert before.prompt_index.tolist() == [0, 1, 2, 3]
+        sampled = client.generate(PROMPTS, n=3, max_tokens=4).batch  # both replicas, joined in prompt order
+        assert sampled.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+        assert [sampled.prompt(i) for i in (0, 3, 6, 9)] == PROMPTS
+        batch = sampled.replace(advantages=torch.linspace(-1, 1, sampled.num_responses))
+        client.fwd_bwd(batch, PPO)
+        client.step()
+        sync = client.sync_weights()
+        assert sync.policy_version == 1 and sync.metrics["bytes"] > 0
+        client.sleep(["sampler"])  # the replicas free their KV caches and park their weights...
+        client.wake(["sampler"])  # ...and come back with the synced weights
+        after = client.generate(PROMPTS, **greedy).batch
+        weights = dict(client.transport.server.trainer.named_weights())
+    assert after.policy_version.tolist() == [1] * 4
+    got = [after.response(i) for i in range(4)]
+    assert got != [before.response(i) for i in range(4)]  # the step changed what greedy decoding picks
+    assert got == greedy_reference(tiny_policy, weights, PROMPTS, 5)
+
+
+def test_split_prompts_balances_tokens_over_replicas():
+    from arctic_core.ray_sampler import split_prompts
+
+    assert split_prompts([[1] * 10] * 4, 2, new_tokens=10) == [(0, 2), (2, 4)]
+    assert split_prompts([[1] * 100, [1], [1], [1]], 2, new_tokens=1) == [(0, 1), (1, 4)]
+    assert split_prompts([[1]], 3, new_tokens=5) == [(0, 1), (1, 1), (1, 1)]

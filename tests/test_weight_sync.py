@@ -109,12 +109,12 @@ def test_old_versions_are_pruned_and_the_previous_one_kept(tmp_path):
 
 # --------------------------------------------------------------------------- two-process broadcast
 WORKER = textwrap.dedent("""
-    import sys, torch, torch.distributed as dist
+    import sys, torch
     from safetensors.torch import save_file
-    from arctic_core.weight_broadcast import broadcast_weights, plan_broadcast, receive_broadcast, share_plan
+    from arctic_core.weight_broadcast import WeightGroup, broadcast_weights, plan_broadcast, receive_broadcast, share_plan
 
-    rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    group = WeightGroup.join("127.0.0.1", port, rank, 2, "gloo")
     if rank == 0:
         torch.manual_seed(0)
         embed = torch.randn(300, 16)
@@ -122,14 +122,13 @@ WORKER = textwrap.dedent("""
                    ("layer.0.w", torch.randn(64, 32).to(torch.bfloat16)), ("layer.1.w", torch.randn(40, 40)),
                    ("step", torch.tensor([7], dtype=torch.int64))]
         plan = plan_broadcast(weights, bucket_bytes=8192, version=4)
-        share_plan(None, plan)
-        broadcast_weights(None, weights, plan)
+        share_plan(group, plan)
+        broadcast_weights(group, weights, plan)
         got = {n: t.clone() for n, t in weights}
     else:
-        plan = share_plan(None)
-        got = {n: t.clone() for n, t in receive_broadcast(None, plan)}
+        plan = share_plan(group)
+        got = {n: t.clone() for n, t in receive_broadcast(group, plan)}
     save_file(got, out, metadata={"version": str(plan["version"]), "buckets": str(len(plan["buckets"]))})
-    dist.destroy_process_group()
 """)
 
 

@@ -1,4 +1,4 @@
-"""The core's own plugin: built-in losses, processors and the in-process weight transport.
+"""The core's own plugin: built-in losses, processors, the Ray backends and the weight transports.
 
 Registered through the ``arctic`` entry point like any third-party plugin.
 """
@@ -36,5 +36,13 @@ def arctic_training_backends():
 
 
 @hookimpl
+def arctic_sampling_backends():
+    return {"ray": Lazy("arctic_core.ray_sampler:RaySampler",
+                        "Replicas of an inner sampling backend, one Ray actor each.")}
+
+
+@hookimpl
 def arctic_weight_transports():
-    return {"inprocess": InProcessTransport, "safetensors-files": SafetensorsFilesTransport}
+    return {"inprocess": InProcessTransport, "safetensors-files": SafetensorsFilesTransport,
+            "torch-broadcast": Lazy("arctic_core.weight_broadcast:TorchBroadcastTransport",
+                                    "Broadcast from the ray trainer's rank 0 to ray sampler replicas (gloo / NCCL).")}

@@ -44,8 +44,9 @@ def serve(
     max_body_mb: Annotated[float, typer.Option(min=0.001, help="Larger request bodies are answered 413.")] = 256,
     token: Annotated[str | None, typer.Option(envvar="ARCTIC_RL_TOKEN", show_envvar=True, help="Bearer token every call must carry.")] = None,
     allow_public_without_token: Annotated[bool, typer.Option("--allow-public-without-token", help="Bind a non-loopback host with no token (anyone who can reach it can train your model).")] = False,
-    ray: Annotated[bool, typer.Option("--ray", help="Run the trainer as data-parallel Ray workers.")] = False,
-    ray_workers: Annotated[int, typer.Option(min=1, help="Ranks with --ray.")] = 2,
+    ray: Annotated[bool, typer.Option("--ray", help="Run the trainer as data-parallel Ray workers and the sampler as Ray replicas.")] = False,
+    ray_workers: Annotated[int, typer.Option(min=1, help="Trainer ranks with --ray.")] = 2,
+    ray_samplers: Annotated[int, typer.Option(min=0, help="Sampler replicas with --ray (0: the sampler stays in the server process).")] = 1,
     address: Annotated[str | None, typer.Option(help="Ray cluster to join with --ray (default: start a local one).")] = None,
 ) -> None:
     """Serve every client call over HTTP (FastAPI + uvicorn); calls on the model are serialised."""
@@ -64,12 +65,24 @@ def serve(
         )
     arctic_config = ArcticConfig.from_yaml(config) if config else embedded_default_config()
     if ray:
-        from arctic_core.ray_trainer import ray_trainer_config
-
-        arctic_config = arctic_config.model_copy(update={"trainer": ray_trainer_config(arctic_config.trainer, ray_workers, address)})
+        arctic_config = ray_config(arctic_config, ray_workers, ray_samplers, address)
     app_ = create_app(ArcticServer(arctic_config), token=token, max_body_bytes=int(max_body_mb * 2**20))
     typer.echo(f"Arctic RL serving on http://{host}:{port} (API: /openapi.json, /docs; token {'required' if token else 'off'})", err=True)
     uvicorn.run(app_, host=host, port=port, log_level="info")
+
+
+def ray_config(config: ArcticConfig, workers: int, samplers: int, address: str | None) -> ArcticConfig:
+    """``serve --ray``: the trainer as data-parallel Ray ranks, the sampler as Ray replicas, and
+    weights broadcast from rank 0 to the replicas when the config left the in-process copy."""
+    from arctic_core.ray_sampler import ray_sampler_config
+    from arctic_core.ray_trainer import ray_trainer_config
+
+    update: dict[str, object] = {"trainer": ray_trainer_config(config.trainer, workers, address)}
+    if samplers:
+        update["sampler"] = ray_sampler_config(config.sampler, samplers, address)
+        if config.weight_sync.transport == "inprocess":
+            update["weight_sync"] = config.weight_sync.model_copy(update={"transport": "torch-broadcast"})
+    return config.model_copy(update=update)
 
 
 def _is_loopback(host: str) -> bool:

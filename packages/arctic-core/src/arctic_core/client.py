@@ -147,6 +147,13 @@ class ArcticClient(_Calls):
 
         return cls(HttpTransport(url, token=token, timeout=timeout))
 
+    @classmethod
+    def ray(cls, config: ArcticConfig | dict[str, Any] | None = None, *, name: str = "arctic-server",
+            address: str | None = None, num_gpus: float = 0.0, num_cpus: float = 1.0) -> ArcticClient:
+        """With ``config``: start the server as the Ray actor ``name`` (with those resources);
+        without: connect to it."""
+        return cls(_ray_transport(config, name, address, num_gpus, num_cpus))
+
     def close(self) -> None:
         self.transport.close()
 
@@ -176,6 +183,12 @@ class AsyncArcticClient(_Calls):
 
         return cls(HttpTransport(url, token=token, timeout=timeout))
 
+    @classmethod
+    def ray(cls, config: ArcticConfig | dict[str, Any] | None = None, *, name: str = "arctic-server",
+            address: str | None = None, num_gpus: float = 0.0, num_cpus: float = 1.0) -> AsyncArcticClient:
+        """As :meth:`ArcticClient.ray`; calls await the actor's results."""
+        return cls(_ray_transport(config, name, address, num_gpus, num_cpus))
+
     async def aclose(self) -> None:
         aclose = getattr(self.transport, "aclose", None)
         if aclose is not None:
@@ -195,6 +208,16 @@ class AsyncArcticClient(_Calls):
 def _owns_server(transport: Transport) -> bool:
     """Whether closing the client should shut the server down (an embedded one, not a remote one)."""
     return getattr(transport, "owns_server", True)
+
+
+def _ray_transport(config: ArcticConfig | dict[str, Any] | None, name: str, address: str | None,
+                   num_gpus: float, num_cpus: float) -> Transport:
+    from arctic_core.transports.ray import RayTransport
+
+    if config is None:
+        return RayTransport.connect(name, address)
+    config = config if isinstance(config, ArcticConfig) else ArcticConfig.from_dict(config)
+    return RayTransport.start(config, name, address, num_gpus, num_cpus)
 
 
 def _in_process_transport(config: ArcticConfig | dict[str, Any]) -> Transport:

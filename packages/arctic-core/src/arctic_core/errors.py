@@ -38,3 +38,12 @@ class RemoteError(ArcticError, RuntimeError):
 
 class WorkerError(RequestError):
     """A worker process (e.g. one data-parallel training rank) died or failed; the message names it."""
+
+
+def remote_error(status: int | None, name: str, message: str) -> ArcticError:
+    """A server-side error as the Arctic class it names (for a refusal, status < 500), else as a
+    :class:`RemoteError`: client code handles errors alike in process and over any transport."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, ArcticError) and cls is not RemoteError and (status or 500) < 500:
+        return cls(message)
+    return RemoteError(status, name, message)

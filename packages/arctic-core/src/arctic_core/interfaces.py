@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -127,3 +127,26 @@ class WeightTransport(Protocol):
     """Moves the trainer's weights into every receiver and stamps them with ``version``."""
 
     def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]: ...
+
+
+class BroadcastSource(Protocol):
+    """A training backend whose ranks live in Ray actors, as a ``torch-broadcast`` sender."""
+
+    def weight_group_members(self) -> list[Any]:
+        """The actor that sends (rank 0), first; its class mixes in ``WeightGroupMember``."""
+        ...
+
+    def start_weight_send(self, version: int, bucket_bytes: int) -> list[Any]:
+        """Starts the send (and whatever the other ranks must do alongside, e.g. ZeRO-3 gathers);
+        returns the ObjectRefs, the sender's (bytes sent) first."""
+        ...
+
+
+class BroadcastReceiver(Protocol):
+    """A sampling backend whose replicas live in Ray actors, as ``torch-broadcast`` receivers."""
+
+    def weight_group_members(self) -> list[Any]: ...
+
+    def start_weight_receive(self, version: int) -> list[Any]:
+        """Starts every member's receive of weights ``version``; returns their ObjectRefs."""
+        ...

@@ -37,6 +37,7 @@ from arctic_core.errors import ConfigError, RequestError, WorkerError
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_core.objective import ProcessorSet
 from arctic_core.protocol import FwdBwdRequest, LogProbsRequest
+from arctic_core.weight_broadcast import WeightGroupMember
 
 
 class RayTrainerOptions(StrictModel):
@@ -48,8 +49,9 @@ class RayTrainerOptions(StrictModel):
     cpus_per_worker: float = Field(1.0, ge=0)
 
 
-class TrainerWorker:
-    """One rank (a Ray actor): the inner training backend in its own process."""
+class TrainerWorker(WeightGroupMember):
+    """One rank (a Ray actor): the inner training backend in its own process. Rank 0 is the
+    sender of ``torch-broadcast`` weight syncs."""
 
     def __init__(self, rank: int, world: int, port: int, backend: str, config_json: str, model_json: str,
                  seed: int) -> None:
@@ -85,6 +87,14 @@ class TrainerWorker:
 
     def load_weights(self, blob: bytes) -> None:
         self.trainer.load_weights(list(load_safetensors(blob).items()))
+
+    def weights_to_send(self) -> NamedTensors:
+        return self.trainer.named_weights()
+
+    def gather_weights(self) -> None:
+        """A rank other than the sender joins the sender's ZeRO-3 parameter gathers."""
+        for _ in self.trainer.named_weights():
+            pass
 
     def ready(self) -> bool:
         return True
@@ -161,6 +171,13 @@ class RayDataParallelTrainer:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from load_safetensors(self._gather([w.weights.remote() for w in self.workers], "named_weights")[0]).items()
+
+    def weight_group_members(self) -> list[Any]:
+        return self.workers[:1]
+
+    def start_weight_send(self, version: int, bucket_bytes: int) -> list[Any]:
+        others = [w.gather_weights.remote() for w in self.workers[1:]] if self._zero3 else []
+        return [self.workers[0].send_weights.remote(version, bucket_bytes), *others]
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Rank 0's view of the accumulated gradients (before the step's reduction: its shard's)."""

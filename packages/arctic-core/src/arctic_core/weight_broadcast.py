@@ -1,28 +1,38 @@
-"""Weight sync by ``torch.distributed`` broadcast: the trainer (``src``) broadcasts its weights to
-sampler processes in the same process group (gloo on the CPU, NCCL on GPUs).
+"""Weight sync by ``torch.distributed`` broadcast: the trainer's rank 0 broadcasts its weights to
+sampler processes (gloo on the CPU, NCCL on GPUs), in a process group of its own.
 
-Tensors travel as flat buckets of one dtype each (at most ``bucket_bytes``, a larger tensor gets a
-bucket of its own), so one collective moves many small tensors. Both sides need the same plan:
-names, shapes, dtypes and bucket boundaries. The plan is JSON (:func:`plan_broadcast`); it reaches
-receivers through :func:`share_plan` (a uint8 broadcast over the same group) or any control channel.
+A :class:`WeightGroup` is a standalone process group (its own TCP store), so it spans processes that
+already belong to other groups (the trainer's data-parallel ranks) or to none (samplers). Tensors
+travel as flat buckets of one dtype each (at most ``bucket_bytes``, a larger tensor gets a bucket of
+its own), so one collective moves many small tensors. Both sides follow the same plan: names,
+shapes, dtypes and bucket boundaries, as JSON (:func:`plan_broadcast`), which the sender shares over
+the group itself (:func:`share_plan`, a uint8 broadcast: no pickle)::
 
-The sender and the receiver are separate functions, called by separate processes::
-
-    # trainer, rank src                               # sampler, any other rank
+    # trainer, rank 0                                  # sampler, any other rank
     plan = plan_broadcast(weights, bucket_bytes, v)
     share_plan(group, plan)                            plan = share_plan(group)
     broadcast_weights(group, weights, plan)            sampler.update_weights(receive_broadcast(group, plan), plan["version"])
+
+:class:`TorchBroadcastTransport` (``weight_sync: {transport: torch-broadcast}``) runs that between
+Ray actors: engines that live in actors (the ``ray`` trainer and sampler backends) expose the
+:class:`~arctic_core.interfaces.BroadcastSource` / ``BroadcastReceiver`` methods, and their actors
+mix in :class:`WeightGroupMember`.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from arctic_core.errors import ArcticError
+from arctic_core.config import WeightSyncConfig
+from arctic_core.errors import ArcticError, ConfigError
+from arctic_core.interfaces import NamedTensors, TrainingBackend, WeightReceiver
 from arctic_core.weight_files import split_aliases
 
 NamedList = Sequence[tuple[str, torch.Tensor]]
@@ -30,6 +40,33 @@ NamedList = Sequence[tuple[str, torch.Tensor]]
 
 class BroadcastError(ArcticError, RuntimeError):
     """The two sides of a broadcast disagree (plan, names or shapes)."""
+
+
+class WeightGroup:
+    """A standalone process group: rank 0 sends, every other rank receives."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, backend: str, timeout_s: float = 600.0) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if backend == "nccl":
+            self.group: Any = dist.ProcessGroupNCCL(store, rank, world)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        elif backend == "gloo":
+            self.group = dist.ProcessGroupGloo(store, rank, world, timeout)
+            self.device = torch.device("cpu")  # gloo moves CPU tensors
+        else:
+            raise ConfigError(f"weight broadcast backend must be 'nccl' or 'gloo', got {backend!r}")
+        self.rank, self.world = rank, world
+
+    @classmethod
+    def join(cls, host: str, port: int, rank: int, world: int, backend: str) -> WeightGroup:
+        """Join the group whose TCP store rank 0 serves at ``host:port`` (rank 0 starts it)."""
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
+        return cls(store, rank, world, backend)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self.group.broadcast([tensor], options).wait()
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -74,31 +111,23 @@ def _pack(dtype: str, tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int
     return buckets
 
 
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    # NCCL moves CUDA tensors only, gloo (here) CPU tensors.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def share_plan(group: dist.ProcessGroup | None, plan: dict | None = None, src: int = 0) -> dict:
+def share_plan(group: WeightGroup, plan: dict | None = None, src: int = 0) -> dict:
     """Broadcasts the plan as JSON bytes (no pickle): ``src`` passes it, every other rank gets it back."""
-    device = _device(group)
-    length = torch.zeros(1, dtype=torch.int64, device=device)
+    length = torch.zeros(1, dtype=torch.int64, device=group.device)
     if plan is not None:
-        payload = torch.frombuffer(bytearray(json.dumps(plan).encode()), dtype=torch.uint8).to(device)
+        payload = torch.frombuffer(bytearray(json.dumps(plan).encode()), dtype=torch.uint8).to(group.device)
         length[0] = payload.numel()
-    dist.broadcast(length, src, group=group)
+    group.broadcast(length, src)
     if plan is None:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src, group=group)
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
+    group.broadcast(payload, src)
     return plan if plan is not None else json.loads(bytes(payload.cpu().tolist()).decode())
 
 
-def broadcast_weights(group: dist.ProcessGroup | None, weights: NamedList, plan: dict, src: int = 0) -> int:
+def broadcast_weights(group: WeightGroup, weights: NamedList, plan: dict, src: int = 0) -> int:
     """Sender side: broadcasts every bucket of ``plan`` from ``src``; returns the bytes sent."""
     named = dict(weights)
-    device = _device(group)
+    device = group.device
     sent = 0
     for bucket in plan["buckets"]:
         try:
@@ -106,27 +135,106 @@ def broadcast_weights(group: dist.ProcessGroup | None, weights: NamedList, plan:
         except KeyError as exc:
             raise BroadcastError(f"the plan names weight {exc.args[0]!r}, which the sender does not have") from None
         flat = torch.cat(parts)
-        dist.broadcast(flat, src, group=group)
+        group.broadcast(flat, src)
         sent += flat.numel() * flat.element_size()
     return sent
 
 
-def receive_broadcast(group: dist.ProcessGroup | None, plan: dict, src: int = 0,
+def receive_broadcast(group: WeightGroup, plan: dict, src: int = 0,
                       device: str | torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Receiver side: takes part in every bucket's broadcast; yields ``(name, tensor)`` per the plan.
 
     Every bucket is received before this returns: collectives must run in the same order on all
     ranks, so they cannot wait on how fast the caller consumes the iterator.
     """
-    wire = _device(group)
+    wire = group.device
     received: dict[str, torch.Tensor] = {}
     for bucket in plan["buckets"]:
         shapes = [torch.Size(shape) for _, shape in bucket["tensors"]]
         flat = torch.empty(sum(s.numel() for s in shapes), dtype=_dtype(bucket["dtype"]), device=wire)
-        dist.broadcast(flat, src, group=group)
+        group.broadcast(flat, src)
         flat = flat.to(device) if device is not None else flat
         for (name, _), shape, part in zip(bucket["tensors"], shapes, flat.split([s.numel() for s in shapes])):
             received[name] = part.view(shape)
     for alias, target in plan["aliases"].items():
         received[alias] = received[target]
     return iter(list(received.items()))
+
+
+# --------------------------------------------------------------------------- between Ray actors
+class WeightGroupMember:
+    """Mixed into a Ray actor that takes part in weight broadcasts. The actor provides
+    ``weights_to_send()`` (a sender) or ``receive_weights_into(weights, version)`` (a receiver)."""
+
+    _weight_group: WeightGroup | None = None
+    _weight_store: Any = None
+
+    def open_weight_group(self, world: int) -> tuple[str, int]:
+        """As rank 0: serve the group's TCP store on a free port of this node; returns its address."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        self._weight_store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False,
+                                           timeout=datetime.timedelta(seconds=300))
+        return host, self._weight_store.port
+
+    def join_weight_group(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
+        if rank == 0:
+            self._weight_group = WeightGroup(self._weight_store, rank, world, backend)
+        else:
+            self._weight_group = WeightGroup.join(host, port, rank, world, backend)
+
+    def send_weights(self, version: int, bucket_bytes: int) -> int:
+        weights = list(self.weights_to_send())
+        plan = plan_broadcast(weights, bucket_bytes, version)
+        share_plan(self._group(), plan)
+        return broadcast_weights(self._group(), weights, plan)
+
+    def receive_weights(self) -> int:
+        plan = share_plan(self._group())
+        self.receive_weights_into(list(receive_broadcast(self._group(), plan)), plan["version"])
+        return int(plan["version"])
+
+    def weights_to_send(self) -> NamedTensors:
+        raise NotImplementedError(f"{type(self).__name__} does not send weights")
+
+    def receive_weights_into(self, weights: NamedTensors, version: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not receive weights")
+
+    def _group(self) -> WeightGroup:
+        if self._weight_group is None:
+            raise BroadcastError("this actor has not joined a weight group (join_weight_group)")
+        return self._weight_group
+
+
+class TorchBroadcastTransport:
+    """``torch-broadcast``: rank 0 of a Ray-actor trainer broadcasts to Ray-actor sampler replicas.
+
+    The group (the sender plus every receiver actor) is formed on the first sync and again whenever
+    its members change (e.g. workers restarted from a checkpoint). ``options.backend``: ``nccl``
+    (GPU engines) or ``gloo`` (CPU engines; the default)."""
+
+    def __init__(self, config: WeightSyncConfig | None = None) -> None:
+        self.config = config or WeightSyncConfig()
+        self.backend = str(self.config.options.get("backend", "gloo"))
+        self._members: list[Any] = []
+
+    def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]:
+        import ray
+
+        start = time.perf_counter()
+        engines = [source, *receivers]
+        missing = [type(e).__name__ for e in engines if not callable(getattr(e, "weight_group_members", None))]
+        if missing:
+            raise ConfigError(f"weight_sync 'torch-broadcast' needs engines in Ray actors (the 'ray' trainer and "
+                              f"sampler backends); {', '.join(missing)} cannot join a broadcast: use 'inprocess'")
+        members = source.weight_group_members()[:1] + [m for r in receivers for m in r.weight_group_members()]
+        if members != self._members:
+            host, port = ray.get(members[0].open_weight_group.remote(len(members)))
+            ray.get([m.join_weight_group.remote(host, port, rank, len(members), self.backend)
+                     for rank, m in enumerate(members)])
+            self._members = members
+        refs = source.start_weight_send(version, self.config.bucket_bytes)
+        refs += [ref for r in receivers for ref in r.start_weight_receive(version)]
+        sent = ray.get(refs)[0]
+        return {"seconds": time.perf_counter() - start, "bytes": float(sent), "receivers": float(len(members) - 1)}

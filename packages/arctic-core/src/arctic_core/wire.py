@@ -164,6 +164,14 @@ def _schemas(op: str) -> tuple[type[Message], type[Result]]:
     return OPS[op]
 
 
+def encode_request(op: str, request: Message) -> bytes:
+    """``request`` encoded for ``op``, refused here if it is not that operation's request type."""
+    expected = _schemas(op)[0]
+    if not isinstance(request, expected):
+        raise RequestError(f"operation {op!r} takes a {expected.__name__}, got {type(request).__name__}")
+    return encode(request)
+
+
 def decode_request(op: str, data: bytes) -> Message:
     return decode(data, _schemas(op)[0])
 

@@ -49,17 +49,6 @@ def forest_cost(batch: RolloutBatch, rows: list[int]) -> int:
     return int(sum(int(batch.prompt_lens[p]) for p in prompts) + batch.response_lens[rows].sum())
 
 
-def split_across_ranks(batch: RolloutBatch, world_size: int) -> list[list[int]]:
-    """Rows for each data-parallel rank, whole groups only, balanced by deduplicated cost (LPT)."""
-    loads = [0] * world_size
-    shards: list[list[int]] = [[] for _ in range(world_size)]
-    for rows in sorted((g for g in batch.groups() if g), key=lambda g: -forest_cost(batch, g)):
-        rank = loads.index(min(loads))
-        loads[rank] += forest_cost(batch, rows)
-        shards[rank].extend(rows)
-    return [sorted(rows) for rows in shards]
-
-
 def _split_group(batch: RolloutBatch, rows: list[int], token_budget: int) -> list[list[int]]:
     """A group as chunks of its responses whose cost (prompt + responses) fits the budget."""
     prompt = int(batch.prompt_lens[batch.prompt_index[rows[0]]])

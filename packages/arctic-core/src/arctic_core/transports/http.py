@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 
-from arctic_core import errors, wire
-from arctic_core.errors import ArcticError, RemoteError, RequestError
-from arctic_core.protocol import OPS, Message, Result
+from arctic_core import wire
+from arctic_core.errors import RemoteError, remote_error
+from arctic_core.protocol import Message, Result
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
 MAX_IN_FLIGHT = 64  # async calls sent at once; the server runs one at a time anyway
@@ -49,7 +49,7 @@ class HttpTransport:
 
     # ----------------------------------------------------------------- calls
     def call(self, op: str, request: Message) -> Result:
-        body = _encode(op, request)
+        body = wire.encode_request(op, request)
         if self._client is None:
             self._client = httpx.Client(base_url=self.base_url, timeout=self._timeout)
         try:
@@ -59,7 +59,7 @@ class HttpTransport:
         return _result(op, response)
 
     async def acall(self, op: str, request: Message) -> Result:
-        body = await _maybe_offload(_encode, op, request, big=getattr(request, "batch", None) is not None)
+        body = await _maybe_offload(wire.encode_request, op, request, big=getattr(request, "batch", None) is not None)
         client, slots = self._async_client()
         async with slots:
             try:
@@ -99,15 +99,6 @@ class HttpTransport:
 
 
 # ----------------------------------------------------------------- helpers
-def _encode(op: str, request: Message) -> bytes:
-    if op not in OPS:
-        raise RequestError(f"unknown operation {op!r}; operations: {sorted(OPS)}")
-    expected = OPS[op][0]
-    if not isinstance(request, expected):
-        raise RequestError(f"operation {op!r} takes a {expected.__name__}, got {type(request).__name__}")
-    return wire.encode(request)
-
-
 def _result(op: str, response: httpx.Response) -> Result:
     if response.status_code == 200:
         return wire.decode_result(op, response.content)
@@ -121,10 +112,7 @@ def _error(response: httpx.Response) -> Exception:
         name, message = str(data["error"]), str(data["message"])
     except (ValueError, KeyError, TypeError):
         return RemoteError(response.status_code, "HTTPError", response.text[:2000] or response.reason_phrase)
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, ArcticError) and response.status_code < 500:
-        return cls(message)
-    return RemoteError(response.status_code, name, message)
+    return remote_error(response.status_code, name, message)
 
 
 def _unreachable(base_url: str, op: str, exc: httpx.HTTPError) -> RemoteError:
