@@ -24,13 +24,16 @@ def test_registry_indexes_every_kind_with_its_provider():
     assert {"ppo", "gspo", "kl", "entropy", "sft", "reinforce"} <= set(registry.names("loss"))
     assert {"logprobs", "entropy", "top1_match"} <= set(registry.names("processor"))
     assert registry.names("training_backend") == ["deepspeed", "ray", "reference"]
-    assert registry.names("sampling_backend") == ["embedded", "hf-generate"]
+    assert registry.names("sampling_backend") == ["embedded", "hf-generate", "ray"]
+    assert registry.names("logprob_backend") == ["deepspeed", "ray", "reference"]
+    assert registry.names("weight_transport") == ["inprocess", "safetensors-files", "torch-broadcast"]
     providers = {(p.kind, p.name): p.plugin for p in registry.all()}
     assert providers[("loss", "reinforce")] == "example"
     assert providers[("processor", "top1_match")] == "example"
     assert providers[("training_backend", "reference")] == "zorro"
     assert providers[("training_backend", "ray")] == "core"
     assert providers[("sampling_backend", "embedded")] == "fca"
+    assert providers[("sampling_backend", "ray")] == providers[("weight_transport", "torch-broadcast")] == "core"
 
 
 def test_unknown_name_lists_the_registered_ones():

@@ -13,7 +13,8 @@ from arctic_core.client import ArcticClient, AsyncArcticClient
 from arctic_core.errors import PluginNotFoundError, WorkerError
 from arctic_core.config import ArcticConfig, TrainerConfig
 from arctic_core.http_server import _health
-from arctic_core.ray_trainer import ray_environment, ray_trainer_config
+from arctic_core.ray_actors import ray_environment
+from arctic_core.ray_trainer import ray_trainer_config
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -206,3 +207,22 @@ def test_split_prompts_balances_tokens_over_replicas():
     assert split_prompts([[1] * 10] * 4, 2, new_tokens=10) == [(0, 2), (2, 4)]
     assert split_prompts([[1] * 100, [1], [1], [1]], 2, new_tokens=1) == [(0, 1), (1, 4)]
     assert split_prompts([[1]], 3, new_tokens=5) == [(0, 1), (1, 1), (1, 1)]
+
+
+def test_a_reference_engine_in_its_own_actor_answers_like_the_in_process_one(config):
+    """``reference: {backend: ray}``: the frozen reference model runs in an actor of its own."""
+    remote = config.model_copy(update={"reference": config.reference.model_copy(
+        update={"backend": "ray", "options": {"backend": "reference"}})})
+    local = ArcticClient.in_process(config)
+    with ArcticClient.in_process(remote) as client:
+        batch = local.generate(PROMPTS, n=2, max_tokens=5).batch
+        want = local.log_probs(batch, model="reference", processors=["logprobs", "entropy"]).outputs
+        got = client.log_probs(batch, model="reference", processors=["logprobs", "entropy"]).outputs
+        for name in ("logprobs", "entropy"):
+            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0)  # another process: its own thread count
+        client.sleep(["reference"])
+        client.wake(["reference"])
+        ray.kill(client.transport.server.reference.worker)
+        with pytest.raises(WorkerError, match="log-prob engine actor died during log_probs"):
+            client.log_probs(batch, model="reference")
+    local.shutdown()

@@ -36,6 +36,11 @@ def arctic_training_backends():
 
 
 @hookimpl
+def arctic_logprob_backends():
+    return {"ray": Lazy("arctic_core.ray_logprob:RayLogProbEngine", "An inner log-prob backend in a Ray actor of its own.")}
+
+
+@hookimpl
 def arctic_sampling_backends():
     return {"ray": Lazy("arctic_core.ray_sampler:RaySampler",
                         "Replicas of an inner sampling backend, one Ray actor each.")}

@@ -15,16 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import Field
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from arctic_core import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate
-from arctic_core.errors import ConfigError, RequestError, WorkerError
+from arctic_core.errors import ConfigError
 from arctic_core.interfaces import NamedTensors
 from arctic_core.protocol import GenerateRequest, GenerateResult
-from arctic_core.ray_trainer import ray_environment
+from arctic_core.ray_actors import ensure_ray, get_one, named_tensors, weights_blob
 from arctic_core.weight_broadcast import WeightGroupMember
 
 
@@ -52,7 +50,7 @@ class SamplerWorker(WeightGroupMember):
         return wire.encode(GenerateResult(batch=self.sampler.generate(req.prompts, req.params)))
 
     def update_weights(self, blob: bytes, version: int) -> None:
-        self.sampler.update_weights(list(load_safetensors(blob).items()), version)
+        self.sampler.update_weights(named_tensors(blob), version)
 
     def receive_weights_into(self, weights: NamedTensors, version: int) -> None:
         self.sampler.update_weights(weights, version)
@@ -63,14 +61,10 @@ class SamplerWorker(WeightGroupMember):
 
 class RaySampler:
     def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
-        ray_environment()
-        import ray
-
         self.options = validate(RaySamplerOptions, config.options, "SamplerConfig.options (ray)")
         if self.options.backend == "ray":
             raise ConfigError("the ray sampler cannot run itself in its replicas; name the inner backend")
-        if not ray.is_initialized():
-            ray.init(address=self.options.address, include_dashboard=False, log_to_driver=False)
+        ray = ensure_ray(self.options.address)
         inner = config.model_copy(update={"backend": self.options.backend, "options": self.options.options})
         actor = ray.remote(num_cpus=self.options.cpus_per_replica, num_gpus=self.options.gpus_per_replica)(SamplerWorker)
         # Seeds differ per replica: two replicas must not draw the same random stream.
@@ -89,8 +83,7 @@ class RaySampler:
     def update_weights(self, weights: NamedTensors, version: int) -> None:
         import ray
 
-        # Cloned: tied weights share memory, which safetensors refuses. One copy in the object store.
-        blob = ray.put(save_safetensors({name: t.detach().cpu().clone() for name, t in weights}))
+        blob = ray.put(weights_blob(weights))  # one copy in the object store for every replica
         self._gather([r.update_weights.remote(blob, version) for r in self.replicas], "update_weights")
         self.policy_version = version
 
@@ -117,20 +110,7 @@ class RaySampler:
         self.replicas = []
 
     def _gather(self, refs: list[Any], what: str) -> list[Any]:
-        import ray
-
-        results = []
-        for ref in refs:
-            try:
-                results.append(ray.get(ref))
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerError(f"a sampler replica died during {what}: {exc}") from None
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.as_instanceof_cause()
-                if isinstance(cause, RequestError):
-                    raise type(cause)(str(cause)) from None
-                raise WorkerError(f"a sampler replica failed during {what}: {cause}") from None
-        return results
+        return [get_one(ref, "a sampler replica", what) for ref in refs]
 
 
 def ray_sampler_config(sampler: SamplerConfig, replicas: int, address: str | None = None) -> SamplerConfig:

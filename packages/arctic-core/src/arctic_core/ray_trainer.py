@@ -27,16 +27,15 @@ from typing import Any
 
 import torch
 from pydantic import Field
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from arctic_core import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, StrictModel, TrainerConfig, validate
 from arctic_core.errors import ConfigError, RequestError, WorkerError
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
-from arctic_core.objective import ProcessorSet
-from arctic_core.protocol import FwdBwdRequest, LogProbsRequest
+from arctic_core.protocol import FwdBwdRequest
+from arctic_core.ray_actors import (ensure_ray, log_probs_request, named_tensors, run_log_probs, task_error,
+                                    weights_blob)
 from arctic_core.weight_broadcast import WeightGroupMember
 
 
@@ -74,19 +73,14 @@ class TrainerWorker(WeightGroupMember):
         return self.trainer.forward_backward(req.batch, objective, LossContext(**ctx), req.scale)
 
     def log_probs(self, request: bytes) -> bytes:
-        from arctic_core.objective import build_processors
-
-        req = wire.decode(request, LogProbsRequest)
-        outputs = self.trainer.log_probs(req.batch, build_processors(self.registry, req.processors, req.temperature))
-        return save_safetensors({k: v.contiguous() for k, v in outputs.items()})
+        return run_log_probs(self.trainer, self.registry, request)
 
     def weights(self) -> bytes:
         """All ranks call this (a gather under ZeRO-3); the driver keeps rank 0's."""
-        # Cloned: tied weights (embeddings / LM head) share memory, which safetensors refuses.
-        return save_safetensors({name: t.detach().cpu().clone() for name, t in self.trainer.named_weights()})
+        return weights_blob(self.trainer.named_weights())
 
     def load_weights(self, blob: bytes) -> None:
-        self.trainer.load_weights(list(load_safetensors(blob).items()))
+        self.trainer.load_weights(named_tensors(blob))
 
     def weights_to_send(self) -> NamedTensors:
         return self.trainer.named_weights()
@@ -105,15 +99,10 @@ class TrainerWorker(WeightGroupMember):
 
 class RayDataParallelTrainer:
     def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
-        ray_environment()
-        import ray
-
         self.options = validate(RayTrainerOptions, config.options, "TrainerConfig.options (ray)")
         if self.options.backend == "ray":
             raise ConfigError("the ray backend cannot run itself in its workers; name the inner backend")
-        if not ray.is_initialized():
-            ray.init(address=self.options.address, include_dashboard=False, log_to_driver=False,
-                     **({} if self.options.address else {"num_cpus": max(os.cpu_count() or 1, self.options.workers)}))
+        ensure_ray(self.options.address, num_cpus=max(os.cpu_count() or 1, self.options.workers))
         inner = config.model_copy(update={"backend": self.options.backend, "options": self.options.options})
         self._spawn_args = (inner.model_dump_json(), model.model_dump_json(), seed)
         self.workers: list[Any] = []
@@ -162,15 +151,12 @@ class RayDataParallelTrainer:
     def log_probs(self, batch: RolloutBatch, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
         # Rank 0 holds whole parameters below ZeRO-3 and answers alone; under ZeRO-3 every rank must
         # join the parameter gathers, so all run the batch and rank 0's answer is kept.
-        if not isinstance(processors, ProcessorSet):
-            raise RequestError("the ray backend needs processors built by build_processors (it rebuilds them per rank)")
-        request = wire.encode(LogProbsRequest(batch=batch, processors=processors.names,
-                                              temperature=processors.temperature))
+        request = log_probs_request(batch, processors)
         targets = self.workers if self._zero3 else self.workers[:1]
-        return load_safetensors(self._gather([w.log_probs.remote(request) for w in targets], "log_probs")[0])
+        return dict(named_tensors(self._gather([w.log_probs.remote(request) for w in targets], "log_probs")[0]))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from load_safetensors(self._gather([w.weights.remote() for w in self.workers], "named_weights")[0]).items()
+        yield from named_tensors(self._gather([w.weights.remote() for w in self.workers], "named_weights")[0])
 
     def weight_group_members(self) -> list[Any]:
         return self.workers[:1]
@@ -184,7 +170,7 @@ class RayDataParallelTrainer:
         return self._gather([self.workers[0].call.remote("full_gradients")], "full_gradients")[0]
 
     def load_weights(self, weights: NamedTensors) -> None:
-        blob = save_safetensors({name: t.detach().cpu().clone() for name, t in weights})
+        blob = weights_blob(weights)
         self._gather([w.load_weights.remote(blob) for w in self.workers], "load_weights")
 
     def save_checkpoint(self, path: Path) -> None:
@@ -239,16 +225,13 @@ class RayDataParallelTrainer:
             except ray.exceptions.RayActorError:
                 dead.append(rank)
             except ray.exceptions.RayTaskError as exc:
-                failed.append((rank, exc.as_instanceof_cause()))
+                failed.append(task_error(exc, f"training worker rank {rank}", what))
         if dead:
             self.dead_ranks = sorted(set(self.dead_ranks) | set(dead))
             raise WorkerError(f"training worker rank {dead[0]} died during {what}; load_checkpoint restarts the "
                               "workers from a checkpoint")
         if failed:
-            rank, cause = failed[0]
-            if isinstance(cause, RequestError):  # bad input: the same error class as in process
-                raise type(cause)(f"rank {rank}: {cause}") from None
-            raise WorkerError(f"training worker rank {rank} failed during {what}: {cause}") from None
+            raise failed[0]
         return results
 
 
@@ -284,16 +267,6 @@ def _sum_metrics(results: list[dict[str, float]]) -> dict[str, float]:
         for key, value in metrics.items():
             total[key] = total.get(key, 0.0) + value
     return total
-
-
-def ray_environment() -> None:
-    """Workers run this interpreter and this checkout as they are: Ray's ``uv run`` integration
-    would otherwise upload the whole working directory (virtual environment included) to each.
-    Its switch is read when Ray is imported, so set it and, if Ray is loaded already, its constant."""
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    import ray._private.ray_constants as constants
-
-    constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] not in ("0", "false")
 
 
 def _free_port() -> int:

@@ -113,11 +113,6 @@ class RayTransport:
 
 
 def _ray(address: str | None) -> Any:
-    import ray
+    from arctic_core.ray_actors import ensure_ray
 
-    from arctic_core.ray_trainer import ray_environment
-
-    if not ray.is_initialized():
-        ray_environment()
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    return ray
+    return ensure_ray(address)

@@ -1,0 +1,92 @@
+"""What the Ray backends share: starting Ray, the bytes that cross between actors (wire-format
+requests, safetensors weights and outputs), and turning an actor's failure into an Arctic error.
+
+The backends themselves: :mod:`arctic_core.ray_trainer` (data-parallel ranks),
+:mod:`arctic_core.ray_sampler` (sampler replicas), :mod:`arctic_core.ray_logprob` (a log-prob engine).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from arctic_core import wire
+from arctic_core.batch import RolloutBatch
+from arctic_core.errors import RequestError, WorkerError
+from arctic_core.interfaces import NamedTensors, Processor
+from arctic_core.objective import ProcessorSet
+from arctic_core.protocol import LogProbsRequest
+
+
+def ensure_ray(address: str | None, num_cpus: int | None = None) -> Any:
+    """Ray, initialised once per process: joins ``address`` or starts a local cluster."""
+    ray_environment()
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 **({"num_cpus": num_cpus} if num_cpus and not address else {}))
+    return ray
+
+
+def ray_environment() -> None:
+    """Workers run this interpreter and this checkout as they are: Ray's ``uv run`` integration
+    would otherwise upload the whole working directory (virtual environment included) to each.
+    Its switch is read when Ray is imported, so set it and, if Ray is loaded already, its constant."""
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    import ray._private.ray_constants as constants
+
+    constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] not in ("0", "false")
+
+
+def weights_blob(weights: NamedTensors) -> bytes:
+    """Named tensors as safetensors bytes. Cloned: tied weights (embeddings / LM head) share
+    memory, which safetensors refuses."""
+    return save_safetensors({name: t.detach().cpu().clone() for name, t in weights})
+
+
+def named_tensors(blob: bytes) -> list[tuple[str, torch.Tensor]]:
+    return list(load_safetensors(blob).items())
+
+
+def log_probs_request(batch: RolloutBatch, processors: Mapping[str, Processor]) -> bytes:
+    """A log-prob call for another process: the processors travel by name and temperature."""
+    if not isinstance(processors, ProcessorSet):
+        raise RequestError("a Ray engine needs processors built by build_processors (each actor rebuilds them)")
+    return wire.encode(LogProbsRequest(batch=batch, processors=processors.names, temperature=processors.temperature))
+
+
+def run_log_probs(engine: Any, registry: Any, request: bytes) -> bytes:
+    """The actor's side of :func:`log_probs_request`: outputs as safetensors bytes."""
+    from arctic_core.objective import build_processors
+
+    req = wire.decode(request, LogProbsRequest)
+    outputs = engine.log_probs(req.batch, build_processors(registry, req.processors, req.temperature))
+    return save_safetensors({k: v.contiguous() for k, v in outputs.items()})
+
+
+def get_one(ref: Any, who: str, what: str) -> Any:
+    """``ray.get`` of one actor call. Bad input keeps its Arctic class; anything else is a
+    :class:`WorkerError` that names ``who`` (dead, or failed)."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as exc:
+        raise WorkerError(f"{who} died during {what}: {exc}") from None
+    except ray.exceptions.RayTaskError as exc:
+        raise task_error(exc, who, what) from None
+
+
+def task_error(exc: Any, who: str, what: str) -> Exception:
+    """A failed actor call (a ``RayTaskError``) as an Arctic error: bad input keeps its class,
+    the rest is a :class:`WorkerError` naming ``who``."""
+    cause = getattr(exc, "cause", None)  # the exception the actor raised
+    if isinstance(cause, RequestError):
+        return type(cause)(f"{who}: {cause}")
+    return WorkerError(f"{who} failed during {what}: {cause if cause is not None else exc}")
