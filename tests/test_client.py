@@ -163,6 +163,26 @@ def test_sleep_refuses_work_until_wake(arctic_config):
             client.sleep(["reference"])
 
 
+def test_colocated_engines_sleep_between_calls_and_give_the_same_results(arctic_config):
+    """``colocate: true``: before each call only the engines it needs are awake, and the demo's
+    GRPO loop gives exactly the numbers of a server whose engines never sleep."""
+    from test_http import assert_same_loop, grpo_loop
+
+    engines = {"trainer": {"backend": "reference"}, "reference": {"backend": "reference"}}
+    with ArcticClient.in_process(arctic_config(**engines)) as plain:
+        expected = grpo_loop(plain)
+    with ArcticClient.in_process(arctic_config(**engines, colocate=True)) as client:
+        server = client.transport.server
+        assert_same_loop(expected, grpo_loop(client))
+        assert server.asleep == {"reference"}  # the loop ended with a sync: trainer and sampler awake
+        batch = client.generate(PROMPTS, n=2, max_tokens=3).batch
+        assert server.asleep == {"trainer", "reference"} and server.trainer.asleep
+        client.log_probs(batch, model="reference")
+        assert server.asleep == {"trainer", "sampler"} and server.sampler.engine.asleep
+        client.sleep()  # the client may still put everything to sleep itself
+        assert server.asleep == {"trainer", "sampler", "reference"}
+
+
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(arctic_config):
     with ArcticClient.in_process(arctic_config()) as client:
         batch = rollout(client)

@@ -91,6 +91,9 @@ class ArcticConfig(StrictModel):
     sampler: SamplerConfig = SamplerConfig()
     reference: LogProbConfig | None = Field(None, description="Set to serve reference log-probs (KL).")
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+    colocate: bool = Field(False, description=(
+        "Engines share one device: before each call the server puts to sleep the engines it does not "
+        "need and wakes those it does, so one engine's memory is resident at a time (weight sync wakes both)."))
     seed: int = 0
 
     @classmethod

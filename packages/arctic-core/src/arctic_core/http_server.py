@@ -105,10 +105,10 @@ def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: i
     return app
 
 
-def _engine_health(engine: Any, backend: str) -> dict[str, Any]:
+def _engine_health(engine: Any, backend: str, asleep: bool) -> dict[str, Any]:
     """Backend name, asleep or not, and whatever the engine reports itself (e.g. dead workers)."""
     own = engine.health() if callable(getattr(engine, "health", None)) else {}
-    return {"backend": backend, "asleep": getattr(engine, "asleep", None), **own}
+    return {"backend": backend, "asleep": asleep, **own}
 
 
 # ----------------------------------------------------------------- one operation
@@ -181,12 +181,11 @@ def _bearer_check(token: str | None) -> Callable[..., None]:
 
 def _health(server: ArcticServer, busy: bool) -> dict[str, Any]:
     config = server.config
-    engines: dict[str, Any] = {
-        "trainer": _engine_health(server.trainer, config.trainer.backend),
-        "sampler": _engine_health(server.sampler, config.sampler.backend),
-    }
+    backends = {"trainer": config.trainer.backend, "sampler": config.sampler.backend}
     if server.reference is not None and config.reference is not None:
-        engines["reference"] = _engine_health(server.reference, config.reference.backend)
+        backends["reference"] = config.reference.backend
+    engines = {name: _engine_health(getattr(server, name), backend, name in server.asleep)
+               for name, backend in backends.items()}
     degraded = any(e.get("dead_ranks") for e in engines.values())
     return {
         "status": "shut down" if server.closed else "degraded" if degraded else "ok",

@@ -64,6 +64,7 @@ class ArcticServer:
             ref_model = config.reference.model or config.model
             self.reference = self._build("logprob_backend", config.reference.backend, config.reference, ref_model)
         self.weight_transport = self.registry.get("weight_transport", config.weight_sync.transport)(config.weight_sync)
+        self.asleep: set[str] = set()  # engines put to sleep, by the client or by colocation
 
     def _build(self, kind: str, name: str, *args: Any) -> Any:
         factory = self.registry.get(kind, name)
@@ -87,6 +88,8 @@ class ArcticServer:
             if self._closed:
                 raise RequestError("the server has been shut down")
             start = time.perf_counter()
+            if self.config.colocate:
+                self._colocate(op, request)
             result: Result = getattr(self, f"_op_{op}")(request)
             result.metrics.update(call_metrics(result.metrics, time.perf_counter() - start))
             return result
@@ -152,13 +155,13 @@ class ArcticServer:
         return self._status()
 
     def _op_sleep(self, req: EnginesRequest) -> Result:
-        for engine in self._engines(req.engines):
-            engine.sleep()
+        for name in self._names(req.engines):
+            self._set_awake(name, False)
         return Result()
 
     def _op_wake(self, req: EnginesRequest) -> Result:
-        for engine in self._engines(req.engines):
-            engine.wake()
+        for name in self._names(req.engines):
+            self._set_awake(name, True)
         return Result()
 
     def _op_status(self, req: Empty) -> StatusResult:
@@ -172,18 +175,54 @@ class ArcticServer:
 
     # ----------------------------------------------------------------- helpers
     def _engines(self, names: list[str] | None) -> list[Any]:
-        engines = {"trainer": self.trainer, "sampler": self.sampler, "reference": self.reference}
+        return [self._engine_map()[n] for n in self._names(names)]
+
+    def _engine_map(self) -> dict[str, Any]:
+        return {"trainer": self.trainer, "sampler": self.sampler, "reference": self.reference}
+
+    def _names(self, names: list[str] | None) -> list[str]:
+        engines = self._engine_map()
         chosen = names or [n for n, e in engines.items() if e is not None]
         missing = [n for n in chosen if engines.get(n) is None]
         if missing:
             raise RequestError(f"engine(s) {missing} not configured on this server")
-        return [engines[n] for n in chosen]
+        return chosen
+
+    def _set_awake(self, name: str, awake: bool) -> None:
+        engine = self._engine_map()[name]
+        if awake:
+            engine.wake()
+            self.asleep.discard(name)
+        else:
+            engine.sleep()
+            self.asleep.add(name)
+
+    def _colocate(self, op: str, request: Message) -> None:
+        """Wake what ``op`` needs; put the other engines to sleep first, so that their memory is
+        free before the needed ones take theirs. Lifecycle calls are left alone."""
+        needed = _ENGINES_NEEDED.get(op)
+        if needed is None:
+            return
+        if op == "log_probs":
+            needed = {"reference" if request.model == "reference" else "trainer"}
+        configured = set(self._names(None))
+        for name in sorted(configured - needed - self.asleep):
+            self._set_awake(name, False)
+        for name in sorted(needed & configured & self.asleep):
+            self._set_awake(name, True)
 
     def _state(self) -> dict[str, int]:
         return {"policy_version": self.policy_version, "step": self.step_count}
 
     def _status(self) -> StatusResult:
         return StatusResult(policy_version=self.policy_version, step=self.step_count, info={"config": self.config.model_dump()})
+
+
+# The engines each operation computes with (log_probs: the one its request names).
+_ENGINES_NEEDED: dict[str, set[str]] = {
+    "generate": {"sampler"}, "log_probs": set(), "fwd_bwd": {"trainer"}, "step": {"trainer"},
+    "sync_weights": {"trainer", "sampler"}, "save_checkpoint": {"trainer"}, "load_checkpoint": {"trainer", "sampler"},
+}
 
 
 def call_metrics(metrics: dict[str, float], seconds: float) -> dict[str, float]:
