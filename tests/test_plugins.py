@@ -26,7 +26,7 @@ def test_registry_indexes_every_kind_with_its_provider():
     assert registry.names("training_backend") == ["deepspeed", "ray", "reference"]
     assert registry.names("sampling_backend") == ["embedded", "hf-generate", "ray"]
     assert registry.names("logprob_backend") == ["deepspeed", "ray", "reference"]
-    assert registry.names("weight_transport") == ["inprocess", "safetensors-files", "torch-broadcast"]
+    assert registry.names("weight_transport") == ["cuda-ipc", "inprocess", "safetensors-files", "torch-broadcast"]
     providers = {(p.kind, p.name): p.plugin for p in registry.all()}
     assert providers[("loss", "reinforce")] == "example"
     assert providers[("processor", "top1_match")] == "example"

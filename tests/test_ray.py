@@ -10,7 +10,7 @@ import torch
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient, AsyncArcticClient
-from arctic_core.errors import PluginNotFoundError, WorkerError
+from arctic_core.errors import ConfigError, PluginNotFoundError, WorkerError
 from arctic_core.config import ArcticConfig, TrainerConfig
 from arctic_core.http_server import _health
 from arctic_core.ray_actors import ray_environment
@@ -226,3 +226,20 @@ def test_a_reference_engine_in_its_own_actor_answers_like_the_in_process_one(con
         with pytest.raises(WorkerError, match="log-prob engine actor died during log_probs"):
             client.log_probs(batch, model="reference")
     local.shutdown()
+
+
+def test_actor_weight_transports_refuse_engines_they_cannot_serve(tiny_policy):
+    """cuda-ipc needs the trainer's weights on a GPU; both actor transports need actor engines."""
+    model = {"path": str(tiny_policy), "device": "cpu"}
+    actors = {"model": model, "trainer": ray_trainer_config(TrainerConfig(backend="reference"), workers=1).model_dump(),
+              "sampler": {"backend": "ray", "options": {"replicas": 1, "backend": "embedded"}},
+              "weight_sync": {"transport": "cuda-ipc"}}
+    with ArcticClient.in_process(actors) as client:
+        with pytest.raises(ConfigError, match="'cuda-ipc' needs the trainer's weights on a CUDA device"):
+            client.sync_weights()
+        assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 4  # still serving
+    for transport in ("cuda-ipc", "torch-broadcast"):
+        local = {"model": model, "trainer": {"backend": "reference"}, "weight_sync": {"transport": transport}}
+        with ArcticClient.in_process(local) as client:
+            with pytest.raises(ConfigError, match=f"'{transport}' needs engines in Ray actors.*ReferenceTrainer"):
+                client.sync_weights()

@@ -50,4 +50,6 @@ def arctic_sampling_backends():
 def arctic_weight_transports():
     return {"inprocess": InProcessTransport, "safetensors-files": SafetensorsFilesTransport,
             "torch-broadcast": Lazy("arctic_core.weight_broadcast:TorchBroadcastTransport",
-                                    "Broadcast from the ray trainer's rank 0 to ray sampler replicas (gloo / NCCL).")}
+                                    "Broadcast from the ray trainer's rank 0 to ray sampler replicas (gloo / NCCL)."),
+            "cuda-ipc": Lazy("arctic_core.weight_ipc:CudaIpcTransport",
+                             "CUDA IPC handles from the ray trainer's rank 0 to engines on the same GPU.")}

@@ -130,23 +130,24 @@ class WeightTransport(Protocol):
 
 
 class BroadcastSource(Protocol):
-    """A training backend whose ranks live in Ray actors, as a ``torch-broadcast`` sender."""
+    """A training backend whose ranks live in Ray actors, as the sender of a weight sync
+    between actors (``torch-broadcast``, ``cuda-ipc``)."""
 
     def weight_group_members(self) -> list[Any]:
-        """The actor that sends (rank 0), first; its class mixes in ``WeightGroupMember``."""
+        """The actor that sends (rank 0), first; its class mixes in ``WeightSyncActor``."""
         ...
 
-    def start_weight_send(self, version: int, bucket_bytes: int) -> list[Any]:
-        """Starts the send (and whatever the other ranks must do alongside, e.g. ZeRO-3 gathers);
-        returns the ObjectRefs, the sender's (bytes sent) first."""
+    def start_weight_send(self, method: str, *args: Any) -> list[Any]:
+        """Calls ``method(*args)`` on the sender, plus whatever the other ranks must do alongside
+        (e.g. join ZeRO-3 gathers); returns the ObjectRefs, the sender's first."""
         ...
 
 
 class BroadcastReceiver(Protocol):
-    """A sampling backend whose replicas live in Ray actors, as ``torch-broadcast`` receivers."""
+    """A sampling backend whose replicas live in Ray actors, as receivers of such a sync."""
 
     def weight_group_members(self) -> list[Any]: ...
 
-    def start_weight_receive(self, version: int) -> list[Any]:
-        """Starts every member's receive of weights ``version``; returns their ObjectRefs."""
+    def start_weight_receive(self, version: int, method: str, *args: Any) -> list[Any]:
+        """Calls ``method(*args)`` on every member to take weights ``version``; returns the ObjectRefs."""
         ...

@@ -17,7 +17,7 @@ from safetensors.torch import save as save_safetensors
 
 from arctic_core import wire
 from arctic_core.batch import RolloutBatch
-from arctic_core.errors import RequestError, WorkerError
+from arctic_core.errors import ArcticError, RemoteError, RequestError, WorkerError
 from arctic_core.interfaces import NamedTensors, Processor
 from arctic_core.objective import ProcessorSet
 from arctic_core.protocol import LogProbsRequest
@@ -71,8 +71,8 @@ def run_log_probs(engine: Any, registry: Any, request: bytes) -> bytes:
 
 
 def get_one(ref: Any, who: str, what: str) -> Any:
-    """``ray.get`` of one actor call. Bad input keeps its Arctic class; anything else is a
-    :class:`WorkerError` that names ``who`` (dead, or failed)."""
+    """``ray.get`` of one actor call; a failure is raised as :func:`task_error` says, a death as a
+    :class:`WorkerError` that names ``who``."""
     import ray
 
     try:
@@ -84,9 +84,13 @@ def get_one(ref: Any, who: str, what: str) -> Any:
 
 
 def task_error(exc: Any, who: str, what: str) -> Exception:
-    """A failed actor call (a ``RayTaskError``) as an Arctic error: bad input keeps its class,
-    the rest is a :class:`WorkerError` naming ``who``."""
+    """A failed actor call (a ``RayTaskError``) as an Arctic error: Arctic errors (bad input, bad
+    config) keep their class, the rest is a :class:`WorkerError` naming ``who``."""
     cause = getattr(exc, "cause", None)  # the exception the actor raised
-    if isinstance(cause, RequestError):
+    if isinstance(cause, ArcticError) and not isinstance(cause, RemoteError):
         return type(cause)(f"{who}: {cause}")
     return WorkerError(f"{who} failed during {what}: {cause if cause is not None else exc}")
+
+
+def get_all(refs: list[Any], who: str, what: str) -> list[Any]:
+    return [get_one(ref, who, what) for ref in refs]

@@ -23,7 +23,7 @@ from arctic_core.errors import ConfigError
 from arctic_core.interfaces import NamedTensors
 from arctic_core.protocol import GenerateRequest, GenerateResult
 from arctic_core.ray_actors import ensure_ray, get_one, named_tensors, weights_blob
-from arctic_core.weight_broadcast import WeightGroupMember
+from arctic_core.weight_actor import WeightSyncActor
 
 
 class RaySamplerOptions(StrictModel):
@@ -35,7 +35,7 @@ class RaySamplerOptions(StrictModel):
     cpus_per_replica: float = Field(1.0, ge=0)
 
 
-class SamplerWorker(WeightGroupMember):
+class SamplerWorker(WeightSyncActor):
     """One replica (a Ray actor): the inner sampling backend in its own process."""
 
     def __init__(self, backend: str, config_json: str, model_json: str, seed: int) -> None:
@@ -90,9 +90,9 @@ class RaySampler:
     def weight_group_members(self) -> list[Any]:
         return list(self.replicas)
 
-    def start_weight_receive(self, version: int) -> list[Any]:
-        self.policy_version = version  # the replicas read it from the broadcast plan
-        return [r.receive_weights.remote() for r in self.replicas]
+    def start_weight_receive(self, version: int, method: str, *args: Any) -> list[Any]:
+        self.policy_version = version  # the replicas read it from what they receive
+        return [getattr(r, method).remote(*args) for r in self.replicas]
 
     def sleep(self) -> None:
         self._gather([r.call.remote("sleep") for r in self.replicas], "sleep")

@@ -36,7 +36,7 @@ from arctic_core.interfaces import LossContext, NamedTensors, Objective, Process
 from arctic_core.protocol import FwdBwdRequest
 from arctic_core.ray_actors import (ensure_ray, log_probs_request, named_tensors, run_log_probs, task_error,
                                     weights_blob)
-from arctic_core.weight_broadcast import WeightGroupMember
+from arctic_core.weight_actor import WeightSyncActor
 
 
 class RayTrainerOptions(StrictModel):
@@ -48,7 +48,7 @@ class RayTrainerOptions(StrictModel):
     cpus_per_worker: float = Field(1.0, ge=0)
 
 
-class TrainerWorker(WeightGroupMember):
+class TrainerWorker(WeightSyncActor):
     """One rank (a Ray actor): the inner training backend in its own process. Rank 0 is the
     sender of ``torch-broadcast`` weight syncs."""
 
@@ -161,9 +161,9 @@ class RayDataParallelTrainer:
     def weight_group_members(self) -> list[Any]:
         return self.workers[:1]
 
-    def start_weight_send(self, version: int, bucket_bytes: int) -> list[Any]:
+    def start_weight_send(self, method: str, *args: Any) -> list[Any]:
         others = [w.gather_weights.remote() for w in self.workers[1:]] if self._zero3 else []
-        return [self.workers[0].send_weights.remote(version, bucket_bytes), *others]
+        return [getattr(self.workers[0], method).remote(*args), *others]
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Rank 0's view of the accumulated gradients (before the step's reduction: its shard's)."""

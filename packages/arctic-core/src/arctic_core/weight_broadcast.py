@@ -16,7 +16,7 @@ the group itself (:func:`share_plan`, a uint8 broadcast: no pickle)::
 :class:`TorchBroadcastTransport` (``weight_sync: {transport: torch-broadcast}``) runs that between
 Ray actors: engines that live in actors (the ``ray`` trainer and sampler backends) expose the
 :class:`~arctic_core.interfaces.BroadcastSource` / ``BroadcastReceiver`` methods, and their actors
-mix in :class:`WeightGroupMember`.
+mix in :class:`~arctic_core.weight_actor.WeightSyncActor`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from arctic_core.config import WeightSyncConfig
 from arctic_core.errors import ArcticError, ConfigError
-from arctic_core.interfaces import NamedTensors, TrainingBackend, WeightReceiver
+from arctic_core.interfaces import TrainingBackend, WeightReceiver
 from arctic_core.weight_files import split_aliases
 
 NamedList = Sequence[tuple[str, torch.Tensor]]
@@ -69,7 +69,7 @@ class WeightGroup:
         self.group.broadcast([tensor], options).wait()
 
 
-def _dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise BroadcastError(f"unknown dtype {name!r} in broadcast plan")
@@ -131,7 +131,7 @@ def broadcast_weights(group: WeightGroup, weights: NamedList, plan: dict, src: i
     sent = 0
     for bucket in plan["buckets"]:
         try:
-            parts = [named[name].detach().reshape(-1).to(device, _dtype(bucket["dtype"])) for name, _ in bucket["tensors"]]
+            parts = [named[name].detach().reshape(-1).to(device, parse_dtype(bucket["dtype"])) for name, _ in bucket["tensors"]]
         except KeyError as exc:
             raise BroadcastError(f"the plan names weight {exc.args[0]!r}, which the sender does not have") from None
         flat = torch.cat(parts)
@@ -151,7 +151,7 @@ def receive_broadcast(group: WeightGroup, plan: dict, src: int = 0,
     received: dict[str, torch.Tensor] = {}
     for bucket in plan["buckets"]:
         shapes = [torch.Size(shape) for _, shape in bucket["tensors"]]
-        flat = torch.empty(sum(s.numel() for s in shapes), dtype=_dtype(bucket["dtype"]), device=wire)
+        flat = torch.empty(sum(s.numel() for s in shapes), dtype=parse_dtype(bucket["dtype"]), device=wire)
         group.broadcast(flat, src)
         flat = flat.to(device) if device is not None else flat
         for (name, _), shape, part in zip(bucket["tensors"], shapes, flat.split([s.numel() for s in shapes])):
@@ -162,51 +162,6 @@ def receive_broadcast(group: WeightGroup, plan: dict, src: int = 0,
 
 
 # --------------------------------------------------------------------------- between Ray actors
-class WeightGroupMember:
-    """Mixed into a Ray actor that takes part in weight broadcasts. The actor provides
-    ``weights_to_send()`` (a sender) or ``receive_weights_into(weights, version)`` (a receiver)."""
-
-    _weight_group: WeightGroup | None = None
-    _weight_store: Any = None
-
-    def open_weight_group(self, world: int) -> tuple[str, int]:
-        """As rank 0: serve the group's TCP store on a free port of this node; returns its address."""
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        self._weight_store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False,
-                                           timeout=datetime.timedelta(seconds=300))
-        return host, self._weight_store.port
-
-    def join_weight_group(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
-        if rank == 0:
-            self._weight_group = WeightGroup(self._weight_store, rank, world, backend)
-        else:
-            self._weight_group = WeightGroup.join(host, port, rank, world, backend)
-
-    def send_weights(self, version: int, bucket_bytes: int) -> int:
-        weights = list(self.weights_to_send())
-        plan = plan_broadcast(weights, bucket_bytes, version)
-        share_plan(self._group(), plan)
-        return broadcast_weights(self._group(), weights, plan)
-
-    def receive_weights(self) -> int:
-        plan = share_plan(self._group())
-        self.receive_weights_into(list(receive_broadcast(self._group(), plan)), plan["version"])
-        return int(plan["version"])
-
-    def weights_to_send(self) -> NamedTensors:
-        raise NotImplementedError(f"{type(self).__name__} does not send weights")
-
-    def receive_weights_into(self, weights: NamedTensors, version: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not receive weights")
-
-    def _group(self) -> WeightGroup:
-        if self._weight_group is None:
-            raise BroadcastError("this actor has not joined a weight group (join_weight_group)")
-        return self._weight_group
-
-
 class TorchBroadcastTransport:
     """``torch-broadcast``: rank 0 of a Ray-actor trainer broadcasts to Ray-actor sampler replicas.
 
@@ -220,21 +175,28 @@ class TorchBroadcastTransport:
         self._members: list[Any] = []
 
     def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]:
-        import ray
+        from arctic_core.ray_actors import get_all, get_one
 
         start = time.perf_counter()
-        engines = [source, *receivers]
-        missing = [type(e).__name__ for e in engines if not callable(getattr(e, "weight_group_members", None))]
-        if missing:
-            raise ConfigError(f"weight_sync 'torch-broadcast' needs engines in Ray actors (the 'ray' trainer and "
-                              f"sampler backends); {', '.join(missing)} cannot join a broadcast: use 'inprocess'")
+        require_actors("torch-broadcast", [source, *receivers])
         members = source.weight_group_members()[:1] + [m for r in receivers for m in r.weight_group_members()]
         if members != self._members:
-            host, port = ray.get(members[0].open_weight_group.remote(len(members)))
-            ray.get([m.join_weight_group.remote(host, port, rank, len(members), self.backend)
-                     for rank, m in enumerate(members)])
+            host, port = get_one(members[0].open_weight_group.remote(len(members)), WHO, "opening the weight group")
+            get_all([m.join_weight_group.remote(host, port, rank, len(members), self.backend)
+                     for rank, m in enumerate(members)], WHO, "joining the weight group")
             self._members = members
-        refs = source.start_weight_send(version, self.config.bucket_bytes)
-        refs += [ref for r in receivers for ref in r.start_weight_receive(version)]
-        sent = ray.get(refs)[0]
+        refs = source.start_weight_send("send_weights", version, self.config.bucket_bytes)
+        refs += [ref for r in receivers for ref in r.start_weight_receive(version, "receive_weights")]
+        sent = get_all(refs, WHO, "torch-broadcast")[0]
         return {"seconds": time.perf_counter() - start, "bytes": float(sent), "receivers": float(len(members) - 1)}
+
+
+WHO = "a weight-sync actor"
+
+
+def require_actors(transport: str, engines: list[Any]) -> None:
+    """Refuse clearly when an engine does not live in Ray actors (it cannot join an actor sync)."""
+    missing = [type(e).__name__ for e in engines if not callable(getattr(e, "weight_group_members", None))]
+    if missing:
+        raise ConfigError(f"weight_sync {transport!r} needs engines in Ray actors (the 'ray' trainer and sampler "
+                          f"backends); {', '.join(missing)} cannot take part: use 'inprocess'")
