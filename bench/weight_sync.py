@@ -1,0 +1,122 @@
+"""Weight sync time, trainer process -> sampler process, for a Qwen3-1.7B-shaped model (bf16).
+
+Two processes, as the Ray backends run them (without Ray's control plane, which adds a few ms):
+- ``cuda-ipc``: both on GPU 0 (colocated); the sender exports one IPC handle per bucket, the
+  receiver maps them and copies into its own model's weights;
+- ``nccl``: sender on GPU 0, receiver on GPU 1 (two GPUs), bucketed broadcast in a standalone group;
+- ``gloo``: both on the CPU (``--smoke`` uses it with a tiny model).
+Each sync ends with the receiver's weights checked equal to the sender's. Last line: JSON.
+
+    python3 bench/weight_sync.py --transport cuda-ipc          # one H200
+    python3 bench/weight_sync.py --transport nccl              # two GPUs
+    uv run python bench/weight_sync.py --smoke                 # CPU, gloo, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from arctic_core.weight_broadcast import WeightGroup, broadcast_weights, plan_broadcast, receive_broadcast, share_plan
+from shapes import QWEN3_1_7B
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=1024, tie_word_embeddings=True)
+
+
+def build(shape: dict, device: str, seed: int) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **shape), dtype=torch.bfloat16)
+
+
+def sender(args: argparse.Namespace, port: int, queue: mp.Queue, done: mp.Queue) -> None:
+    device = "cpu" if args.transport == "gloo" else "cuda:0"
+    model = build(args.shape, device, seed=1)
+    weights = [(n, p.detach()) for n, p in model.named_parameters()]
+    group = None if args.transport == "cuda-ipc" else WeightGroup.join("127.0.0.1", port, 0, 2, args.transport)
+    for version in range(args.iters):
+        if group is None:
+            from arctic_core.weight_ipc import export_cuda_ipc
+
+            payload, buffers = export_cuda_ipc(weights, args.bucket_mb << 20, version)
+            queue.put(payload)
+            done.get()  # the receiver copied: the buffers may go
+            del buffers
+        else:
+            plan = plan_broadcast(weights, args.bucket_mb << 20, version)
+            share_plan(group, plan)
+            broadcast_weights(group, weights, plan)
+    queue.put({name: float(t.float().sum()) for name, t in weights})  # checksums for the check
+
+
+def receiver(args: argparse.Namespace, port: int, queue: mp.Queue, done: mp.Queue, out: mp.Queue) -> None:
+    from arctic_core.hf import copy_weights_
+
+    device = {"gloo": "cpu", "cuda-ipc": "cuda:0", "nccl": "cuda:1"}[args.transport]
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    model = build(args.shape, device, seed=2)
+    group = None if args.transport == "cuda-ipc" else WeightGroup.join("127.0.0.1", port, 1, 2, args.transport)
+    times = []
+    for _ in range(args.iters):
+        if group is None:
+            from arctic_core.weight_ipc import import_cuda_ipc
+
+            payload = queue.get()
+            start = time.perf_counter()
+            copy_weights_(model, import_cuda_ipc(payload))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            done.put(True)
+        else:
+            start = time.perf_counter()
+            plan = share_plan(group)
+            copy_weights_(model, receive_broadcast(group, plan, device=device))
+            if device != "cpu":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    sums = queue.get()
+    mismatched = [n for n, p in model.named_parameters() if float(p.detach().float().sum()) != sums[n]]
+    out.put({"times": times, "mismatched": mismatched,
+             "bytes": sum(p.numel() * p.element_size() for p in model.parameters())})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--transport", choices=["cuda-ipc", "nccl", "gloo"], default="cuda-ipc")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true", help="gloo on the CPU with a tiny model")
+    args = parser.parse_args()
+    if args.smoke:
+        args.transport, args.iters = "gloo", 2
+    args.shape = TINY if args.smoke else QWEN3_1_7B
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue, done, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=sender, args=(args, port, queue, done)),
+             ctx.Process(target=receiver, args=(args, port, queue, done, out))]
+    for proc in procs:
+        proc.start()
+    result = out.get(timeout=1200)
+    for proc in procs:
+        proc.join()
+    steady = result["times"][1:] or result["times"]
+    print(json.dumps({"transport": args.transport, "gib": round(result["bytes"] / 2**30, 3),
+                      "seconds_median": round(statistics.median(steady), 4), "seconds": [round(t, 4) for t in result["times"]],
+                      "bucket_mb": args.bucket_mb, "weights_equal": not result["mismatched"]}))
+
+
+if __name__ == "__main__":
+    main()
