@@ -1,6 +1,7 @@
 """Weight sync time, trainer process -> sampler process, for a Qwen3-1.7B-shaped model (bf16).
 
-Two processes, as the Ray backends run them (without Ray's control plane, which adds a few ms):
+Two processes running the actor side of the Ray weight transports (``WeightSyncActor``: what the
+trainer's rank 0 and a sampler replica run), without Ray's control plane (a few ms):
 - ``cuda-ipc``: both on GPU 0 (colocated); the sender exports one IPC handle per bucket, the
   receiver maps them and copies into its own model's weights;
 - ``nccl``: sender on GPU 0, receiver on GPU 1 (two GPUs), bucketed broadcast in a standalone group;
@@ -23,7 +24,9 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from arctic_core.weight_broadcast import WeightGroup, broadcast_weights, plan_broadcast, receive_broadcast, share_plan
+from arctic_core.hf import copy_weights_
+from arctic_core.weight_actor import WeightSyncActor
+from arctic_core.weight_broadcast import WeightGroup
 from shapes import QWEN3_1_7B
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -38,56 +41,56 @@ def build(shape: dict, device: str, seed: int) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **shape), dtype=torch.bfloat16)
 
 
+class Endpoint(WeightSyncActor):
+    """A trainer rank 0 (sends its model's weights) or a sampler replica (copies into its model)."""
+
+    def __init__(self, model: torch.nn.Module, group: WeightGroup | None) -> None:
+        self.model, self._weight_group = model, group
+
+    def weights_to_send(self):
+        return [(n, p.detach()) for n, p in self.model.named_parameters()]
+
+    def receive_weights_into(self, weights, version: int) -> None:
+        copy_weights_(self.model, weights)
+
+
 def sender(args: argparse.Namespace, port: int, queue: mp.Queue, done: mp.Queue) -> None:
     device = "cpu" if args.transport == "gloo" else "cuda:0"
-    model = build(args.shape, device, seed=1)
-    weights = [(n, p.detach()) for n, p in model.named_parameters()]
     group = None if args.transport == "cuda-ipc" else WeightGroup.join("127.0.0.1", port, 0, 2, args.transport)
+    me = Endpoint(build(args.shape, device, seed=1), group)
     for version in range(args.iters):
         if group is None:
-            from arctic_core.weight_ipc import export_cuda_ipc
-
-            payload, buffers = export_cuda_ipc(weights, args.bucket_mb << 20, version)
-            queue.put(payload)
+            queue.put(me.export_weights_ipc(version, args.bucket_mb << 20))
             done.get()  # the receiver copied: the buffers may go
-            del buffers
+            me.release_weights_ipc()
         else:
-            plan = plan_broadcast(weights, args.bucket_mb << 20, version)
-            share_plan(group, plan)
-            broadcast_weights(group, weights, plan)
-    queue.put({name: float(t.float().sum()) for name, t in weights})  # checksums for the check
+            me.send_weights(version, args.bucket_mb << 20)
+    queue.put({name: float(t.float().sum()) for name, t in me.weights_to_send()})  # checksums for the check
 
 
 def receiver(args: argparse.Namespace, port: int, queue: mp.Queue, done: mp.Queue, out: mp.Queue) -> None:
-    from arctic_core.hf import copy_weights_
-
     device = {"gloo": "cpu", "cuda-ipc": "cuda:0", "nccl": "cuda:1"}[args.transport]
     if device != "cpu":
         torch.cuda.set_device(torch.device(device))
-    model = build(args.shape, device, seed=2)
     group = None if args.transport == "cuda-ipc" else WeightGroup.join("127.0.0.1", port, 1, 2, args.transport)
+    me = Endpoint(build(args.shape, device, seed=2), group)
     times = []
     for _ in range(args.iters):
+        payload = queue.get() if group is None else None
+        start = time.perf_counter()
         if group is None:
-            from arctic_core.weight_ipc import import_cuda_ipc
-
-            payload = queue.get()
-            start = time.perf_counter()
-            copy_weights_(model, import_cuda_ipc(payload))
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            done.put(True)
+            me.import_weights_ipc(payload)
         else:
-            start = time.perf_counter()
-            plan = share_plan(group)
-            copy_weights_(model, receive_broadcast(group, plan, device=device))
+            me.receive_weights()
             if device != "cpu":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
+        if group is None:
+            done.put(True)
     sums = queue.get()
-    mismatched = [n for n, p in model.named_parameters() if float(p.detach().float().sum()) != sums[n]]
+    mismatched = [n for n, t in me.weights_to_send() if float(t.float().sum()) != sums[n]]
     out.put({"times": times, "mismatched": mismatched,
-             "bytes": sum(p.numel() * p.element_size() for p in model.parameters())})
+             "bytes": sum(p.numel() * p.element_size() for p in me.model.parameters())})
 
 
 def main() -> None:
