@@ -4,13 +4,15 @@ collective. The sender packs its weights into one flat device buffer per bucket 
 as the broadcast (:func:`~arctic_core.weight_broadcast.plan_broadcast`), exports a CUDA IPC
 handle per buffer, and keeps the buffers alive until every receiver has copied from them.
 
-``weight_sync: {transport: cuda-ipc}``. The handles travel between our own processes through Ray
-(they are only meaningful on this machine); receivers map each buffer, copy the named views into
-their weights and drop the mapping.
+``weight_sync: {transport: cuda-ipc}``. A handle is plain data (ints, bytes, names: :func:`portable_handle`),
+so it travels through Ray or any msgpack/JSON channel between processes of this machine (it is
+meaningless elsewhere); receivers map each buffer, copy the named views into their weights and
+drop the mapping.
 """
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Any
 
@@ -37,7 +39,7 @@ def export_cuda_ipc(weights: NamedTensors, bucket_bytes: int, version: int) -> t
         dtype = parse_dtype(bucket["dtype"])
         flat = torch.cat([tensors[name].detach().reshape(-1).to(dtype) for name, _ in bucket["tensors"]])
         buffers.append(flat)
-        handles.append(reduce_tensor(flat)[1])  # (rebuild function, its arguments): the arguments
+        handles.append(portable_handle(flat))
     torch.cuda.current_stream().synchronize()  # the buffers are complete before anyone maps them
     return {"plan": plan, "handles": handles}, buffers
 
@@ -47,13 +49,41 @@ def import_cuda_ipc(payload: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     until the sender releases them: copy before returning control)."""
     received: dict[str, torch.Tensor] = {}
     for bucket, handle in zip(payload["plan"]["buckets"], payload["handles"], strict=True):
-        flat = rebuild_cuda_tensor(*handle)
+        flat = open_handle(handle)
         shapes = [torch.Size(shape) for _, shape in bucket["tensors"]]
         for (name, _), shape, part in zip(bucket["tensors"], shapes, flat.split([s.numel() for s in shapes]), strict=True):
             received[name] = part.view(shape)
     for alias, target in payload["plan"]["aliases"].items():
         received[alias] = received[target]
     return list(received.items())
+
+
+_HANDLE_FIELDS = ("size", "stride", "offset", "storage_cls", "dtype", "device", "handle", "storage_bytes",
+                  "storage_offset_bytes", "requires_grad", "ref_counter_handle", "ref_counter_offset", "event_handle",
+                  "event_sync_required")
+
+
+def portable_handle(tensor: torch.Tensor) -> dict[str, Any]:
+    """``tensor``'s CUDA IPC handle as plain data: torch's own reduction, with its classes and
+    dtype replaced by their names."""
+    rebuild, args = reduce_tensor(tensor)
+    if rebuild is not rebuild_cuda_tensor:
+        raise ConfigError(f"cuda-ipc exports CUDA tensors only, got one on {tensor.device}")
+    out = dict(zip(_HANDLE_FIELDS, args[1:], strict=True))
+    cls = out["storage_cls"]
+    out.update(size=list(out["size"]), stride=list(out["stride"]), dtype=str(out["dtype"]).removeprefix("torch."),
+               storage_cls=f"{cls.__module__}.{cls.__qualname__}")
+    return out
+
+
+def open_handle(handle: dict[str, Any]) -> torch.Tensor:
+    """The tensor behind a :func:`portable_handle`, mapped into this process."""
+    module, _, name = handle["storage_cls"].rpartition(".")
+    if not module.startswith("torch"):
+        raise ConfigError(f"cuda-ipc handle names storage class {handle['storage_cls']!r}, not a torch one")
+    fields = {**handle, "size": torch.Size(handle["size"]), "stride": tuple(handle["stride"]),
+              "dtype": parse_dtype(handle["dtype"]), "storage_cls": getattr(importlib.import_module(module), name)}
+    return rebuild_cuda_tensor(torch.Tensor, *(fields[f] for f in _HANDLE_FIELDS))
 
 
 class CudaIpcTransport:
