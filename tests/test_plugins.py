@@ -24,7 +24,7 @@ def test_registry_indexes_every_kind_with_its_provider():
     assert {"ppo", "gspo", "kl", "entropy", "sft", "reinforce"} <= set(registry.names("loss"))
     assert {"logprobs", "entropy", "top1_match"} <= set(registry.names("processor"))
     assert registry.names("training_backend") == ["deepspeed", "ray", "reference"]
-    assert registry.names("sampling_backend") == ["embedded", "hf-generate", "ray"]
+    assert registry.names("sampling_backend") == ["embedded", "hf-generate", "ray", "vllm"]
     assert registry.names("logprob_backend") == ["deepspeed", "ray", "reference"]
     assert registry.names("weight_transport") == ["cuda-ipc", "inprocess", "safetensors-files", "torch-broadcast"]
     providers = {(p.kind, p.name): p.plugin for p in registry.all()}

@@ -13,4 +13,6 @@ def arctic_sampling_backends():
                          "Embedded engine: continuous batching, paged KV with prefix sharing, FCA decode."),
         "hf-generate": Lazy("arctic_fca.hf_sampler:HFGenerateSampler",
                             "transformers generate(): n samples per prompt, sampling log-probs."),
+        "vllm": Lazy("arctic_fca.vllm_sampler:VllmSampler",
+                     "vLLM 0.24.x: prefix caching, in-place weight updates, sleep mode (the 'vllm' extra)."),
     }

@@ -1,0 +1,106 @@
+"""The ``vllm`` sampling backend: vLLM 0.24.x behind the sampling hookspec
+(``pip install 'arctic-fca[vllm]'``; other vLLM versions are refused by name).
+
+Token ids in, token ids and sampling log-probs out (``logprobs=0`` returns exactly the sampled
+token's log-prob; ``processed_logprobs`` makes it the log-prob of the distribution actually sampled
+from, after temperature and top-k/top-p), ``n`` samples per prompt, prefix caching on. Weights from
+the trainer go into the running engine without a restart: CUDA tensors as IPC handles
+(:mod:`arctic_core.weight_ipc`), CPU tensors as they are, through ``collective_rpc`` into the worker
+extension :class:`arctic_fca.vllm_worker.ArcticWeightLoader`; the prefix cache is reset after every
+update, so no result mixes KV of two policies. Sleep/wake use vLLM's sleep mode (level 1: weights
+offloaded to the host, KV cache freed).
+
+``sampler: {backend: vllm, options: {gpu_memory_utilization: 0.5, engine_args: {...}}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate
+from arctic_core.errors import ConfigError, RequestError
+from arctic_core.interfaces import NamedTensors
+
+SUPPORTED_VERSION = "0.24."
+WORKER_EXTENSION = "arctic_fca.vllm_worker.ArcticWeightLoader"
+
+
+class VllmOptions(StrictModel):
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Share of the GPU vLLM may take.")
+    max_model_len: int | None = Field(None, gt=0, description="Longest prompt + response; None: the model's.")
+    enforce_eager: bool = Field(False, description="No CUDA graphs (faster start, slower decode).")
+    bucket_bytes: int = Field(256 * 2**20, gt=0, description="Weight-update bucket size (one IPC handle each).")
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="Any other vllm.LLM argument.")
+
+
+def import_vllm() -> Any:
+    """vLLM, if it is the supported release; else a ConfigError that says what to install."""
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError("sampler backend 'vllm' needs vLLM 0.24.x: pip install 'arctic-fca[vllm]'") from None
+    if not vllm.__version__.startswith(SUPPORTED_VERSION):
+        raise ConfigError(f"sampler backend 'vllm' supports vLLM {SUPPORTED_VERSION}x; this environment has "
+                          f"{vllm.__version__}")
+    return vllm
+
+
+class VllmSampler:
+    def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
+        self.options = validate(VllmOptions, config.options, "SamplerConfig.options (vllm)")
+        self.vllm = import_vllm()
+        dtype = "auto" if model.dtype == "auto" else model.dtype
+        self.llm = self.vllm.LLM(
+            model=model.path, dtype=dtype, seed=seed, enable_prefix_caching=True, skip_tokenizer_init=True,
+            gpu_memory_utilization=self.options.gpu_memory_utilization, max_model_len=self.options.max_model_len,
+            enforce_eager=self.options.enforce_eager, enable_sleep_mode=True, logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION, **self.options.engine_args,
+        )
+        self.policy_version = 0
+        self.asleep = False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        if self.asleep:
+            raise RequestError("the vllm sampler is asleep; call wake() first")
+        sampling = self.vllm.SamplingParams(
+            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids or None, seed=params.seed,
+            logprobs=0, detokenize=False,
+        )
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
+        responses, index, logprobs = [], [], []
+        for prompt, output in enumerate(outputs):  # vLLM keeps the prompts' order
+            for sample in sorted(output.outputs, key=lambda s: s.index):
+                tokens = list(sample.token_ids)
+                responses.append(tokens)
+                index.append(prompt)
+                logprobs.append([step[token].logprob for step, token in zip(sample.logprobs, tokens, strict=True)])
+        return RolloutBatch.from_samples(prompts, responses, index, logprobs, self.policy_version)
+
+    def update_weights(self, weights: NamedTensors, version: int) -> None:
+        named = [(name, tensor.detach()) for name, tensor in weights]
+        if named and named[0][1].is_cuda:
+            from arctic_core.weight_ipc import export_cuda_ipc
+
+            payload, buffers = export_cuda_ipc(named, self.options.bucket_bytes, version)
+            self.llm.collective_rpc("arctic_load_ipc", args=(payload,))
+            del buffers  # every worker has copied (collective_rpc returns when they all have)
+        else:
+            self.llm.collective_rpc("arctic_load_tensors", args=({name: t.contiguous() for name, t in named},))
+        self.llm.reset_prefix_cache()  # cached KV belongs to the old policy
+        self.policy_version = version
+
+    def sleep(self) -> None:
+        self.llm.sleep(level=1)
+        self.asleep = True
+
+    def wake(self) -> None:
+        self.llm.wake_up()
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        self.asleep = True
