@@ -15,12 +15,40 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from pydantic import Field
+
 from arctic_core import wire
 from arctic_core.batch import RolloutBatch
-from arctic_core.errors import ArcticError, RemoteError, RequestError, WorkerError
+from arctic_core.config import ModelConfig, StrictModel
+from arctic_core.errors import ArcticError, ConfigError, RemoteError, RequestError, WorkerError
 from arctic_core.interfaces import NamedTensors, Processor
 from arctic_core.objective import ProcessorSet
 from arctic_core.protocol import LogProbsRequest
+
+
+class InnerBackendOptions(StrictModel):
+    """What every Ray backend's options share: the backend its actors run, and the cluster."""
+
+    backend: str = Field(description="The backend every actor runs.")
+    options: dict[str, Any] = Field(default_factory=dict, description="That backend's options.")
+    address: str | None = Field(None, description="Ray cluster to join; None starts a local one.")
+
+    def inner(self, config: Any, what: str) -> Any:
+        """``config`` (the Ray backend's own) turned into the inner backend's."""
+        if self.backend == "ray":
+            raise ConfigError(f"the ray {what} cannot run itself in its actors; name the inner backend")
+        return config.model_copy(update={"backend": self.backend, "options": self.options})
+
+
+def build_inner(kind: str, backend: str, config_cls: type[StrictModel], config_json: str, model_json: str,
+                seed: int) -> tuple[Any, Any]:
+    """In an actor: ``(registry, engine)``, the inner backend built from its JSON configs."""
+    from arctic_core.registry import default_registry
+
+    registry = default_registry()
+    factory = registry.get(kind, backend)
+    engine = factory(config_cls.model_validate_json(config_json), ModelConfig.model_validate_json(model_json), seed=seed)
+    return registry, engine
 
 
 def ensure_ray(address: str | None, num_cpus: int | None = None) -> Any:

@@ -13,16 +13,14 @@ import torch
 from pydantic import Field
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, validate
-from arctic_core.errors import ConfigError
+from arctic_core.config import LogProbConfig, ModelConfig, validate
 from arctic_core.interfaces import NamedTensors, Processor
-from arctic_core.ray_actors import ensure_ray, get_one, log_probs_request, named_tensors, run_log_probs, weights_blob
+from arctic_core.ray_actors import (InnerBackendOptions, build_inner, ensure_ray, get_one, log_probs_request,
+                                    named_tensors, run_log_probs, weights_blob)
 
 
-class RayLogProbOptions(StrictModel):
+class RayLogProbOptions(InnerBackendOptions):
     backend: str = Field("deepspeed", description="The log-prob backend the actor runs.")
-    options: dict[str, Any] = Field(default_factory=dict, description="That backend's options.")
-    address: str | None = Field(None, description="Ray cluster to join; None starts a local one.")
     gpus: float = Field(0.0, ge=0, description="1 for a GPU of its own; a fraction to colocate.")
     cpus: float = Field(1.0, ge=0)
 
@@ -31,12 +29,7 @@ class LogProbWorker:
     """The inner log-prob backend in its own process."""
 
     def __init__(self, backend: str, config_json: str, model_json: str, seed: int) -> None:
-        from arctic_core.registry import default_registry
-
-        self.registry = default_registry()
-        factory = self.registry.get("logprob_backend", backend)
-        self.engine = factory(LogProbConfig.model_validate_json(config_json), ModelConfig.model_validate_json(model_json),
-                              seed=seed)
+        self.registry, self.engine = build_inner("logprob_backend", backend, LogProbConfig, config_json, model_json, seed)
 
     def log_probs(self, request: bytes) -> bytes:
         return run_log_probs(self.engine, self.registry, request)
@@ -51,10 +44,8 @@ class LogProbWorker:
 class RayLogProbEngine:
     def __init__(self, config: LogProbConfig, model: ModelConfig, *, seed: int) -> None:
         self.options = validate(RayLogProbOptions, config.options, "LogProbConfig.options (ray)")
-        if self.options.backend == "ray":
-            raise ConfigError("the ray log-prob backend cannot run itself; name the inner backend")
+        inner = self.options.inner(config, "log-prob backend")
         ray = ensure_ray(self.options.address)
-        inner = config.model_copy(update={"backend": self.options.backend, "options": self.options.options})
         actor = ray.remote(num_cpus=self.options.cpus, num_gpus=self.options.gpus)(LogProbWorker)
         self.worker = actor.remote(self.options.backend, inner.model_dump_json(), model.model_dump_json(), seed)
         self.asleep = False

@@ -18,19 +18,16 @@ from pydantic import Field
 
 from arctic_core import wire
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate
-from arctic_core.errors import ConfigError
+from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate
 from arctic_core.interfaces import NamedTensors
 from arctic_core.protocol import GenerateRequest, GenerateResult
-from arctic_core.ray_actors import ensure_ray, get_one, named_tensors, weights_blob
+from arctic_core.ray_actors import InnerBackendOptions, build_inner, ensure_ray, get_one, named_tensors, weights_blob
 from arctic_core.weight_actor import WeightSyncActor
 
 
-class RaySamplerOptions(StrictModel):
+class RaySamplerOptions(InnerBackendOptions):
     replicas: int = Field(2, ge=1, description="Sampler replicas, one Ray actor each.")
     backend: str = Field("embedded", description="The sampling backend every replica runs.")
-    options: dict[str, Any] = Field(default_factory=dict, description="That backend's options.")
-    address: str | None = Field(None, description="Ray cluster to join; None starts a local one.")
     gpus_per_replica: float = Field(0.0, ge=0, description="1 for a GPU each; fractions to colocate.")
     cpus_per_replica: float = Field(1.0, ge=0)
 
@@ -39,11 +36,7 @@ class SamplerWorker(WeightSyncActor):
     """One replica (a Ray actor): the inner sampling backend in its own process."""
 
     def __init__(self, backend: str, config_json: str, model_json: str, seed: int) -> None:
-        from arctic_core.registry import default_registry
-
-        factory = default_registry().get("sampling_backend", backend)
-        self.sampler = factory(SamplerConfig.model_validate_json(config_json), ModelConfig.model_validate_json(model_json),
-                               seed=seed)
+        _, self.sampler = build_inner("sampling_backend", backend, SamplerConfig, config_json, model_json, seed)
 
     def generate(self, request: bytes) -> bytes:
         req = wire.decode(request, GenerateRequest)
@@ -62,10 +55,8 @@ class SamplerWorker(WeightSyncActor):
 class RaySampler:
     def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
         self.options = validate(RaySamplerOptions, config.options, "SamplerConfig.options (ray)")
-        if self.options.backend == "ray":
-            raise ConfigError("the ray sampler cannot run itself in its replicas; name the inner backend")
+        inner = self.options.inner(config, "sampler")
         ray = ensure_ray(self.options.address)
-        inner = config.model_copy(update={"backend": self.options.backend, "options": self.options.options})
         actor = ray.remote(num_cpus=self.options.cpus_per_replica, num_gpus=self.options.gpus_per_replica)(SamplerWorker)
         # Seeds differ per replica: two replicas must not draw the same random stream.
         self.replicas = [actor.remote(self.options.backend, inner.model_dump_json(), model.model_dump_json(), seed + i)

@@ -30,20 +30,18 @@ from pydantic import Field
 
 from arctic_core import wire
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import ModelConfig, StrictModel, TrainerConfig, validate
-from arctic_core.errors import ConfigError, RequestError, WorkerError
+from arctic_core.config import ModelConfig, TrainerConfig, validate
+from arctic_core.errors import RequestError, WorkerError
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_core.protocol import FwdBwdRequest
-from arctic_core.ray_actors import (ensure_ray, log_probs_request, named_tensors, run_log_probs, task_error,
-                                    weights_blob)
+from arctic_core.ray_actors import (InnerBackendOptions, build_inner, ensure_ray, log_probs_request, named_tensors,
+                                    run_log_probs, task_error, weights_blob)
 from arctic_core.weight_actor import WeightSyncActor
 
 
-class RayTrainerOptions(StrictModel):
+class RayTrainerOptions(InnerBackendOptions):
     workers: int = Field(2, ge=1, description="Data-parallel ranks, one Ray actor each.")
     backend: str = Field("deepspeed", description="The training backend every worker runs.")
-    options: dict[str, Any] = Field(default_factory=dict, description="That backend's options.")
-    address: str | None = Field(None, description="Ray cluster to join; None starts a local one.")
     gpus_per_worker: float = Field(0.0, ge=0, description="1 per worker for a GPU each; fractions to colocate.")
     cpus_per_worker: float = Field(1.0, ge=0)
 
@@ -56,12 +54,7 @@ class TrainerWorker(WeightSyncActor):
                  seed: int) -> None:
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-        from arctic_core.registry import default_registry
-
-        self.registry = default_registry()
-        factory = self.registry.get("training_backend", backend)
-        self.trainer = factory(TrainerConfig.model_validate_json(config_json),
-                               ModelConfig.model_validate_json(model_json), seed=seed)
+        self.registry, self.trainer = build_inner("training_backend", backend, TrainerConfig, config_json, model_json, seed)
 
     def forward_backward(self, request: bytes | None, ctx: dict[str, int]) -> dict[str, float]:
         from arctic_core.objective import build_objective
@@ -100,10 +93,8 @@ class TrainerWorker(WeightSyncActor):
 class RayDataParallelTrainer:
     def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
         self.options = validate(RayTrainerOptions, config.options, "TrainerConfig.options (ray)")
-        if self.options.backend == "ray":
-            raise ConfigError("the ray backend cannot run itself in its workers; name the inner backend")
+        inner = self.options.inner(config, "trainer")
         ensure_ray(self.options.address, num_cpus=max(os.cpu_count() or 1, self.options.workers))
-        inner = config.model_copy(update={"backend": self.options.backend, "options": self.options.options})
         self._spawn_args = (inner.model_dump_json(), model.model_dump_json(), seed)
         self.workers: list[Any] = []
         self.dead_ranks: list[int] = []
