@@ -28,7 +28,8 @@ from arctic_core.hf import set_attention_implementation
 from arctic_core.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest
 from arctic_zorro.forward import response_outputs, scatter_values
-from arctic_zorro.packed_forward import enable_forest_attention, head_outputs, packed_response_outputs
+from arctic_zorro import packed_forward
+from arctic_zorro.packed_forward import enable_forest_attention, head_outputs
 from shapes import QWEN3_1_7B
 
 SHAPES = [(1024, 512, 8), (4096, 512, 8), (8192, 512, 8), (4096, 1024, 16), (16384, 1024, 8)]
@@ -105,11 +106,18 @@ def plain_packed_outputs(model, batch: RolloutBatch, processors, full_head: bool
     index = (starts[rows] + batch.prompt_lens[batch.prompt_index][rows] - 1 + cols).to(device)
     if full_head:
         next_ids = torch.roll(ids[0], -1)  # every position's next token (wraps at sequence ends)
-        values = head_outputs(model.get_output_embeddings(), hidden, next_ids, processors)
+        values = head_outputs(model.get_output_embeddings(), hidden, next_ids, processors, HEAD_CHUNK[0])
         return scatter_values({k: v[index] for k, v in values.items()}, batch, rows, cols)
     targets = batch.response_ids[rows, cols].to(device)
-    values = head_outputs(model.get_output_embeddings(), hidden[index], targets, processors)
+    values = head_outputs(model.get_output_embeddings(), hidden[index], targets, processors, HEAD_CHUNK[0])
     return scatter_values(values, batch, rows, cols)
+
+
+HEAD_CHUNK = [packed_forward.HEAD_CHUNK_TOKENS]  # --head-chunk: both runs chunk their LM head alike
+
+
+def packed_response_outputs(model, batch, processors):
+    return packed_forward.packed_response_outputs(model, batch, processors, head_chunk_tokens=HEAD_CHUNK[0])
 
 
 def grpo_batch(prompt: int, response: int, n: int, vocab: int) -> RolloutBatch:
@@ -234,8 +242,11 @@ def main() -> None:
     parser.add_argument("--no-bf16-check", dest="bf16_check", action="store_false")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels at the first shape")
     parser.add_argument("--extra-variants", action="store_true", help="also time the full-head baseline and ZoRRo without checkpointing")
+    parser.add_argument("--head-chunk", type=int, default=packed_forward.HEAD_CHUNK_TOKENS,
+                        help="response tokens per LM-head chunk, in both runs (smaller: lower peak memory)")
     parser.add_argument("--device", default="cpu", help="device of the --smoke models (cuda exercises FlexAttention)")
     args = parser.parse_args()
+    HEAD_CHUNK[0] = args.head_chunk
     if args.smoke or not torch.cuda.is_available():
         torch.set_num_threads(min(2, os.cpu_count() or 1))
         result = smoke(args.device)

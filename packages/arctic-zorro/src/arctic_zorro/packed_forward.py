@@ -8,9 +8,12 @@ only. Per-response outputs come back in the batch's row order, exactly as the pl
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Mapping
 
 import torch
+from pydantic import Field
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
@@ -38,6 +41,9 @@ class ZorroOptions(StrictModel):
     """``options: {zorro: {enable: false}}`` in a trainer config turns prompt deduplication off."""
 
     enable: bool = True
+    head_chunk_tokens: int = Field(HEAD_CHUNK_TOKENS, gt=0, description=(
+        "Response tokens per LM-head chunk: one chunk's full-vocabulary logits (and their gradient) "
+        "live at a time, so smaller chunks lower the peak memory at some launch cost."))
 
 
 def check_supported(model: PreTrainedModel) -> None:
@@ -57,7 +63,8 @@ def enable_forest_attention(model: PreTrainedModel) -> None:
 
 
 def packed_response_outputs(
-    model: PreTrainedModel, batch: RolloutBatch, processors: Mapping[str, Processor]
+    model: PreTrainedModel, batch: RolloutBatch, processors: Mapping[str, Processor],
+    head_chunk_tokens: int = HEAD_CHUNK_TOKENS,
 ) -> dict[str, torch.Tensor]:
     """Per-token processor outputs ``[B, Lr]`` from one pass over the deduplicated batch."""
     device = next(model.parameters()).device
@@ -69,12 +76,13 @@ def packed_response_outputs(
     ).last_hidden_state[0]
     rows, cols, nodes = response_gather_index(forest, batch)
     targets = batch.response_ids[rows, cols].to(device)
-    values = head_outputs(model.get_output_embeddings(), hidden[nodes.to(device)], targets, processors)
+    values = head_outputs(model.get_output_embeddings(), hidden[nodes.to(device)], targets, processors, head_chunk_tokens)
     return scatter_values(values, batch, rows, cols)
 
 
 def head_outputs(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, processors: Mapping[str, Processor]
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, processors: Mapping[str, Processor],
+    chunk_tokens: int = HEAD_CHUNK_TOKENS,
 ) -> dict[str, torch.Tensor]:
     """LM head + processors in chunks of response tokens, each recomputed in backward.
 
@@ -90,7 +98,7 @@ def head_outputs(
 
     parts = [
         checkpoint(chunk_values, h, t, use_reentrant=False) if torch.is_grad_enabled() else chunk_values(h, t)
-        for h, t in zip(hidden.split(HEAD_CHUNK_TOKENS), targets.split(HEAD_CHUNK_TOKENS))
+        for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     ]
     if not parts:  # no response tokens at all
         return {o: hidden.new_zeros(0, dtype=torch.float32) for p in processors.values() for o in p.outputs}
@@ -105,4 +113,4 @@ def select_forward(model: PreTrainedModel, options: ZorroOptions) -> Forward:
     if not options.enable:
         return response_outputs
     enable_forest_attention(model)
-    return packed_response_outputs
+    return functools.partial(packed_response_outputs, head_chunk_tokens=options.head_chunk_tokens)
