@@ -43,11 +43,6 @@ class ServerActor:
             log.exception("operation %r failed", op)
             return {"status": 500, "error": type(exc).__name__, "message": f"{op} failed on the server: {exc}"}
 
-    def health(self) -> dict[str, Any]:
-        from arctic_core.http_server import _health
-
-        return _health(self.server, busy=False)
-
 
 class RayTransport:
     """Calls the server actor ``actor``; ``owns_server`` when this transport started it."""
