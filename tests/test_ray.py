@@ -14,7 +14,7 @@ from arctic_core.errors import ConfigError, PluginNotFoundError, WorkerError
 from arctic_core.config import ArcticConfig, TrainerConfig
 from arctic_core.http_server import _health
 from arctic_core.ray_actors import ray_environment
-from arctic_core.ray_trainer import ray_trainer_config
+from arctic_core.ray_trainer import ray_trainer_config, split_by_groups
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -79,6 +79,30 @@ def test_two_ray_ranks_give_the_update_of_one(tiny_policy, stage):
     sampler = two.transport.server.sampler.model.state_dict()
     assert all(torch.equal(sampler[name], tensor) for name, tensor in two_weights.items())
     two.close()
+
+
+@pytest.mark.timeout(600)  # before the fix, the rank with fewer micro-batches left the other hanging
+def test_zero3_ranks_with_unequal_micro_batch_counts_run_in_step(tiny_policy):
+    """A small token budget gives one rank three micro-batches and the other two; under ZeRO-3
+    every forward is a collective, so the lighter rank runs an idle pass (loss x 0) and the
+    update still equals one rank's."""
+    from arctic_zorro.micro_batches import plan_micro_batches
+
+    base = {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0}
+    options = {"zero_stage": 3}
+    one_losses, one_weights, one = run({**base, "trainer": {"backend": "deepspeed", "optimizer": OPTIMIZER,
+                                                          "options": options, "micro_batch_tokens": 40}})
+    batch = grpo_batch(one.transport.server.sampler.model.config.vocab_size)
+    one.close()
+    counts = [len(plan_micro_batches(batch.select(rows), 40, grouped=True)) for rows in split_by_groups(batch, 2)]
+    assert counts[0] != counts[1], counts  # the case under test
+    ray_trainer = {"backend": "ray", "optimizer": OPTIMIZER, "micro_batch_tokens": 40,
+                   "options": {"workers": 2, "backend": "deepspeed", "options": options}}
+    two_losses, two_weights, two = run({**base, "trainer": ray_trainer})
+    two.close()
+    assert two_losses == pytest.approx(one_losses, abs=1e-5)
+    for name, weight in one_weights.items():
+        assert torch.allclose(two_weights[name], weight, atol=1e-6, rtol=1e-5), name
 
 
 def test_a_dead_worker_is_named_and_a_checkpoint_restarts_the_workers(tiny_policy, tmp_path):

@@ -27,7 +27,7 @@ from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.lr_schedule import lr_factor, set_lr
-from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
+from arctic_zorro.micro_batches import Align, micro_forward_backward, micro_log_probs
 from arctic_zorro.packed_forward import Forward, ZorroOptions, select_forward
 
 
@@ -195,10 +195,22 @@ class DeepSpeedLogProbEngine:
     def zero_3(self) -> bool:
         return self.engine.zero_optimization_stage() == ZeroStageEnum.weights
 
+    def _align(self) -> Align | None:
+        """Under ZeRO-3 with several ranks, every rank runs the busiest rank's micro-batch count."""
+        if not self.zero_3 or deepspeed.comm.get_world_size() == 1:
+            return None
+
+        def busiest(count: int) -> int:
+            counts = torch.tensor([count], device=self.device)
+            deepspeed.comm.all_reduce(counts, op=deepspeed.comm.ReduceOp.MAX)
+            return int(counts.item())
+
+        return busiest
+
     def log_probs(self, batch: RolloutBatch, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
         self._check(batch)
         grouped = self.options.zorro.enable
-        return micro_log_probs(self.engine, batch, processors, self.micro_batch_tokens, grouped)
+        return micro_log_probs(self.engine, batch, processors, self.micro_batch_tokens, grouped, self._align())
 
     def load_weights(self, weights: NamedTensors) -> None:
         with self._gathered(list(self.model.parameters()), modify=True):
@@ -259,7 +271,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         # engine.backward only accumulates here: step() is the one accumulation boundary.
         return micro_forward_backward(
             self.engine, self.engine.backward, batch, objective, ctx, scale,
-            self.micro_batch_tokens, self.options.zorro.enable, self.device,
+            self.micro_batch_tokens, self.options.zorro.enable, self.device, self._align(),
         )
 
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:

@@ -15,6 +15,9 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.interfaces import LossContext, Objective, Processor
 
 MicroForward = Callable[[RolloutBatch, Mapping[str, Processor]], dict[str, torch.Tensor]]
+# Given this rank's micro-batch count, the count every rank runs (the busiest rank's): under ZeRO-3
+# each forward gathers parameters with all ranks, so a rank that stopped early would hang the rest.
+Align = Callable[[int], int]
 
 
 def plan_micro_batches(batch: RolloutBatch, token_budget: int, grouped: bool = False) -> list[list[int]]:
@@ -95,11 +98,24 @@ def assemble_outputs(
 
 @torch.no_grad()
 def micro_log_probs(
-    forward: MicroForward, batch: RolloutBatch, processors: Mapping[str, Processor], token_budget: int, grouped: bool
+    forward: MicroForward, batch: RolloutBatch, processors: Mapping[str, Processor], token_budget: int, grouped: bool,
+    align: Align | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token outputs of the whole batch, computed one micro-batch at a time."""
-    parts = [(rows, forward(batch.select(rows), processors)) for rows in plan_micro_batches(batch, token_budget, grouped)]
+    plan = plan_micro_batches(batch, token_budget, grouped)
+    parts = [(rows, forward(batch.select(rows), processors)) for rows in plan]
+    for _ in range(_idle_passes(plan, align)):  # join the other ranks' gathers; outputs unused
+        forward(batch.select(plan[0]), processors)
     return assemble_outputs(batch, parts)
+
+
+def _idle_passes(plan: list[list[int]], align: Align | None) -> int:
+    if align is None:
+        return 0
+    extra = align(len(plan)) - len(plan)
+    if extra and not plan:
+        raise RuntimeError("a rank with no rows cannot join the other ranks' ZeRO-3 forwards")
+    return extra
 
 
 def micro_forward_backward(
@@ -112,13 +128,22 @@ def micro_forward_backward(
     token_budget: int,
     grouped: bool,
     device: torch.device,
+    align: Align | None = None,
 ) -> dict[str, float]:
-    """Accumulate ``scale * loss`` gradients over the micro-batches; metrics summed (ctx-normalised)."""
+    """Accumulate ``scale * loss`` gradients over the micro-batches; metrics summed (ctx-normalised).
+
+    With ``align``, a rank with fewer micro-batches than the busiest runs idle passes: its first
+    micro-batch again with the loss times zero (no gradient, but every collective joined)."""
     totals: dict[str, float] = {}
-    for rows in plan_micro_batches(batch, token_budget, grouped):
+    plan = plan_micro_batches(batch, token_budget, grouped)
+    idle = _idle_passes(plan, align)
+    for i, rows in enumerate(plan + plan[:1] * idle):
         host = batch.select(rows)  # forwards index on the host: give them the host copy (no round trip)
         micro = host.to(device)
         loss, metrics = objective(forward(host, objective.processors), micro, ctx)
+        if i >= len(plan):
+            backward(loss * 0.0)
+            continue
         backward(loss * scale)
         for key, value in metrics.items():
             totals[key] = totals.get(key, 0.0) + value
