@@ -40,6 +40,15 @@ class WorkerError(RequestError):
     """A worker process (e.g. one data-parallel training rank) died or failed; the message names it."""
 
 
+def error_answer(op: str, exc: Exception) -> tuple[int, str, str]:
+    """How a server answers a failed call, ``(status, error class name, message)``: an Arctic error
+    is the caller's to fix (400, its own message), anything else a server failure (500).
+    :func:`remote_error` turns the answer back into an exception on the client."""
+    if isinstance(exc, ArcticError):
+        return 400, type(exc).__name__, str(exc)
+    return 500, type(exc).__name__, f"{op} failed on the server: {exc}"
+
+
 def remote_error(status: int | None, name: str, message: str) -> ArcticError:
     """A server-side error as the Arctic class it names (for a refusal, status < 500), else as a
     :class:`RemoteError`: client code handles errors alike in process and over any transport."""

@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from arctic_core import wire
-from arctic_core.errors import ArcticError
+from arctic_core.errors import error_answer
 from arctic_core.http_metrics import CallMetrics
 from arctic_core.http_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from arctic_core.protocol import OPS, Message, Result
@@ -129,13 +129,12 @@ def _op_endpoint(
         except ApiError as exc:
             metrics.record_error(op, exc.error)
             return error_response(exc.status, exc.error, exc.message)
-        except ArcticError as exc:
-            metrics.record_error(op, type(exc).__name__)
-            return error_response(400, type(exc).__name__, str(exc))
-        except Exception as exc:  # a bug or an engine failure: answer it, keep serving
-            log.exception("operation %r failed", op)
-            metrics.record_error(op, type(exc).__name__)
-            return error_response(500, type(exc).__name__, f"{op} failed on the server: {exc}")
+        except Exception as exc:  # bad input, or a bug / engine failure: answer it, keep serving
+            status, error, message = error_answer(op, exc)
+            if status == 500:
+                log.exception("operation %r failed", op)
+            metrics.record_error(op, error)
+            return error_response(status, error, message)
         metrics.record_ok(op, result, server.policy_version)
         return Response(payload, media_type=wire.CONTENT_TYPE)
 

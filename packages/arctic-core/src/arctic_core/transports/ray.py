@@ -19,7 +19,7 @@ from typing import Any
 
 from arctic_core import wire
 from arctic_core.config import ArcticConfig
-from arctic_core.errors import ArcticError, WorkerError, remote_error
+from arctic_core.errors import WorkerError, error_answer, remote_error
 from arctic_core.protocol import Empty, Message, Result
 
 log = logging.getLogger(__name__)
@@ -37,11 +37,11 @@ class ServerActor:
     def call(self, op: str, body: bytes) -> bytes | dict[str, Any]:
         try:
             return wire.encode(self.server.handle(op, wire.decode_request(op, body)))
-        except ArcticError as exc:
-            return {"status": 400, "error": type(exc).__name__, "message": str(exc)}
-        except Exception as exc:  # an engine failure: answer it, keep serving
-            log.exception("operation %r failed", op)
-            return {"status": 500, "error": type(exc).__name__, "message": f"{op} failed on the server: {exc}"}
+        except Exception as exc:  # bad input, or an engine failure: answer it, keep serving
+            status, error, message = error_answer(op, exc)
+            if status == 500:
+                log.exception("operation %r failed", op)
+            return {"status": status, "error": error, "message": message}
 
 
 class RayTransport:
