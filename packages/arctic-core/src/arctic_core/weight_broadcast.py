@@ -127,14 +127,9 @@ def share_plan(group: WeightGroup, plan: dict | None = None, src: int = 0) -> di
 def broadcast_weights(group: WeightGroup, weights: NamedList, plan: dict, src: int = 0) -> int:
     """Sender side: broadcasts every bucket of ``plan`` from ``src``; returns the bytes sent."""
     named = dict(weights)
-    device = group.device
     sent = 0
     for bucket in plan["buckets"]:
-        try:
-            parts = [named[name].detach().reshape(-1).to(device, parse_dtype(bucket["dtype"])) for name, _ in bucket["tensors"]]
-        except KeyError as exc:
-            raise BroadcastError(f"the plan names weight {exc.args[0]!r}, which the sender does not have") from None
-        flat = torch.cat(parts)
+        flat = pack_bucket(named, bucket, group.device)
         group.broadcast(flat, src)
         sent += flat.numel() * flat.element_size()
     return sent
@@ -147,18 +142,34 @@ def receive_broadcast(group: WeightGroup, plan: dict, src: int = 0,
     Every bucket is received before this returns: collectives must run in the same order on all
     ranks, so they cannot wait on how fast the caller consumes the iterator.
     """
-    wire = group.device
-    received: dict[str, torch.Tensor] = {}
+    flats = []
     for bucket in plan["buckets"]:
-        shapes = [torch.Size(shape) for _, shape in bucket["tensors"]]
-        flat = torch.empty(sum(s.numel() for s in shapes), dtype=parse_dtype(bucket["dtype"]), device=wire)
+        numel = sum(torch.Size(shape).numel() for _, shape in bucket["tensors"])
+        flat = torch.empty(numel, dtype=parse_dtype(bucket["dtype"]), device=group.device)
         group.broadcast(flat, src)
-        flat = flat.to(device) if device is not None else flat
-        for (name, _), shape, part in zip(bucket["tensors"], shapes, flat.split([s.numel() for s in shapes])):
+        flats.append(flat.to(device) if device is not None else flat)
+    return iter(unpack_buckets(plan, flats))
+
+
+def pack_bucket(named: dict[str, torch.Tensor], bucket: dict, device: torch.device) -> torch.Tensor:
+    """One bucket of a plan as a flat tensor of its dtype on ``device``."""
+    try:
+        parts = [named[name].detach().reshape(-1).to(device, parse_dtype(bucket["dtype"])) for name, _ in bucket["tensors"]]
+    except KeyError as exc:
+        raise BroadcastError(f"the plan names weight {exc.args[0]!r}, which the sender does not have") from None
+    return torch.cat(parts)
+
+
+def unpack_buckets(plan: dict, flats: Sequence[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` per the plan, as views of the buckets' flat tensors (aliases included)."""
+    received: dict[str, torch.Tensor] = {}
+    for bucket, flat in zip(plan["buckets"], flats, strict=True):
+        shapes = [torch.Size(shape) for _, shape in bucket["tensors"]]
+        for (name, _), shape, part in zip(bucket["tensors"], shapes, flat.split([s.numel() for s in shapes]), strict=True):
             received[name] = part.view(shape)
     for alias, target in plan["aliases"].items():
         received[alias] = received[target]
-    return iter(list(received.items()))
+    return list(received.items())
 
 
 # --------------------------------------------------------------------------- between Ray actors

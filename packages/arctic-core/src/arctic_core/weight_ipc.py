@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from arctic_core.config import WeightSyncConfig
 from arctic_core.errors import ConfigError
 from arctic_core.interfaces import NamedTensors, TrainingBackend, WeightReceiver
-from arctic_core.weight_broadcast import WHO, parse_dtype, plan_broadcast, require_actors
+from arctic_core.weight_broadcast import WHO, pack_bucket, parse_dtype, plan_broadcast, require_actors, unpack_buckets
 
 
 def export_cuda_ipc(weights: NamedTensors, bucket_bytes: int, version: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -34,28 +34,17 @@ def export_cuda_ipc(weights: NamedTensors, bucket_bytes: int, version: int) -> t
                           "'torch-broadcast' (gloo) or 'inprocess' for CPU engines")
     plan = plan_broadcast(named, bucket_bytes, version)
     tensors = dict(named)
-    buffers, handles = [], []
-    for bucket in plan["buckets"]:
-        dtype = parse_dtype(bucket["dtype"])
-        flat = torch.cat([tensors[name].detach().reshape(-1).to(dtype) for name, _ in bucket["tensors"]])
-        buffers.append(flat)
-        handles.append(portable_handle(flat))
+    buffers = [pack_bucket(tensors, bucket, named[0][1].device) for bucket in plan["buckets"]]
     torch.cuda.current_stream().synchronize()  # the buffers are complete before anyone maps them
-    return {"plan": plan, "handles": handles}, buffers
+    payload = {"plan": plan, "handles": [portable_handle(flat) for flat in buffers],
+               "bytes": sum(flat.numel() * flat.element_size() for flat in buffers)}
+    return payload, buffers
 
 
 def import_cuda_ipc(payload: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """The named tensors of an exported payload, as views of the sender's mapped buffers (valid
     until the sender releases them: copy before returning control)."""
-    received: dict[str, torch.Tensor] = {}
-    for bucket, handle in zip(payload["plan"]["buckets"], payload["handles"], strict=True):
-        flat = open_handle(handle)
-        shapes = [torch.Size(shape) for _, shape in bucket["tensors"]]
-        for (name, _), shape, part in zip(bucket["tensors"], shapes, flat.split([s.numel() for s in shapes]), strict=True):
-            received[name] = part.view(shape)
-    for alias, target in payload["plan"]["aliases"].items():
-        received[alias] = received[target]
-    return list(received.items())
+    return unpack_buckets(payload["plan"], [open_handle(handle) for handle in payload["handles"]])
 
 
 _HANDLE_FIELDS = ("size", "stride", "offset", "storage_cls", "dtype", "device", "handle", "storage_bytes",
@@ -109,10 +98,5 @@ class CudaIpcTransport:
                     torch.cuda.current_stream().synchronize()
         finally:
             get_one(source.weight_group_members()[0].release_weights_ipc.remote(), WHO, "cuda-ipc release")
-        sent = sum(_bucket_bytes(b) for b in payload["plan"]["buckets"])
-        return {"seconds": time.perf_counter() - start, "bytes": float(sent), "receivers": float(len(receivers))}
-
-
-def _bucket_bytes(bucket: dict[str, Any]) -> int:
-    size = torch.tensor([], dtype=parse_dtype(bucket["dtype"])).element_size()
-    return size * sum(torch.Size(shape).numel() for _, shape in bucket["tensors"])
+        return {"seconds": time.perf_counter() - start, "bytes": float(payload["bytes"]),
+                "receivers": float(len(receivers))}
