@@ -21,6 +21,7 @@ from arctic_core import wire
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import WorkerError, error_answer, remote_error
 from arctic_core.protocol import Empty, Message, Result
+from arctic_core.ray_actors import ensure_ray
 
 log = logging.getLogger(__name__)
 DEFAULT_NAME = "arctic-server"
@@ -55,7 +56,7 @@ class RayTransport:
               num_gpus: float = 0.0, num_cpus: float = 1.0) -> RayTransport:
         """Start the server actor ``name`` (in the cluster at ``address``, or a local one). Ray gives
         it ``num_cpus`` compute threads (its OMP_NUM_THREADS)."""
-        ray = _ray(address)
+        ray = ensure_ray(address)
         options = {"name": name, "num_gpus": num_gpus, "num_cpus": num_cpus}
         actor = ray.remote(ServerActor).options(**options).remote(config.model_dump_json())
         transport = cls(actor, name, owns_server=True)
@@ -65,7 +66,7 @@ class RayTransport:
     @classmethod
     def connect(cls, name: str = DEFAULT_NAME, address: str | None = None) -> RayTransport:
         """Connect to the running server actor ``name``."""
-        ray = _ray(address)
+        ray = ensure_ray(address)
         try:
             actor = ray.get_actor(name)
         except ValueError:
@@ -105,9 +106,3 @@ class RayTransport:
             import ray
 
             ray.kill(self.actor)
-
-
-def _ray(address: str | None) -> Any:
-    from arctic_core.ray_actors import ensure_ray
-
-    return ensure_ray(address)
