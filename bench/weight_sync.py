@@ -65,6 +65,8 @@ def sender(args: argparse.Namespace, port: int, queue: mp.Queue, done: mp.Queue)
             me.release_weights_ipc()
         else:
             me.send_weights(version, args.bucket_mb << 20)
+    if group is not None:
+        group.close()
     queue.put({name: float(t.float().sum()) for name, t in me.weights_to_send()})  # checksums for the check
 
 
@@ -87,6 +89,8 @@ def receiver(args: argparse.Namespace, port: int, queue: mp.Queue, done: mp.Queu
         times.append(time.perf_counter() - start)
         if group is None:
             done.put(True)
+    if group is not None:
+        group.close()
     sums = queue.get()
     mismatched = [n for n, t in me.weights_to_send() if float(t.float().sum()) != sums[n]]
     out.put({"times": times, "mismatched": mismatched,

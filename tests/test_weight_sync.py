@@ -128,6 +128,7 @@ WORKER = textwrap.dedent("""
     else:
         plan = share_plan(group)
         got = {n: t.clone() for n, t in receive_broadcast(group, plan)}
+    group.close()
     save_file(got, out, metadata={"version": str(plan["version"]), "buckets": str(len(plan["buckets"]))})
 """)
 

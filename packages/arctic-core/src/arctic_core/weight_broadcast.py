@@ -55,7 +55,7 @@ class WeightGroup:
             self.device = torch.device("cpu")  # gloo moves CPU tensors
         else:
             raise ConfigError(f"weight broadcast backend must be 'nccl' or 'gloo', got {backend!r}")
-        self.rank, self.world = rank, world
+        self.store, self.rank, self.world = store, rank, world
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world: int, backend: str) -> WeightGroup:
@@ -67,6 +67,19 @@ class WeightGroup:
         options = dist.BroadcastOptions()
         options.rootRank = src
         self.group.broadcast([tensor], options).wait()
+
+    def close(self) -> None:
+        """Leave in order: once every rank is done communicating, the others let go of the group
+        first and rank 0, whose process serves the TCP store, last. (Torn down in an arbitrary
+        order at interpreter exit, a gloo group can abort its process.)"""
+        self.group.barrier(dist.BarrierOptions()).wait()
+        self.group = None
+        left = [f"arctic-weight-group-left-{r}" for r in range(1, self.world)]
+        if self.rank == 0:
+            self.store.wait(left)
+        else:
+            self.store.set(left[self.rank - 1], "1")
+        self.store = None
 
 
 def parse_dtype(name: str) -> torch.dtype:
