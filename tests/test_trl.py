@@ -29,6 +29,8 @@ def test_trl_script_trains_through_arctic_and_logs_our_metrics(tmp_path):
     logged = {key for h in history for key in h}
     assert {"arctic/loss", "arctic/ppo/clipfrac", "arctic/step/grad_norm", "arctic/step/policy_version",
             "arctic/generate/seconds"} <= logged
+    steps = [h for h in history if "arctic/step/grad_norm" in h]
+    assert all(h["grad_norm"] == h["arctic/step/grad_norm"] > 0 for h in steps), steps
 
 
 @pytest.fixture(scope="module")

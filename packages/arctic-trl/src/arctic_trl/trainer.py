@@ -212,6 +212,14 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _record_step(self, metrics: dict[str, float]) -> None:
         self._record({f"step/{k}": v for k, v in metrics.items()})
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # TRL logs the norm of the client-side placeholder's gradient (always 0): report the
+        # backend's pre-clipping norm under TRL's own key instead.
+        norms = self._metrics["train"].get("arctic/step/grad_norm")
+        if "grad_norm" in logs and norms:
+            logs["grad_norm"] = sum(norms) / len(norms)
+        super().log(logs, start_time)
+
 
 def _model_folder(model: str | PreTrainedModel) -> str:
     if isinstance(model, str):
