@@ -74,6 +74,26 @@ def static_work_cases() -> tuple[float, int]:
     return worst, cases
 
 
+def device_work_cases() -> tuple[float, int]:
+    """Items built on the device from the block tables (DeviceWorkBuilder), split-K forced."""
+    from arctic_fca.fca.cost_model import CostConstants
+    from arctic_fca.fca.device_work import DeviceWorkBuilder
+
+    worst, cases = 0.0, 0
+    for seed in (7, 8):
+        segments, requests = random_forest(seed, 16)
+        batch = make_batch(segments, requests, 16, num_q_heads=4, num_kv_heads=2, head_dim=16, seed=seed)
+        query, key_cache, value_cache, tables, lens = attention_args(batch)
+        builder = DeviceWorkBuilder(len(requests), tables.shape[1], key_cache.shape[0], 16, num_q_heads=4,
+                                    num_kv_heads=2, head_dim=16, kv_dtype=key_cache.dtype, device="cpu",
+                                    costs=CostConstants(min_speedup=0.0), num_sms=8, chunk_range=(16, 32))
+        out = triton_decode_attention(query, key_cache, value_cache, builder.build(tables, lens), 0.3)
+        expected = paged_decode_attention(query, key_cache, value_cache, tables.clamp(min=0), lens, 0.3)
+        worst = max(worst, (out - expected).abs().max().item())
+        cases += 1
+    return worst, cases
+
+
 def engine_matches_generate() -> bool:
     import copy
 
@@ -100,5 +120,6 @@ def engine_matches_generate() -> bool:
 if __name__ == "__main__":
     worst, cases = kernel_cases()
     static_worst, static_cases = static_work_cases()
-    print(json.dumps({"max_abs_diff": max(worst, static_worst), "cases": cases + static_cases,
+    device_worst, device_cases = device_work_cases()
+    print(json.dumps({"max_abs_diff": max(worst, static_worst, device_worst), "cases": cases + static_cases + device_cases,
                       "engine_greedy_matches": engine_matches_generate()}))

@@ -1,0 +1,250 @@
+"""FCA work items built on the device from the block tables alone: no host sync, fixed shapes.
+
+``work.build_work`` builds a step's items on the host from an ``FCAPlan``, which needs the block
+tables and sequence lengths on the host. An engine that keeps them only on the device (vLLM's
+model runner) would pay a device-to-host sync per step to use it. ``DeviceWorkBuilder`` derives
+the same forest with tensor operations on the tables' device and writes the items into buffers
+allocated once, so the Triton kernels (``triton_decode``) read them unchanged, in or out of a
+CUDA graph. Every size is a capacity fixed at construction; counts live in device tensors.
+
+How the forest is found without walking it: prefix caching hands out physical blocks so that one
+block id means one token prefix (a block's identity chains over its parents). So
+
+- a block read by ``c >= 2`` requests is shared by exactly those ``c``; along a request's row the
+  counts never grow, and a **node** is a maximal run of columns with the same count;
+- the node's requests are the holders of its first block, and its blocks are read through the
+  table row of its lowest-numbered holder (its **leader**), so no block ids are copied.
+
+The builder checks that property on the device (every block has one column and one parent block
+for all its holders); a batch that breaks it, that the cost model prices plain, or whose
+(node, request) pairs exceed the capacity, runs as plain decode with the same kernels: the choice
+is a tensor, never a host branch.
+
+Capacities (rows = requests x padding): node launch items <= target + R*W*bs/MAX_CHUNK + pairs,
+single items <= target + R + R*W*bs/MAX_CHUNK, partial rows likewise (see ``_capacities``): the
+split length is never below ``total work / target``, which bounds the pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arctic_fca.fca.cost_model import DEFAULT_COSTS, PARTIAL_STATE_BYTES, CostConstants
+from arctic_fca.fca.triton_decode import DeviceLaunch, DeviceWork
+from arctic_fca.fca.work import ITEMS_PER_SM, MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS, NODE_TILE_ROWS, device_sms
+
+PAIRS_PER_REQUEST = 4  # (node, request) pairs per request the buffers hold: a forest four nodes deep
+
+
+class DeviceWorkBuilder:
+    """Persistent buffers for the work of a batch of up to ``max_requests`` decode requests whose
+    block tables are ``table_width`` wide, over a KV cache of ``num_blocks`` blocks."""
+
+    def __init__(self, max_requests: int, table_width: int, num_blocks: int, block_size: int, *, num_q_heads: int,
+                 num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, device: torch.device | str,
+                 costs: CostConstants = DEFAULT_COSTS, num_sms: int | None = None,
+                 chunk_range: tuple[int, int] = (MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS)) -> None:
+        device = torch.device(device)
+        self.chunk_range = (max(chunk_range[0], block_size), chunk_range[1])  # split lengths allowed
+        self.max_requests, self.width, self.num_blocks, self.block_size = max_requests, table_width, num_blocks, block_size
+        self.group = num_q_heads // num_kv_heads
+        self.per_tile = max(1, NODE_TILE_ROWS // self.group)
+        self.target = max(1, ITEMS_PER_SM * (num_sms or device_sms(device)) // num_kv_heads)
+        self.kv_token_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=kv_dtype).element_size()
+        self.partial_row_bytes = 2 * num_q_heads * (head_dim + 1) * PARTIAL_STATE_BYTES
+        self.costs = costs
+        self.max_pairs = PAIRS_PER_REQUEST * max_requests
+        long_pieces = max_requests * table_width * block_size // self.chunk_range[1] + 1
+        self.caps = {"node_items": self.target + long_pieces + self.max_pairs,
+                     "single_items": self.target + long_pieces + max_requests,
+                     "node_rows": self.per_tile * self.target + long_pieces + self.max_pairs}
+        self.caps["rows"] = self.caps["node_rows"] + self.caps["single_items"]
+
+        def ints(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+        self.work = DeviceWork(
+            kv_index=ints(max_requests * table_width),
+            q_index=ints(self.max_pairs + max_requests),
+            node=DeviceLaunch(ints(5, self.caps["node_items"]), ints(1), self.per_tile),
+            single=DeviceLaunch(ints(5, self.caps["single_items"]), ints(1), 1),
+            merge_indptr=ints(max_requests + 1),
+            merge_rows=ints(self.caps["rows"]),
+            partial=torch.zeros(self.caps["rows"], num_q_heads, head_dim, dtype=torch.float32, device=device),
+            lse=torch.zeros(self.caps["rows"], num_q_heads, dtype=torch.float32, device=device),
+            direct=False,
+        )
+        self.used_fca = torch.zeros((), dtype=torch.bool, device=device)  # this step's choice, for metrics
+
+    def build(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> DeviceWork:
+        """This step's items (``block_tables [R, table_width]`` int32 and ``seq_lens [R]`` on the
+        builder's device, R <= max_requests; a request of length 0 is padding and gets no output)."""
+        num_requests, width = block_tables.shape
+        if num_requests > self.max_requests or width != self.width:
+            raise ValueError(f"block_tables {tuple(block_tables.shape)} exceed the builder's capacity "
+                             f"({self.max_requests} requests, width {self.width})")
+        forest = _Forest(block_tables.long(), seq_lens.long(), self.block_size, self.num_blocks)
+        fca = forest.consistent & self._fca_pays(forest) & (forest.num_pairs <= self.max_pairs)
+        forest.keep_if(fca)
+        self.used_fca.copy_(fca)
+        self.work.kv_index[: num_requests * width].copy_(block_tables.reshape(-1))
+        pairs = forest.pair_request[: self.max_pairs]
+        self.work.q_index[: pairs.numel()].copy_(pairs)
+        node_rows = self._node_items(forest)
+        self._single_items(forest, node_rows)
+        self._merge(forest, node_rows)
+        return self.work
+
+    # ---- the cost model, as tensors (same prices as cost_model.estimate_bytes) --------------------
+
+    def _fca_pays(self, forest: _Forest) -> torch.Tensor:
+        plain = forest.lens.sum() * self.kv_token_bytes
+        unique = (forest.node_len.sum() * self.block_size + forest.suffix_len.sum()) * self.kv_token_bytes
+        overhead_s = self.costs.per_call_overhead_s + forest.num_nodes * self.costs.per_node_overhead_s
+        fca = (unique + (forest.num_pairs + forest.lens.numel()) * self.partial_row_bytes
+               + overhead_s * self.costs.bandwidth_bytes_per_s)
+        return (forest.num_nodes > 0) & (plain >= self.costs.min_speedup * fca)
+
+    # ---- items --------------------------------------------------------------------------------------
+
+    def _chunk(self, work_tokens: torch.Tensor) -> torch.Tensor:
+        """Split length (as ``work.chunk_tokens``): a power of two near total / target, clamped."""
+        ratio = (work_tokens.double() / self.target).clamp(min=1.0)
+        chunk = torch.exp2(torch.ceil(torch.log2(ratio))).long()
+        return chunk.clamp(*self.chunk_range)
+
+    def _node_items(self, forest: _Forest) -> torch.Tensor:
+        """Fill the node launch; return the number of partial rows it writes."""
+        bs, tokens = self.block_size, forest.node_len * self.block_size
+        tiles = _ceil_div(forest.node_size, self.per_tile)
+        chunk = self._chunk((tokens * tiles).sum())
+        pieces = _ceil_div(tokens, chunk)
+        item, owner, local, total = _expand(pieces * tiles, self.caps["node_items"])
+        piece, tile = local // tiles[owner].clamp(min=1), local % tiles[owner].clamp(min=1)
+        q_first = forest.node_q_start[owner] + tile * self.per_tile
+        columns = (forest.node_row[owner] * self.width + forest.node_col[owner] + piece * (chunk // bs),
+                   torch.minimum(chunk, tokens[owner] - piece * chunk),
+                   q_first,
+                   torch.minimum(torch.full_like(q_first, self.per_tile), forest.node_size[owner] - tile * self.per_tile))
+        return _write_launch(self.work.node, columns, item < total, first_row=torch.zeros_like(chunk))
+
+    def _single_items(self, forest: _Forest, node_rows: torch.Tensor) -> None:
+        suffix = forest.suffix_len
+        chunk = self._chunk(suffix.sum())
+        item, owner, piece, total = _expand(_ceil_div(suffix, chunk), self.caps["single_items"])
+        columns = (owner * self.width + forest.suffix_start[owner] + piece * (chunk // self.block_size),
+                   torch.minimum(chunk, suffix[owner] - piece * chunk),
+                   self.max_pairs + owner,
+                   torch.ones_like(owner))
+        self.work.q_index[self.max_pairs : self.max_pairs + suffix.numel()].copy_(torch.arange(suffix.numel(), device=suffix.device))
+        _write_launch(self.work.single, columns, item < total, first_row=node_rows)
+
+    def _merge(self, forest: _Forest, node_rows: torch.Tensor) -> None:
+        """Each request's partial rows, grouped by request (merge_indptr / merge_rows)."""
+        work, num_requests = self.work, forest.lens.numel()
+        sentinel = self.max_requests  # rows nobody reads sort last
+        request = torch.full((self.caps["rows"],), sentinel, dtype=torch.long, device=work.lse.device)
+        node, single = work.node.items.long(), work.single.items.long()
+        # Node rows: row k belongs to item i with out_row[i] <= k < out_row[i] + q_count[i] (items
+        # past the count have q_count 0, so they own no row).
+        row, item, j, _ = _expand(node[3], self.caps["node_rows"])
+        pair = (node[2, item] + j).clamp(max=work.q_index.numel() - 1)  # rows past the count: any valid index
+        request[row] = torch.where(row < node_rows, work.q_index.long()[pair], sentinel)
+        live = torch.arange(single.shape[1], device=request.device) < work.single.count[0]
+        tail = torch.full((single.shape[1],), self.caps["rows"] - 1, dtype=torch.long, device=request.device)
+        request.scatter_(0, torch.where(live, single[4], tail), torch.where(live, single[2] - self.max_pairs, sentinel))
+        order = torch.sort(request, stable=True)
+        work.merge_rows.copy_(order.indices)
+        counts = torch.zeros(sentinel + 1, dtype=torch.long, device=request.device).scatter_add_(
+            0, request, torch.ones_like(request))
+        work.merge_indptr[1 : num_requests + 1].copy_(counts[:num_requests].cumsum(0))
+
+
+class _Forest:
+    """The shared-prefix forest of one batch, as per-request and per-node tensors (see the module
+    docstring). Nodes are numbered by their leader's (row, column) in row-major order."""
+
+    def __init__(self, tables: torch.Tensor, lens: torch.Tensor, block_size: int, num_blocks: int) -> None:
+        rows, width = tables.shape
+        device = tables.device
+        self.lens, self.num_blocks, self.block_size = lens, num_blocks, block_size
+        self.cols = torch.arange(width, device=device).expand(rows, width)
+        self.rows = torch.arange(rows, device=device)[:, None].expand(rows, width)
+        valid = self.cols < (lens // block_size)[:, None]  # only full blocks can be shared
+        self.ids = torch.where(valid, tables, num_blocks).clamp(0, num_blocks)  # num_blocks: a dummy id
+        holders = self._per_block(torch.ones_like(self.ids), "sum", 0)
+        holders[num_blocks] = 0
+        self.count = holders[self.ids]
+        parent = torch.cat([torch.full_like(tables[:, :1], -1), tables[:, :-1]], dim=1)
+        self.consistent = ((self._agree(self.cols) & self._agree(parent)) | ~valid).all()
+        self._derive(self.count >= 2)
+
+    def _per_block(self, values: torch.Tensor, reduce: str, initial: int) -> torch.Tensor:
+        out = torch.full((self.num_blocks + 1,), initial, dtype=torch.long, device=values.device)
+        return out.scatter_reduce_(0, self.ids.reshape(-1), values.reshape(-1), reduce)
+
+    def _agree(self, values: torch.Tensor) -> torch.Tensor:
+        """Whether every holder of each block sees the same value of ``values`` there."""
+        big = torch.iinfo(torch.long).max
+        return self._per_block(values, "amin", big)[self.ids] == self._per_block(values, "amax", -big)[self.ids]
+
+    def keep_if(self, flag: torch.Tensor) -> None:
+        """Drop every node unless ``flag`` (a device bool): the batch then decodes plain."""
+        self._derive((self.count >= 2) & flag)
+
+    def _derive(self, shared: torch.Tensor) -> None:
+        rows, width = shared.shape
+        count = torch.where(shared, self.count, 0)
+        before = torch.cat([torch.zeros_like(count[:, :1]), count[:, :-1]], dim=1)
+        start = shared & (count != before)
+        # A node runs from its start to the next column that starts another node or is not shared.
+        boundary = torch.where(start | ~shared, self.cols, width)
+        after = torch.cat([boundary[:, 1:], torch.full_like(boundary[:, :1], width)], dim=1)
+        run_end = after.flip(1).cummin(1).values.flip(1)
+        first_holder = self._per_block(torch.where(shared, self.rows, rows), "amin", rows)
+        leader = start & (first_holder[self.ids] == self.rows)
+        node_of_leader = leader.reshape(-1).cumsum(0) - 1
+        self.num_nodes = leader.sum()
+        self.num_pairs = start.sum()
+        self.suffix_start = shared.sum(1)
+        self.suffix_len = (self.lens - self.suffix_start * self.block_size).clamp(min=0)
+        capacity = rows  # a forest whose nodes each branch has fewer nodes than leaves
+        slot = torch.where(leader.reshape(-1) & (node_of_leader < capacity), node_of_leader, capacity)
+
+        def per_node(values: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(capacity + 1, dtype=torch.long, device=values.device)
+            return out.scatter_(0, slot, values.reshape(-1))[:capacity]
+
+        self.node_row, self.node_col = per_node(self.rows), per_node(self.cols)
+        self.node_len, self.node_size = per_node(run_end - self.cols), per_node(count)
+        self.node_q_start = self.node_size.cumsum(0) - self.node_size
+        # Pairs in node order, requests ascending within a node: sort keys node * rows + request.
+        node_id = self._per_block(torch.where(leader, node_of_leader.reshape(rows, width), -1), "amax", -1)[self.ids]
+        keys = torch.where(start, node_id * rows + self.rows, torch.iinfo(torch.long).max)
+        self.pair_request = torch.sort(keys.reshape(-1)).values % rows
+
+
+def _ceil_div(a: torch.Tensor, b: torch.Tensor | int) -> torch.Tensor:
+    return (a + b - 1) // b
+
+
+def _expand(counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, ...]:
+    """Enumerate ``counts[o]`` entries per owner ``o`` into ``capacity`` slots, without a sync:
+    (slot index, owner, index within the owner, total). Slots past the total are garbage that
+    callers mask with ``slot < total``."""
+    ends = counts.cumsum(0)
+    slot = torch.arange(capacity, device=counts.device)
+    owner = torch.searchsorted(ends, slot, right=True).clamp(max=max(0, counts.numel() - 1))
+    return slot, owner, slot - (ends[owner] - counts[owner]), ends[-1] if counts.numel() else slot.new_zeros(())
+
+
+def _write_launch(launch: DeviceLaunch, columns: tuple[torch.Tensor, ...], live: torch.Tensor,
+                  first_row: torch.Tensor) -> torch.Tensor:
+    """Write items (kv_start, kv_len, q_start, q_count) where ``live``, zeros elsewhere; number
+    their partial rows from ``first_row``; return the rows they write."""
+    q_count = torch.where(live, columns[3], 0)
+    out_row = first_row + q_count.cumsum(0) - q_count
+    for index, values in enumerate((*columns[:3], q_count, out_row)):
+        launch.items[index].copy_(torch.where(live, values, 0))
+    launch.count.copy_(live.sum().reshape(1))
+    return q_count.sum()

@@ -1,0 +1,159 @@
+"""FCA work built on the device from block tables alone (``DeviceWorkBuilder``): the forest it
+finds equals the host plan's, and the items it writes give exact attention, run by a torch
+executor of the kernels' item semantics (the Triton kernels run the same items under the
+interpreter in ``triton_interpreted.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fca import attention_args, make_batch, random_forest
+
+from arctic_fca.fca import attention_with_lse, build_plan, merge_partials, paged_decode_attention
+from arctic_fca.fca.cost_model import CostConstants
+from arctic_fca.fca.device_work import DeviceWorkBuilder
+
+ALWAYS_FCA = CostConstants(per_call_overhead_s=0.0, per_node_overhead_s=0.0, min_speedup=0.0)
+
+
+def builder_for(batch: dict, rows: int | None = None, costs: CostConstants = ALWAYS_FCA, **overrides) -> DeviceWorkBuilder:
+    query, key_cache = batch["query"], batch["key_cache"]
+    settings = dict(num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2], head_dim=query.shape[2],
+                    kv_dtype=key_cache.dtype, device="cpu", costs=costs, num_sms=2)
+    return DeviceWorkBuilder(rows or query.shape[0], batch["block_tables"].shape[1], key_cache.shape[0],
+                             key_cache.shape[1], **{**settings, **overrides})
+
+
+def execute(work, query, key_cache, value_cache, scale: float) -> torch.Tensor:
+    """What the Triton kernels compute from the items, in fp32 torch: each item's query rows attend
+    to its KV tokens (read page by page through kv_index), then each request merges its rows."""
+    num_q_heads, block_size, num_kv_heads = query.shape[1], key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    partial = torch.zeros(work.partial.shape[0], num_q_heads, query.shape[2])
+    lse = torch.full(work.lse.shape, float("-inf"))
+    for launch in (work.node, work.single):
+        for kv_start, kv_len, q_start, q_count, out_row in launch.items[:, : int(launch.count)].T.tolist():
+            tokens = torch.arange(kv_len)
+            pages = work.kv_index[kv_start + tokens // block_size].long()
+            k, v = (cache[pages, tokens % block_size].permute(1, 0, 2)[None] for cache in (key_cache, value_cache))
+            requests = work.q_index[q_start : q_start + q_count].long()
+            q = query[requests].reshape(q_count, num_kv_heads, group, -1).permute(1, 0, 2, 3).reshape(
+                1, num_kv_heads, q_count * group, -1)
+            out, item_lse = attention_with_lse(q, k, v, scale)
+            rows = slice(out_row, out_row + q_count)
+            partial[rows] = out[0].reshape(num_kv_heads, q_count, group, -1).permute(1, 0, 2, 3).reshape(q_count, num_q_heads, -1)
+            lse[rows] = item_lse[0].reshape(num_kv_heads, q_count, group).permute(1, 0, 2).reshape(q_count, num_q_heads)
+    num_requests = query.shape[0]
+    row_request = torch.full((partial.shape[0],), -1)
+    for request in range(num_requests):
+        first, last = work.merge_indptr[request : request + 2].tolist()
+        row_request[work.merge_rows[first:last].long()] = request
+    used = row_request >= 0
+    return merge_partials(partial[used], lse[used], row_request[used], num_requests)[0]
+
+
+def forest_of_plan(plan) -> set:
+    return {(tuple(plan.node_blocks(n)), tuple(plan.node_requests(n))) for n in range(plan.num_nodes)}
+
+
+def forest_of_builder(builder: DeviceWorkBuilder, tables: torch.Tensor, lens: torch.Tensor) -> set:
+    from arctic_fca.fca.device_work import _Forest
+
+    forest = _Forest(tables.long(), lens.long(), builder.block_size, builder.num_blocks)
+    nodes = set()
+    for n in range(int(forest.num_nodes)):
+        row, col, length = int(forest.node_row[n]), int(forest.node_col[n]), int(forest.node_len[n])
+        start, size = int(forest.node_q_start[n]), int(forest.node_size[n])
+        nodes.add((tuple(tables[row, col : col + length].tolist()), tuple(forest.pair_request[start : start + size].tolist())))
+    return nodes
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_device_forest_is_the_host_plans_forest(seed, block_size):
+    segments, requests = random_forest(seed, block_size)
+    batch = make_batch(segments, requests, block_size, seed=seed)
+    tables, lens = batch["block_tables"], batch["seq_lens"]
+    plan = build_plan(tables, lens, block_size)
+    assert forest_of_builder(builder_for(batch), tables, lens) == forest_of_plan(plan)
+
+
+@pytest.mark.parametrize("chunk_range", [(256, 8192), (16, 16), (32, 64)], ids=["whole", "split-1-block", "split"])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("seed", range(5))
+def test_device_work_gives_exact_attention(seed, heads, chunk_range):
+    segments, requests = random_forest(seed, 16)
+    batch = make_batch(segments, requests, 16, num_q_heads=heads[0], num_kv_heads=heads[1], seed=seed)
+    query, key_cache, value_cache, tables, lens = attention_args(batch)
+    builder = builder_for(batch, chunk_range=chunk_range)
+    work = builder.build(tables, lens)
+    expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
+    torch.testing.assert_close(execute(work, query, key_cache, value_cache, 0.3), expected, atol=1e-5, rtol=0)
+    has_nodes = build_plan(tables, lens, 16).num_nodes > 0
+    assert bool(builder.used_fca) == has_nodes == (int(work.node.count) > 0)
+
+
+def test_one_builder_serves_successive_steps_and_padded_rows():
+    """Buffers are reused: a smaller batch after a larger one, padding rows (length 0) after the
+    real ones, and table padding of 0 (vLLM's null block) instead of -1."""
+    builder = None
+    for seed in (1, 2, 3):
+        segments, requests = random_forest(seed, 16)
+        batch = make_batch(segments, requests, 16, seed=seed)
+        query, key_cache, value_cache, tables, lens = attention_args(batch)
+        rows, width = 24, 12
+        padded_tables = torch.zeros(rows, width, dtype=torch.int32)
+        padded_tables[: len(requests), : tables.shape[1]] = tables.clamp(min=0)
+        padded_lens = torch.zeros(rows, dtype=torch.int32)
+        padded_lens[: len(requests)] = lens
+        big_cache = [torch.cat([c, torch.randn(40, *c.shape[1:])]) for c in (key_cache, value_cache)]
+        builder = builder or builder_for({**batch, "block_tables": padded_tables, "key_cache": big_cache[0]}, rows=rows)
+        work = builder.build(padded_tables, padded_lens)
+        padded_query = torch.cat([query, torch.randn(rows - len(requests), *query.shape[1:])])
+        out = execute(work, padded_query, *big_cache, 0.3)[: len(requests)]
+        expected = paged_decode_attention(query, key_cache, value_cache, tables.clamp(min=0), lens, 0.3)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("breach", ["another column", "another parent"])
+def test_tables_that_break_the_prefix_property_decode_plain_and_exact(breach):
+    """One physical block must mean one prefix: the same block at two columns, or under two
+    different parent blocks, is not a prefix forest, so the batch decodes without nodes."""
+    batch = make_batch({"p": 2}, [(("p",), 5), (("p",), 9), ((), 40)], 16, seed=4)
+    query, key_cache, value_cache, tables, lens = attention_args(batch)
+    tables = tables.clone()
+    if breach == "another column":
+        tables[2, 1] = tables[0, 0]
+    else:
+        tables[2, 1] = tables[0, 1]  # same column, but the singleton's block 0 is its own
+    builder = builder_for(batch)
+    work = builder.build(tables, lens)
+    assert not bool(builder.used_fca) and int(work.node.count) == 0
+    expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
+    torch.testing.assert_close(execute(work, query, key_cache, value_cache, 0.3), expected, atol=1e-5, rtol=0)
+
+
+def test_a_node_shared_by_more_requests_than_a_tile_is_served_in_several_tiles():
+    batch = make_batch({"sys": 1, "p": 3}, [(("sys", "p"), 1 + i % 20) for i in range(20)] + [(("sys",), 7)] * 3,
+                       16, num_q_heads=8, num_kv_heads=1, seed=2)
+    query, key_cache, value_cache, tables, lens = attention_args(batch)
+    builder = builder_for(batch, chunk_range=(16, 16))
+    work = builder.build(tables, lens)
+    assert builder.per_tile == 8 and int(work.node.items[3, : int(work.node.count)].max()) == 8
+    expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
+    torch.testing.assert_close(execute(work, query, key_cache, value_cache, 0.3), expected, atol=1e-5, rtol=0)
+
+
+def test_the_cost_model_and_the_pair_capacity_can_choose_plain():
+    segments = {"a": 1}
+    batch = make_batch(segments, [(("a",), 3), (("a",), 3)], 16, seed=0)
+    tables, lens = batch["block_tables"], batch["seq_lens"]
+    default_costs = builder_for(batch, costs=CostConstants())
+    default_costs.build(tables, lens)
+    assert not bool(default_costs.used_fca)  # one block shared by two: the fixed costs outweigh it
+    deep = make_batch({"a": 1, "b": 1, "c": 1, "d": 1, "e": 1}, [(("a", "b", "c", "d", "e"), 2)] * 2 + [(("a", "b", "c", "d"), 2)]
+                      + [(("a", "b", "c"), 2), (("a", "b"), 2), (("a",), 2)], 16, seed=0)
+    builder = builder_for(deep)
+    builder.max_pairs = 2  # fewer than the forest's pairs
+    builder.build(deep["block_tables"], deep["seq_lens"])
+    assert not bool(builder.used_fca)
