@@ -87,7 +87,12 @@ def device_work_cases() -> tuple[float, int]:
         builder = DeviceWorkBuilder(len(requests), tables.shape[1], key_cache.shape[0], 16, num_q_heads=4,
                                     num_kv_heads=2, head_dim=16, kv_dtype=key_cache.dtype, device="cpu",
                                     costs=CostConstants(min_speedup=0.0), num_sms=8, chunk_range=(16, 32))
-        out = triton_decode_attention(query, key_cache, value_cache, builder.build(tables, lens), 0.3)
+        # vLLM's layout: [num_blocks, 2, block_size, kv_heads, head_dim], read as strided views, and
+        # the output written into a wider buffer's rows (what arctic_fca.vllm_attention does).
+        kv_cache = torch.stack([key_cache, value_cache], dim=1)
+        output = torch.zeros(len(requests) + 2, 4 * 16)
+        out = output[: len(requests)].view(len(requests), 4, 16)
+        triton_decode_attention(query, *kv_cache.unbind(1), builder.build(tables, lens), 0.3, out=out)
         expected = paged_decode_attention(query, key_cache, value_cache, tables.clamp(min=0), lens, 0.3)
         worst = max(worst, (out - expected).abs().max().item())
         cases += 1

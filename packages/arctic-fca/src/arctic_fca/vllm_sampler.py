@@ -10,7 +10,9 @@ extension :class:`arctic_fca.vllm_worker.ArcticWeightLoader`; the prefix cache i
 update, so no result mixes KV of two policies. Sleep/wake use vLLM's sleep mode (level 1: weights
 offloaded to the host, KV cache freed).
 
-``sampler: {backend: vllm, options: {gpu_memory_utilization: 0.5, engine_args: {...}}}``.
+Decode attention is FCA (``arctic_fca.vllm_attention``, vLLM's CUSTOM backend) unless ``fca: false``.
+
+``sampler: {backend: vllm, options: {gpu_memory_utilization: 0.5, fca: true, engine_args: {...}}}``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class VllmOptions(StrictModel):
     max_model_len: int | None = Field(None, gt=0, description="Longest prompt + response; None: the model's.")
     enforce_eager: bool = Field(False, description="No CUDA graphs (faster start, slower decode).")
     bucket_bytes: int = Field(256 * 2**20, gt=0, description="Weight-update bucket size (one IPC handle each).")
+    fca: bool = Field(True, description="Decode with FCA (our vLLM attention backend) instead of FlashAttention.")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="Any other vllm.LLM argument.")
 
 
@@ -57,10 +60,16 @@ class VllmSampler:
             model=model.path, dtype=dtype, seed=seed, enable_prefix_caching=True, skip_tokenizer_init=True,
             gpu_memory_utilization=self.options.gpu_memory_utilization, max_model_len=self.options.max_model_len,
             enforce_eager=self.options.enforce_eager, enable_sleep_mode=True, logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION, **self.options.engine_args,
+            worker_extension_cls=WORKER_EXTENSION, **self._attention(), **self.options.engine_args,
         )
         self.policy_version = 0
         self.asleep = False
+
+    def _attention(self) -> dict[str, Any]:
+        """FCA is vLLM's CUSTOM backend, registered by our ``vllm.general_plugins`` entry point."""
+        if not self.options.fca or "attention_config" in self.options.engine_args:
+            return {}
+        return {"attention_config": {"backend": "CUSTOM"}}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         if self.asleep:

@@ -24,3 +24,9 @@ class ArcticWeightLoader:
     def arctic_load_tensors(self, named: dict[str, torch.Tensor]) -> None:
         """Weights sent as (CPU) tensors."""
         self.model_runner.model.load_weights(weights=list(named.items()))
+
+    def arctic_weights_checksum(self) -> float:
+        """The sum of every parameter in fp64: equal to the sender's when an update arrived whole
+        (vLLM's fused q/k/v and gate/up hold the same numbers)."""
+        with torch.no_grad():
+            return float(sum(p.double().sum() for p in self.model_runner.model.parameters()))

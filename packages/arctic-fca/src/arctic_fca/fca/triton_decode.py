@@ -150,7 +150,7 @@ def _merge_partials(
         total = total * alpha + tl.sum(weight, 0)
         acc = acc * alpha + tl.sum(weight[:, None] * part, 0)
         m = m_new
-    out = acc / total
+    out = acc / tl.where(total > 0, total, 1.0)  # a request without rows (padding) gets zeros
     tl.store(out_ptr + request * stride_or + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
@@ -237,12 +237,15 @@ def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cach
 
 
 def triton_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            work: DeviceWork, scale: float) -> torch.Tensor:
+                            work: DeviceWork, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over prepared work items (inputs already validated; see ``plan_work``).
-    Returns ``[num_requests, num_q_heads, head_dim]`` in the query dtype. Launches a fixed number
-    of kernels with fixed grids, so it can be captured in a CUDA graph."""
+    Returns ``[num_requests, num_q_heads, head_dim]`` in the query dtype (written into ``out`` when
+    given: any strides, last dim contiguous). The caches may be strided views (e.g. vLLM's
+    ``kv_cache.unbind(1)``) as long as their last dim is contiguous. A request with no work
+    (padding) gets zeros. Launches a fixed number of kernels with fixed grids, so it can be
+    captured in a CUDA graph."""
     num_requests, num_q_heads, head_dim = query.shape
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if num_requests == 0:
         return out
     if work.direct:

@@ -1,0 +1,149 @@
+"""vLLM 0.24 with FCA (our CUSTOM attention backend, ``arctic_fca.vllm_attention``) against vLLM's
+default attention, one engine per process, back to back (H200):
+
+    python3 bench/vllm_fca.py --mode default --out /tmp/default.json
+    python3 bench/vllm_fca.py --mode fca --out /tmp/fca.json --weight-sync
+    python3 bench/vllm_fca.py --compare /tmp/default.json /tmp/fca.json
+
+Each mode runs our ``vllm`` sampling backend (``VllmSampler``, ``fca`` on or off) on a random
+bf16 Qwen3-1.7B-shaped model:
+- greedy decoding of 64 prompts x 8 samples (prompt 2048, 128 new tokens): the tokens are saved,
+  and ``--compare`` counts the sequences that are identical in both modes;
+- generated tokens/s at 64 x 8 @ 2048, 16 x 16 @ 4096, 32 x 8 @ 7680, 4 x 64 @ 1024, 512 new
+  tokens each, temperature 1, no stop (as vLLM's own figures in ../shared/ENVIRONMENT.md);
+- ``--weight-sync``: the weights of another model (the "trainer", in this process on the same GPU)
+  go into the running engine through ``update_weights`` (CUDA IPC); then the engine's weights sum
+  to the trainer's and its greedy tokens are compared with the trainer's own ``generate``.
+The last line is a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from shapes import QWEN3_1_7B  # noqa: E402
+
+SHAPES = [(64, 8, 2048), (16, 16, 4096), (32, 8, 7680), (4, 64, 1024)]
+FOLDER = "/tmp/qwen3-1.7b-shape-vllm"
+
+
+def make_model(folder: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3", **QWEN3_1_7B, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if folder and not os.path.exists(os.path.join(folder, "config.json")):
+        model.save_pretrained(folder)
+    return model
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 150000) for _ in range(length)] for _ in range(count)]
+
+
+def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int) -> dict:
+    params = vllm.SamplingParams(n=samples, temperature=1.0, max_tokens=512, ignore_eos=True, detokenize=False)
+    batch = [{"prompt_token_ids": p} for p in random_prompts(prompts, prompt_len, seed=prompt_len + prompts)]
+    started = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    return {"shape": f"{prompts}x{samples}@{prompt_len}", "tokens": tokens, "seconds": round(seconds, 2),
+            "tok_s": round(tokens / seconds)}
+
+
+def greedy(sampler, prompts: list[list[int]], n: int, tokens: int) -> list[list[int]]:
+    from arctic_core.config import SamplingParams
+
+    batch = sampler.generate(prompts, SamplingParams(n=n, temperature=0.0, max_tokens=tokens))
+    return [batch.response(i) for i in range(batch.num_responses)]
+
+
+def weight_sync(sampler) -> dict:
+    """The trainer's weights into the running engine, then compare sums and greedy tokens."""
+    trainer = make_model("", seed=1).eval()
+    prompts = random_prompts(8, 256, seed=7)
+    before = greedy(sampler, prompts, 1, 32)
+    started = time.perf_counter()
+    sampler.update_weights(list(trainer.named_parameters()), version=1)
+    seconds = time.perf_counter() - started
+    engine_sum = sum(sampler.llm.collective_rpc("arctic_weights_checksum"))
+    trainer_sum = sum(float(p.double().sum()) for p in trainer.parameters())
+    after = greedy(sampler, prompts, 1, 32)
+    with torch.no_grad():
+        expected = [trainer.generate(torch.tensor([p], device="cuda"), do_sample=False,
+                                     max_new_tokens=32)[0, len(p):].tolist() for p in prompts]
+    return {"update_s": round(seconds, 3), "engine_weight_sum": engine_sum, "trainer_weight_sum": trainer_sum,
+            "greedy_equal_to_trainer": sum(a == e for a, e in zip(after, expected)),
+            "greedy_equal_before_update": sum(b == e for b, e in zip(before, expected)), "prompts": len(prompts),
+            "first_token_equal_to_trainer": sum(a[0] == e[0] for a, e in zip(after, expected))}
+
+
+def run_mode(args) -> dict:
+    from arctic_core.config import ModelConfig, SamplerConfig
+    from arctic_fca.vllm_sampler import VllmSampler
+
+    make_model(FOLDER)
+    torch.cuda.empty_cache()
+    started = time.perf_counter()
+    options = {"fca": args.mode == "fca", "gpu_memory_utilization": 0.6, "max_model_len": 8192}
+    sampler = VllmSampler(SamplerConfig(backend="vllm", options=options), ModelConfig(path=FOLDER, dtype="bfloat16"),
+                          seed=0)
+    result = {"mode": args.mode, "engine_start_s": round(time.perf_counter() - started, 1)}
+    print(result, flush=True)
+    result["greedy"] = greedy(sampler, random_prompts(64, 2048, seed=1), 8, 128)
+    rows = []
+    for shape in SHAPES:
+        rows.append(throughput(sampler.llm, sampler.vllm, *shape))
+        print(rows[-1], flush=True)
+    result["throughput"] = rows
+    if args.weight_sync:
+        result["weight_sync"] = weight_sync(sampler)
+        print(result["weight_sync"], flush=True)
+    return result
+
+
+def compare(default_path: str, fca_path: str) -> dict:
+    default, fca = (json.load(open(p)) for p in (default_path, fca_path))
+    pairs = list(zip(default["greedy"], fca["greedy"], strict=True))
+    common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in pairs]
+    rows = [{"shape": d["shape"], "default_tok_s": d["tok_s"], "fca_tok_s": f["tok_s"],
+             "speedup": round(f["tok_s"] / d["tok_s"], 2)} for d, f in zip(default["throughput"], fca["throughput"])]
+    for row in rows:
+        print(row)
+    return {"greedy_identical": sum(x == y for x, y in pairs), "greedy_sequences": len(pairs),
+            "greedy_mean_common_prefix": round(sum(common) / len(common), 1), "rows": rows,
+            "weight_sync": fca.get("weight_sync")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["default", "fca"])
+    parser.add_argument("--out")
+    parser.add_argument("--weight-sync", action="store_true")
+    parser.add_argument("--compare", nargs=2, metavar=("DEFAULT_JSON", "FCA_JSON"))
+    args = parser.parse_args()
+    if args.compare:
+        print(json.dumps(compare(*args.compare)))
+        return
+    result = run_mode(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    print(json.dumps({k: v for k, v in result.items() if k != "greedy"}))
+    os._exit(0)  # vLLM's engine-core process and NCCL teardown can hang at interpreter exit
+
+
+if __name__ == "__main__":
+    main()

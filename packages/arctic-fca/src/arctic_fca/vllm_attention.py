@@ -1,0 +1,102 @@
+"""FCA as a vLLM 0.24 attention backend (imported by vLLM only; register it with ``vllm_plugin``).
+
+The backend is vLLM's FlashAttention backend with one path added: a batch of pure decode steps
+(every query one token) runs FCA. Everything else stays FlashAttention's, unchanged: the KV-cache
+layout ``[num_blocks, 2, block_size, kv_heads, head_dim]`` and its writes, prefill and mixed
+batches, and the layers FCA cannot run exactly (sliding window, ALiBi, soft-capped logits, sinks,
+encoder or cross attention, quantized KV or outputs).
+
+Per step the metadata builder calls :class:`arctic_fca.fca.device_work.DeviceWorkBuilder` on the
+step's device block table and sequence lengths: the shared-prefix forest, the cost model's choice
+(FCA or the plain split-K pass of the same Triton kernel) and the work items are all tensors
+written into persistent buffers, so there is no device-to-host sync and a full CUDA graph of a
+decode step replays the kernels unchanged (the builder's support level is FlashAttention's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+)
+
+from arctic_fca.fca.device_work import DeviceWorkBuilder
+from arctic_fca.fca.triton_decode import DeviceWork, triton_decode_attention
+
+
+@dataclass
+class FCAMetadata(FlashAttentionMetadata):
+    fca: DeviceWork | None = None  # set for pure decode batches
+
+
+class FCAMetadataBuilder(FlashAttentionMetadataBuilder):
+    # vLLM may reuse one group's metadata for another by swapping the block table; the FCA work
+    # was built from this group's table, so it must be built afresh instead.
+    supports_update_block_table = False
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        scheduler, compilation = vllm_config.scheduler_config, vllm_config.compilation_config
+        self.max_requests = max(scheduler.max_num_seqs, compilation.max_cudagraph_capture_size or 0)
+        self.cache_config, self.spec = vllm_config.cache_config, kv_cache_spec
+        self.num_q_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self.work_builder: DeviceWorkBuilder | None = None
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> FCAMetadata:
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        meta = FCAMetadata(**{f.name: getattr(base, f.name) for f in fields(FlashAttentionMetadata)})
+        cam = common_attn_metadata
+        # Host-side facts only (no sync): a batch of single-token queries, no vLLM cascade.
+        if cam.max_query_len == 1 and not base.use_cascade and cam.num_reqs > 1 and cam.causal is True:
+            tables, seq_lens = cam.block_table_tensor[: cam.num_reqs], cam.seq_lens[: cam.num_reqs]
+            meta.fca = self._work_builder(tables).build(tables, seq_lens)
+        return meta
+
+    def _work_builder(self, tables: torch.Tensor) -> DeviceWorkBuilder:
+        if self.work_builder is None:  # first build: the block table's width is known from here on
+            self.work_builder = DeviceWorkBuilder(
+                self.max_requests, tables.shape[1], self.cache_config.num_gpu_blocks, self.spec.block_size,
+                num_q_heads=self.num_q_heads, num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_size,
+                kv_dtype=self.spec.dtype, device=tables.device)
+        return self.work_builder
+
+
+class FCAAttentionImpl(FlashAttentionImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # What FCA computes exactly: plain causal softmax attention over an unquantized cache.
+        self.fca_exact = (self.sliding_window == (-1, -1) and self.alibi_slopes is None and not self.logits_soft_cap
+                          and self.sinks is None and self.attn_type == AttentionType.DECODER
+                          and self.kv_cache_dtype == "auto" and self.dcp_world_size == 1)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        work = getattr(attn_metadata, "fca", None)
+        if work is None or not self.fca_exact or output_scale is not None or output_block_scale is not None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        num_requests = attn_metadata.num_actual_tokens  # one query token each
+        key_cache, value_cache = kv_cache.unbind(1)  # the current token was written before forward
+        out = output[:num_requests].view(num_requests, self.num_heads, self.head_size)
+        triton_decode_attention(query[:num_requests], key_cache, value_cache, work, self.scale, out=out)
+        return output
+
+
+class FCAAttentionBackend(FlashAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # vLLM looks the backend up by this name in AttentionBackendEnum
+
+    @staticmethod
+    def get_impl_cls() -> type[FCAAttentionImpl]:
+        return FCAAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FCAMetadataBuilder]:
+        return FCAMetadataBuilder
