@@ -74,15 +74,17 @@ class VllmSampler:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         if self.asleep:
             raise RequestError("the vllm sampler is asleep; call wake() first")
+        # vLLM refuses greedy decoding with n > 1; the n greedy samples are one sequence repeated.
+        copies = params.n if params.temperature == 0 else 1
         sampling = self.vllm.SamplingParams(
-            n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            n=params.n // copies, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids or None, seed=params.seed,
             logprobs=0, detokenize=False,
         )
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
         responses, index, logprobs = [], [], []
         for prompt, output in enumerate(outputs):  # vLLM keeps the prompts' order
-            for sample in sorted(output.outputs, key=lambda s: s.index):
+            for sample in sorted(output.outputs, key=lambda s: s.index) * copies:
                 tokens = list(sample.token_ids)
                 responses.append(tokens)
                 index.append(prompt)

@@ -170,17 +170,20 @@ class _Forest:
         self.lens, self.num_blocks, self.block_size = lens, num_blocks, block_size
         self.cols = torch.arange(width, device=device).expand(rows, width)
         self.rows = torch.arange(rows, device=device)[:, None].expand(rows, width)
-        valid = self.cols < (lens // block_size)[:, None]  # only full blocks can be shared
-        self.ids = torch.where(valid, tables, num_blocks).clamp(0, num_blocks)  # num_blocks: a dummy id
+        # Only full blocks can be shared. Every other entry gets a dummy id of its own past the
+        # real ones (one shared dummy would serialise the scatters below on one address).
+        valid = (self.cols < (lens // block_size)[:, None]) & (tables >= 0) & (tables < num_blocks)
+        dummies = num_blocks + torch.arange(rows * width, device=device).view(rows, width)
+        self.ids = torch.where(valid, tables, dummies)
         holders = self._per_block(torch.ones_like(self.ids), "sum", 0)
-        holders[num_blocks] = 0
+        holders[num_blocks:].zero_()  # a dummy is held by nobody (a slice: an int index would sync)
         self.count = holders[self.ids]
         parent = torch.cat([torch.full_like(tables[:, :1], -1), tables[:, :-1]], dim=1)
         self.consistent = ((self._agree(self.cols) & self._agree(parent)) | ~valid).all()
         self._derive(self.count >= 2)
 
     def _per_block(self, values: torch.Tensor, reduce: str, initial: int) -> torch.Tensor:
-        out = torch.full((self.num_blocks + 1,), initial, dtype=torch.long, device=values.device)
+        out = torch.full((self.num_blocks + self.ids.numel(),), initial, dtype=torch.long, device=values.device)
         return out.scatter_reduce_(0, self.ids.reshape(-1), values.reshape(-1), reduce)
 
     def _agree(self, values: torch.Tensor) -> torch.Tensor:
@@ -189,8 +192,13 @@ class _Forest:
         return self._per_block(values, "amin", big)[self.ids] == self._per_block(values, "amax", -big)[self.ids]
 
     def keep_if(self, flag: torch.Tensor) -> None:
-        """Drop every node unless ``flag`` (a device bool): the batch then decodes plain."""
-        self._derive((self.count >= 2) & flag)
+        """Drop every node unless ``flag`` (a device bool): the batch then decodes plain. Nodes of
+        size 0 get no items and suffixes start at 0; the pairs are then never read."""
+        self.node_len, self.node_size = torch.where(flag, self.node_len, 0), torch.where(flag, self.node_size, 0)
+        self.node_q_start = self.node_size.cumsum(0) - self.node_size
+        self.num_nodes, self.num_pairs = torch.where(flag, self.num_nodes, 0), torch.where(flag, self.num_pairs, 0)
+        self.suffix_start = torch.where(flag, self.suffix_start, 0)
+        self.suffix_len = (self.lens - self.suffix_start * self.block_size).clamp(min=0)
 
     def _derive(self, shared: torch.Tensor) -> None:
         rows, width = shared.shape
@@ -209,10 +217,11 @@ class _Forest:
         self.suffix_start = shared.sum(1)
         self.suffix_len = (self.lens - self.suffix_start * self.block_size).clamp(min=0)
         capacity = rows  # a forest whose nodes each branch has fewer nodes than leaves
-        slot = torch.where(leader.reshape(-1) & (node_of_leader < capacity), node_of_leader, capacity)
+        flat = torch.arange(rows * width, device=shared.device)
+        slot = torch.where(leader.reshape(-1) & (node_of_leader < capacity), node_of_leader, capacity + flat)
 
         def per_node(values: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(capacity + 1, dtype=torch.long, device=values.device)
+            out = torch.zeros(capacity + flat.numel(), dtype=torch.long, device=values.device)
             return out.scatter_(0, slot, values.reshape(-1))[:capacity]
 
         self.node_row, self.node_col = per_node(self.rows), per_node(self.cols)
