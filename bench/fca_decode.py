@@ -252,8 +252,8 @@ def sweep() -> dict:
 
 
 def device_work(shapes=((4, 64, 1024), (64, 8, 2048), (16, 16, 4096), (32, 8, 7680)), width: int = 512) -> dict:
-    """The vLLM path's per-step cost: ``DeviceWorkBuilder.build`` (host ms per call, GPU us, and no
-    host sync: torch's sync debug mode raises on one) and the kernels over its items, against the
+    """The vLLM path's per-step cost: ``DeviceWorkBuilder.build``, eager and replayed from a CUDA
+    graph (host ms per call, us on the stream, host syncs counted by torch's sync debug mode), and the kernels over its items, against the
     host-built FCA and plain work, at the vLLM benchmark's shapes (Qwen3-1.7B heads, tables as wide as
     an 8192-token context)."""
     from arctic_fca.fca.device_work import DeviceWorkBuilder
@@ -266,28 +266,35 @@ def device_work(shapes=((4, 64, 1024), (64, 8, 2048), (16, 16, 4096), (32, 8, 76
         query, key_cache, value_cache, tables, lens = attention_args(batch)
         tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
         scale = 1 / math.sqrt(heads["head_dim"])
-        builder = DeviceWorkBuilder(1024, width, key_cache.shape[0], 16, kv_dtype=query.dtype, device="cuda", **heads)
-        builder.build(tables, lens)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as syncs:
-            warnings.simplefilter("always")
-            begin = time.perf_counter()
-            for _ in range(10):
-                work = builder.build(tables, lens)
-            host_ms = (time.perf_counter() - begin) / 10 * 1e3
-        torch.cuda.set_sync_debug_mode(0)
+        host_ms, build_us, syncs, outs = {}, {}, [], {}
+        for kind in ("eager", "graph"):
+            builder = DeviceWorkBuilder(1024, width, key_cache.shape[0], 16, kv_dtype=query.dtype, device="cuda",
+                                        graphs=kind == "graph", **heads)
+            builder.build(tables, lens)  # a graph is captured here
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                begin = time.perf_counter()
+                for _ in range(10):
+                    work = builder.build(tables, lens)
+                host_ms[kind] = round((time.perf_counter() - begin) / 10 * 1e3, 3)
+            torch.cuda.set_sync_debug_mode(0)
+            syncs += caught
+            build_us[kind] = round(time_us(lambda b=builder: b.build(tables, lens)), 1)
+            outs[kind] = triton_decode_attention(query, key_cache, value_cache, work, scale)
         for sync in syncs[:3]:
             print("host sync:", sync.filename, sync.lineno, str(sync.message)[:200], flush=True)
-        build_us = time_us(lambda: builder.build(tables, lens))
         shape = dict(dtype=query.dtype, device="cuda", **heads)
         host = {mode: prepare_decode(tables.cpu(), lens.cpu(), 16, mode=mode, **shape) for mode in ("fca", "plain")}
         runs = {"device_work": graphed(lambda: triton_decode_attention(query, key_cache, value_cache, work, scale))}
         runs.update({f"host_{m}": graphed(lambda p=p: p(query, key_cache, value_cache, scale)) for m, p in host.items()})
         out = triton_decode_attention(query, key_cache, value_cache, work, scale).float()
+        graph_equals_eager = bool(torch.equal(outs["graph"], outs["eager"]))
         expected = host["plain"](query, key_cache, value_cache, scale).float()
         rows.append({"shape": f"{groups}x{samples}@{prefix}", "used_fca": bool(builder.used_fca),
-                     "host_syncs_per_build": len(syncs) / 10, "build_host_ms": round(host_ms, 2), "build_gpu_us": round(build_us, 1),
+                     "host_syncs_per_build": len(syncs) / 20, "build_host_ms": host_ms, "build_us": build_us,
+                     "graph_equals_eager": graph_equals_eager,
                      **{f"{k}_us": round(time_us(v), 1) for k, v in runs.items()},
                      "max_abs_diff_vs_plain": (out - expected).abs().max().item()})
         print(rows[-1], flush=True)
