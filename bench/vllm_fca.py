@@ -7,8 +7,10 @@ default attention, one engine per process, back to back (H200):
 
 Each mode runs our ``vllm`` sampling backend (``VllmSampler``, ``fca`` on or off) on a random
 bf16 Qwen3-1.7B-shaped model:
-- greedy decoding of 64 prompts x 8 samples (prompt 2048, 128 new tokens): the tokens are saved,
-  and ``--compare`` counts the sequences that are identical in both modes;
+- greedy decoding of 64 prompts x 8 requests each (prompt 2048, 128 new tokens): the tokens and
+  each step's gap between the best and second-best log-prob are saved; ``--compare`` counts the
+  sequences identical in both modes and, where two part, how close to a tie that step was (bf16
+  rounding can only flip near-ties; a wrong attention would part them at clear choices);
 - generated tokens/s at 64 x 8 @ 2048, 16 x 16 @ 4096, 32 x 8 @ 7680, 4 x 64 @ 1024, 512 new
   tokens each, temperature 1, no stop (as vLLM's own figures in ../shared/ENVIRONMENT.md);
 - ``--weight-sync``: the weights of another model (the "trainer", in this process on the same GPU)
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -61,6 +64,19 @@ def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int) -> dict:
     tokens = sum(len(s.token_ids) for o in outputs for s in o.outputs)
     return {"shape": f"{prompts}x{samples}@{prompt_len}", "tokens": tokens, "seconds": round(seconds, 2),
             "tok_s": round(tokens / seconds)}
+
+
+def greedy_with_gaps(llm, vllm, prompts: list[list[int]], tokens: int) -> list[dict]:
+    """Greedy tokens and, per step, the log-prob gap between the chosen token and the runner-up:
+    where two modes part, a gap near 0 means a near-tie that rounding alone can flip."""
+    params = vllm.SamplingParams(n=1, temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=2,
+                                 detokenize=False)
+    rows = []
+    for output in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False):
+        sample = output.outputs[0]
+        gaps = [sorted((lp.logprob for lp in step.values()), reverse=True) for step in sample.logprobs]
+        rows.append({"tokens": list(sample.token_ids), "gaps": [round(g[0] - g[1], 5) for g in gaps]})
+    return rows
 
 
 def greedy(sampler, prompts: list[list[int]], n: int, tokens: int) -> list[list[int]]:
@@ -103,7 +119,8 @@ def run_mode(args) -> dict:
     result = {"mode": args.mode, "engine_start_s": round(time.perf_counter() - started, 1)}
     print(result, flush=True)
     # Eight requests per prompt (vLLM refuses n > 1 for greedy): they share the prompt's KV blocks.
-    result["greedy"] = greedy(sampler, [p for p in random_prompts(64, 2048, seed=1) for _ in range(8)], 1, 128)
+    prompts = [p for p in random_prompts(64, 2048, seed=1) for _ in range(8)]
+    result["greedy"] = greedy_with_gaps(sampler.llm, sampler.vllm, prompts, 128)
     rows = []
     for shape in SHAPES:
         rows.append(throughput(sampler.llm, sampler.vllm, *shape))
@@ -117,14 +134,19 @@ def run_mode(args) -> dict:
 
 def compare(default_path: str, fca_path: str) -> dict:
     default, fca = (json.load(open(p)) for p in (default_path, fca_path))
-    pairs = list(zip(default["greedy"], fca["greedy"], strict=True))
+    pairs = [(d["tokens"], f["tokens"]) for d, f in zip(default["greedy"], fca["greedy"], strict=True)]
     common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in pairs]
+    # At the first differing step both modes saw the same context: how close to a tie was it?
+    split_gaps = [max(d["gaps"][i], f["gaps"][i]) for d, f, i in zip(default["greedy"], fca["greedy"], common)
+                  if i < len(d["tokens"])]
     rows = [{"shape": d["shape"], "default_tok_s": d["tok_s"], "fca_tok_s": f["tok_s"],
              "speedup": round(f["tok_s"] / d["tok_s"], 2)} for d, f in zip(default["throughput"], fca["throughput"])]
     for row in rows:
         print(row)
     return {"greedy_identical": sum(x == y for x, y in pairs), "greedy_sequences": len(pairs),
-            "greedy_mean_common_prefix": round(sum(common) / len(common), 1), "rows": rows,
+            "greedy_mean_common_prefix": round(sum(common) / len(common), 1),
+            "largest_gap_where_they_part": max(split_gaps, default=None),
+            "median_gap_overall": statistics.median(g for d in default["greedy"] for g in d["gaps"]), "rows": rows,
             "weight_sync": fca.get("weight_sync")}
 
 

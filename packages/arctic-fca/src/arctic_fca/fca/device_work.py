@@ -27,12 +27,15 @@ split length is never below ``total work / target``, which bounds the pieces.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from arctic_fca.fca.cost_model import DEFAULT_COSTS, PARTIAL_STATE_BYTES, CostConstants
 from arctic_fca.fca.triton_decode import DeviceLaunch, DeviceWork
 from arctic_fca.fca.work import ITEMS_PER_SM, MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS, NODE_TILE_ROWS, device_sms
 
+logger = logging.getLogger(__name__)
 PAIRS_PER_REQUEST = 4  # (node, request) pairs per request the buffers hold: a forest four nodes deep
 
 
@@ -93,7 +96,15 @@ class DeviceWorkBuilder:
             return self.work
         self.tables_in[:num_requests].copy_(block_tables)
         self.lens_in[:num_requests].copy_(seq_lens)
-        graph = self.graphs.get(num_requests) or self._capture(num_requests)
+        graph = self.graphs.get(num_requests)
+        if graph is None:
+            try:
+                graph = self._capture(num_requests)
+            except RuntimeError as error:  # e.g. a capture already running on this stream
+                logger.warning("FCA work builder: CUDA graph capture failed (%s); building eagerly from now on", error)
+                self.graphs = None
+                self._build(block_tables, seq_lens)
+                return self.work
         graph.replay()
         return self.work
 
