@@ -33,3 +33,48 @@ def test_another_vllm_release_is_refused_by_name(monkeypatch):
 def test_bad_options_are_named():
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         build({"gpu_memory_utilization": 2})
+
+
+class RecordingLLM:
+    """Stands in for ``vllm.LLM``: records what the sampler asks for and answers like vLLM 0.24
+    (one output per prompt, n samples, a {token: Logprob} dict per generated token)."""
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs, self.requests = kwargs, []
+
+    def generate(self, prompts, sampling, use_tqdm=False):
+        self.requests.append(sampling)
+        def sample(prompt, index):
+            tokens = [prompt["prompt_token_ids"][0] + index + step for step in range(sampling.max_tokens)]
+            return types.SimpleNamespace(index=index, token_ids=tokens,
+                                         logprobs=[{t: types.SimpleNamespace(logprob=-0.5 * (i + 1))} for i, t in enumerate(tokens)])
+        return [types.SimpleNamespace(outputs=[sample(p, i) for i in reversed(range(sampling.n))]) for p in prompts]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = types.SimpleNamespace(__version__="0.24.0", LLM=RecordingLLM,
+                                   SamplingParams=lambda **kwargs: types.SimpleNamespace(**kwargs))
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+def test_fca_is_vllms_custom_backend_unless_switched_off(fake_vllm):
+    assert build().llm.kwargs["attention_config"] == {"backend": "CUSTOM"}
+    assert "attention_config" not in build({"fca": False}).llm.kwargs
+    chosen = build({"engine_args": {"attention_config": {"backend": "FLASHINFER"}}}).llm.kwargs
+    assert chosen["attention_config"] == {"backend": "FLASHINFER"}  # the user's explicit choice wins
+
+
+def test_greedy_samples_are_one_request_repeated_and_sampling_asks_for_n(fake_vllm):
+    from arctic_core.config import SamplingParams
+
+    sampler = build()
+    greedy = sampler.generate([[10, 11], [20]], SamplingParams(n=3, temperature=0.0, max_tokens=2))
+    assert sampler.llm.requests[-1].n == 1  # vLLM refuses n > 1 for greedy decoding
+    assert [greedy.response(i) for i in range(6)] == [[10, 11]] * 3 + [[20, 21]] * 3
+    assert greedy.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
+    sampled = sampler.generate([[10]], SamplingParams(n=3, temperature=1.0, max_tokens=2))
+    assert sampler.llm.requests[-1].n == 3 and sampler.llm.requests[-1].logprobs == 0
+    assert [sampled.response(i) for i in range(3)] == [[10, 11], [11, 12], [12, 13]]  # by sample index
+    assert sampled.sampling_logprobs[0, :2].tolist() == [-0.5, -1.0]
