@@ -15,7 +15,8 @@ bf16 Qwen3-1.7B-shaped model:
   tokens each, temperature 1, no stop (as vLLM's own figures in ../shared/ENVIRONMENT.md);
 - ``--weight-sync``: the weights of another model (the "trainer", in this process on the same GPU)
   go into the running engine through ``update_weights`` (CUDA IPC); then the engine's weights sum
-  to the trainer's and its greedy tokens are compared with the trainer's own ``generate``.
+  to the trainer's and its greedy tokens are compared with the trainer's own ``generate``; then a
+  sleep (level 1) and a wake must leave the greedy tokens unchanged.
 The last line is a JSON object.
 """
 
@@ -97,13 +98,18 @@ def weight_sync(sampler) -> dict:
     engine_sum = sum(sampler.llm.collective_rpc("arctic_weights_checksum"))
     trainer_sum = sum(float(p.double().sum()) for p in trainer.parameters())
     after = greedy(sampler, prompts, 1, 32)
+    sampler.sleep()  # level 1: weights to the host, KV cache freed
+    asleep_gib = torch.cuda.mem_get_info()[0] / 2**30
+    sampler.wake()
+    after_wake = greedy(sampler, prompts, 1, 32)
     with torch.no_grad():
         expected = [trainer.generate(torch.tensor([p], device="cuda"), do_sample=False,
                                      max_new_tokens=32)[0, len(p):].tolist() for p in prompts]
     return {"update_s": round(seconds, 3), "engine_weight_sum": engine_sum, "trainer_weight_sum": trainer_sum,
             "greedy_equal_to_trainer": sum(a == e for a, e in zip(after, expected)),
             "greedy_equal_before_update": sum(b == e for b, e in zip(before, expected)), "prompts": len(prompts),
-            "first_token_equal_to_trainer": sum(a[0] == e[0] for a, e in zip(after, expected))}
+            "first_token_equal_to_trainer": sum(a[0] == e[0] for a, e in zip(after, expected)),
+            "free_gib_while_asleep": round(asleep_gib, 1), "greedy_same_after_sleep_wake": after_wake == after}
 
 
 def run_mode(args) -> dict:
