@@ -33,6 +33,7 @@ from arctic_fca.fca.triton_decode import DeviceWork, triton_decode_attention
 @dataclass
 class FCAMetadata(FlashAttentionMetadata):
     fca: DeviceWork | None = None  # set for pure decode batches
+    fca_block_size: int = 0  # the block size the work was built for
 
 
 class FCAMetadataBuilder(FlashAttentionMetadataBuilder):
@@ -56,6 +57,7 @@ class FCAMetadataBuilder(FlashAttentionMetadataBuilder):
         if cam.max_query_len == 1 and not base.use_cascade and cam.num_reqs > 1 and cam.causal is True:
             tables, seq_lens = cam.block_table_tensor[: cam.num_reqs], cam.seq_lens[: cam.num_reqs]
             meta.fca = self._work_builder(tables).build(tables, seq_lens)
+            meta.fca_block_size = self.spec.block_size
         return meta
 
     def _work_builder(self, tables: torch.Tensor) -> DeviceWorkBuilder:
@@ -78,7 +80,10 @@ class FCAAttentionImpl(FlashAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         work = getattr(attn_metadata, "fca", None)
-        if work is None or not self.fca_exact or output_scale is not None or output_block_scale is not None:
+        # The cache's block size must be the one the block table counts in (vLLM may split a
+        # manager block into smaller kernel blocks for some models).
+        if (work is None or not self.fca_exact or kv_cache.shape[2] != attn_metadata.fca_block_size
+                or output_scale is not None or output_block_scale is not None):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         num_requests = attn_metadata.num_actual_tokens  # one query token each
