@@ -20,9 +20,14 @@ for all its holders); a batch that breaks it, that the cost model prices plain, 
 (node, request) pairs exceed the capacity, runs as plain decode with the same kernels: the choice
 is a tensor, never a host branch.
 
-Capacities (rows = requests x padding): node launch items <= target + R*W*bs/MAX_CHUNK + pairs,
-single items <= target + R + R*W*bs/MAX_CHUNK, partial rows likewise (see ``_capacities``): the
-split length is never below ``total work / target``, which bounds the pieces.
+Capacities (``DeviceWorkBuilder.caps``; R requests, tables W wide, ``target`` items per launch):
+node items <= target + R*W*bs/max_chunk + pairs, single items <= target + R + R*W*bs/max_chunk,
+node rows <= per_tile * target + R*W*bs/max_chunk + pairs. They hold by construction: the split
+length is never below (work / target), so no batch overflows them; only the (node, request) pairs
+are checked (a forest deeper than ``PAIRS_PER_REQUEST`` nodes decodes plain).
+
+On CUDA each batch size's build is captured in a CUDA graph once and replayed: eager, its ~170
+small ops cost ~5 ms of host time per step (H200), which a short decode step cannot hide.
 """
 
 from __future__ import annotations
@@ -48,8 +53,7 @@ class DeviceWorkBuilder:
                  costs: CostConstants = DEFAULT_COSTS, num_sms: int | None = None,
                  chunk_range: tuple[int, int] = (MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS), graphs: bool = True) -> None:
         device = torch.device(device)
-        # ~170 small ops cost ~5 ms of host time per step (measured on the H200); their shapes are
-        # static per batch size, so on CUDA each batch size's build is captured once and replayed.
+        # Static shapes per batch size: on CUDA each size's build is captured once and replayed.
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if graphs and device.type == "cuda" else None
         self._pool = None
         self.chunk_range = (max(chunk_range[0], block_size), chunk_range[1])  # split lengths allowed
@@ -221,7 +225,7 @@ class _Forest:
         self.count = holders[self.ids]
         parent = torch.cat([torch.full_like(tables[:, :1], -1), tables[:, :-1]], dim=1)
         self.consistent = ((self._agree(self.cols) & self._agree(parent)) | ~valid).all()
-        self._derive(self.count >= 2)
+        self._find_nodes(self.count >= 2)
 
     def _per_block(self, values: torch.Tensor, reduce: str, initial: int) -> torch.Tensor:
         out = torch.full((self.num_blocks + self.ids.numel(),), initial, dtype=torch.long, device=values.device)
@@ -241,7 +245,7 @@ class _Forest:
         self.suffix_start = torch.where(flag, self.suffix_start, 0)
         self.suffix_len = (self.lens - self.suffix_start * self.block_size).clamp(min=0)
 
-    def _derive(self, shared: torch.Tensor) -> None:
+    def _find_nodes(self, shared: torch.Tensor) -> None:
         rows, width = shared.shape
         count = torch.where(shared, self.count, 0)
         before = torch.cat([torch.zeros_like(count[:, :1]), count[:, :-1]], dim=1)
