@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_fca import attention_args, make_batch, random_forest
 
-from arctic_fca.fca import attention_with_lse, build_plan, merge_partials, paged_decode_attention
+from arctic_fca.fca import attention_with_lse, build_plan, choose, merge_partials, paged_decode_attention
 from arctic_fca.fca.cost_model import CostConstants
 from arctic_fca.fca.device_work import DeviceWorkBuilder
 
@@ -142,6 +142,22 @@ def test_a_node_shared_by_more_requests_than_a_tile_is_served_in_several_tiles()
     assert builder.per_tile == 8 and int(work.node.items[3, : int(work.node.count)].max()) == 8
     expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
     torch.testing.assert_close(execute(work, query, key_cache, value_cache, 0.3), expected, atol=1e-5, rtol=0)
+
+
+def test_the_device_choice_is_the_host_cost_models():
+    """Same prices, same choice, batch by batch (the constants are set so that both choices occur)."""
+    costs = CostConstants(per_call_overhead_s=0.0, per_node_overhead_s=0.0, min_speedup=1.5)
+    choices = []
+    for seed in range(12):
+        segments, requests = random_forest(seed, 16)
+        batch = make_batch(segments, requests, 16, num_q_heads=8, num_kv_heads=2, head_dim=64, seed=seed)
+        builder = builder_for(batch, costs=costs)
+        builder.build(batch["block_tables"], batch["seq_lens"])
+        plan = build_plan(batch["block_tables"], batch["seq_lens"], 16)
+        host = choose(plan, 8, 2, 64, torch.float32, costs)
+        assert bool(builder.used_fca) == (host == "fca"), seed
+        choices.append(host)
+    assert set(choices) == {"fca", "plain"}
 
 
 def test_the_cost_model_and_the_pair_capacity_can_choose_plain():

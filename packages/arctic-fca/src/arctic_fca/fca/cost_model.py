@@ -48,23 +48,38 @@ class ByteEstimate:
     unique_kv: float  # the KV bytes FCA reads (what its achieved bandwidth is measured on)
 
 
+def token_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of one KV token (K and V), and of one partial row (out [heads, d] + lse [heads] in
+    fp32, written by its pass and read back by the merge)."""
+    kv = 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return kv, 2 * num_q_heads * (head_dim + 1) * PARTIAL_STATE_BYTES
+
+
+def price(plain_tokens, unique_tokens, partial_rows, num_nodes, kv_token_bytes: int, partial_row_bytes: int,
+          costs: CostConstants = DEFAULT_COSTS):
+    """(plain bytes, FCA bytes, FCA wins). Plain arithmetic, so the host plan (ints) and the
+    device work builder (tensors, no sync) price a batch with the same formula."""
+    overhead_s = costs.per_call_overhead_s + num_nodes * costs.per_node_overhead_s
+    plain = plain_tokens * kv_token_bytes
+    fca = unique_tokens * kv_token_bytes + partial_rows * partial_row_bytes + overhead_s * costs.bandwidth_bytes_per_s
+    # No node: FCA would be the plain pass plus a merge.
+    return plain, fca, (num_nodes > 0) & (plain >= costs.min_speedup * fca)
+
+
 def estimate_bytes(plan: FCAPlan, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    costs: CostConstants = DEFAULT_COSTS) -> ByteEstimate:
-    kv_token_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()  # K and V
-    # Each partial row (out [heads, d] + lse [heads]) is written by its pass and read by the merge.
-    partial_row_bytes = 2 * num_q_heads * (head_dim + 1) * PARTIAL_STATE_BYTES
-    overhead_s = costs.per_call_overhead_s + plan.num_nodes * costs.per_node_overhead_s
-    unique = plan.fca_kv_tokens() * kv_token_bytes
-    fca = unique + plan.num_partial_rows * partial_row_bytes + overhead_s * costs.bandwidth_bytes_per_s
-    return ByteEstimate(plain=plan.plain_kv_tokens() * kv_token_bytes, fca=fca, unique_kv=unique)
+    kv_bytes, row_bytes = token_bytes(num_q_heads, num_kv_heads, head_dim, dtype)
+    plain, fca, _ = price(plan.plain_kv_tokens(), plan.fca_kv_tokens(), plan.num_partial_rows, plan.num_nodes,
+                          kv_bytes, row_bytes, costs)
+    return ByteEstimate(plain=plain, fca=fca, unique_kv=plan.fca_kv_tokens() * kv_bytes)
 
 
 def choose(plan: FCAPlan, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
            costs: CostConstants = DEFAULT_COSTS) -> Literal["fca", "plain"]:
-    if plan.num_nodes == 0:
-        return "plain"  # nothing shared: FCA would be the plain pass plus a merge
-    estimate = estimate_bytes(plan, num_q_heads, num_kv_heads, head_dim, dtype, costs)
-    return "fca" if estimate.plain >= costs.min_speedup * estimate.fca else "plain"
+    kv_bytes, row_bytes = token_bytes(num_q_heads, num_kv_heads, head_dim, dtype)
+    wins = price(plan.plain_kv_tokens(), plan.fca_kv_tokens(), plan.num_partial_rows, plan.num_nodes,
+                 kv_bytes, row_bytes, costs)[2]
+    return "fca" if wins else "plain"
 
 
 def fca_or_plain_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -36,7 +36,7 @@ import logging
 
 import torch
 
-from arctic_fca.fca.cost_model import DEFAULT_COSTS, PARTIAL_STATE_BYTES, CostConstants
+from arctic_fca.fca.cost_model import DEFAULT_COSTS, CostConstants, price, token_bytes
 from arctic_fca.fca.triton_decode import DeviceLaunch, DeviceWork
 from arctic_fca.fca.work import ITEMS_PER_SM, MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS, NODE_TILE_ROWS, device_sms
 
@@ -61,8 +61,7 @@ class DeviceWorkBuilder:
         self.group = num_q_heads // num_kv_heads
         self.per_tile = max(1, NODE_TILE_ROWS // self.group)
         self.target = max(1, ITEMS_PER_SM * (num_sms or device_sms(device)) // num_kv_heads)
-        self.kv_token_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=kv_dtype).element_size()
-        self.partial_row_bytes = 2 * num_q_heads * (head_dim + 1) * PARTIAL_STATE_BYTES
+        self.kv_token_bytes, self.partial_row_bytes = token_bytes(num_q_heads, num_kv_heads, head_dim, kv_dtype)
         self.costs = costs
         self.max_pairs = PAIRS_PER_REQUEST * max_requests
         long_pieces = max_requests * table_width * block_size // self.chunk_range[1] + 1
@@ -140,15 +139,11 @@ class DeviceWorkBuilder:
         self._single_items(forest, node_rows)
         self._merge(forest, node_rows)
 
-    # ---- the cost model, as tensors (same prices as cost_model.estimate_bytes) --------------------
-
     def _fca_pays(self, forest: _Forest) -> torch.Tensor:
-        plain = forest.lens.sum() * self.kv_token_bytes
-        unique = (forest.node_len.sum() * self.block_size + forest.suffix_len.sum()) * self.kv_token_bytes
-        overhead_s = self.costs.per_call_overhead_s + forest.num_nodes * self.costs.per_node_overhead_s
-        fca = (unique + (forest.num_pairs + forest.lens.numel()) * self.partial_row_bytes
-               + overhead_s * self.costs.bandwidth_bytes_per_s)
-        return (forest.num_nodes > 0) & (plain >= self.costs.min_speedup * fca)
+        """The cost model's choice, priced on tensors (``cost_model.price``)."""
+        unique = forest.node_len.sum() * self.block_size + forest.suffix_len.sum()
+        return price(forest.lens.sum(), unique, forest.num_pairs + forest.lens.numel(), forest.num_nodes,
+                     self.kv_token_bytes, self.partial_row_bytes, self.costs)[2]
 
     # ---- items --------------------------------------------------------------------------------------
 
