@@ -4,6 +4,8 @@ default attention, one engine per process, back to back (H200):
     python3 bench/vllm_fca.py --mode default --out /tmp/default.json
     python3 bench/vllm_fca.py --mode fca --out /tmp/fca.json --weight-sync
     python3 bench/vllm_fca.py --compare /tmp/default.json /tmp/fca.json
+    # the greedy check without bf16 rounding: both modes in fp32 on vLLM's Triton backend
+    python3 bench/vllm_fca.py --mode default --dtype float32 --greedy-only --out /tmp/default32.json
 
 Each mode runs our ``vllm`` sampling backend (``VllmSampler``, ``fca`` on or off) on a random
 bf16 Qwen3-1.7B-shaped model:
@@ -120,15 +122,19 @@ def run_mode(args) -> dict:
     torch.cuda.empty_cache()
     started = time.perf_counter()
     options = {"fca": args.mode == "fca", "gpu_memory_utilization": 0.6, "max_model_len": 8192}
-    sampler = VllmSampler(SamplerConfig(backend="vllm", options=options), ModelConfig(path=FOLDER, dtype="bfloat16"),
+    if args.dtype == "float32":  # FlashAttention has no fp32: both modes on vLLM's Triton backend
+        options["fca_base"] = "TRITON_ATTN"
+        if args.mode == "default":
+            options["engine_args"] = {"attention_config": {"backend": "TRITON_ATTN"}}
+    sampler = VllmSampler(SamplerConfig(backend="vllm", options=options), ModelConfig(path=FOLDER, dtype=args.dtype),
                           seed=0)
-    result = {"mode": args.mode, "engine_start_s": round(time.perf_counter() - started, 1)}
+    result = {"mode": args.mode, "dtype": args.dtype, "engine_start_s": round(time.perf_counter() - started, 1)}
     print(result, flush=True)
     # Eight requests per prompt (vLLM refuses n > 1 for greedy): they share the prompt's KV blocks.
     prompts = [p for p in random_prompts(64, 2048, seed=1) for _ in range(8)]
     result["greedy"] = greedy_with_gaps(sampler.llm, sampler.vllm, prompts, 128)
     rows = []
-    for shape in SHAPES:
+    for shape in [] if args.greedy_only else SHAPES:
         rows.append(throughput(sampler.llm, sampler.vllm, *shape))
         print(rows[-1], flush=True)
     result["throughput"] = rows
@@ -161,6 +167,9 @@ def main() -> None:
     parser.add_argument("--mode", choices=["default", "fca"])
     parser.add_argument("--out")
     parser.add_argument("--weight-sync", action="store_true")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="float32: both modes on vLLM's Triton backend, for a greedy check free of bf16 rounding")
+    parser.add_argument("--greedy-only", action="store_true", help="skip the throughput runs")
     parser.add_argument("--compare", nargs=2, metavar=("DEFAULT_JSON", "FCA_JSON"))
     args = parser.parse_args()
     if args.compare:

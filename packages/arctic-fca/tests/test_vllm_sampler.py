@@ -3,6 +3,7 @@ name before any engine starts. (Generation through vLLM needs the GPU machine.)"
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -11,6 +12,7 @@ import pytest
 from arctic_core.config import ModelConfig, SamplerConfig
 from arctic_core.errors import ConfigError
 from arctic_core.registry import default_registry
+from arctic_fca.vllm_plugin import BASE_ENV
 
 
 def build(options: dict | None = None):
@@ -56,11 +58,15 @@ def fake_vllm(monkeypatch):
     module = types.SimpleNamespace(__version__="0.24.0", LLM=RecordingLLM,
                                    SamplingParams=lambda **kwargs: types.SimpleNamespace(**kwargs))
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setenv(BASE_ENV, "restored after the test")
     return module
 
 
 def test_fca_is_vllms_custom_backend_unless_switched_off(fake_vllm):
     assert build().llm.kwargs["attention_config"] == {"backend": "CUSTOM"}
+    assert os.environ[BASE_ENV] == "FLASH_ATTN"  # what the plugin registers in vLLM's processes
+    build({"fca_base": "TRITON_ATTN"})
+    assert os.environ[BASE_ENV] == "TRITON_ATTN"
     assert "attention_config" not in build({"fca": False}).llm.kwargs
     chosen = build({"engine_args": {"attention_config": {"backend": "FLASHINFER"}}}).llm.kwargs
     assert chosen["attention_config"] == {"backend": "FLASHINFER"}  # the user's explicit choice wins
@@ -78,3 +84,16 @@ def test_greedy_samples_are_one_request_repeated_and_sampling_asks_for_n(fake_vl
     assert sampler.llm.requests[-1].n == 3 and sampler.llm.requests[-1].logprobs == 0
     assert [sampled.response(i) for i in range(3)] == [[10, 11], [11, 12], [12, 13]]  # by sample index
     assert sampled.sampling_logprobs[0, :2].tolist() == [-0.5, -1.0]
+
+
+def test_the_plugin_names_an_unknown_base_backend(monkeypatch):
+    from arctic_fca import vllm_plugin
+
+    monkeypatch.setenv(BASE_ENV, "FLASHINFER")
+    with pytest.raises(ValueError, match=r"ARCTIC_FCA_VLLM_BASE='FLASHINFER': FCA extends one of \['FLASH_ATTN', 'TRITON_ATTN'\]"):
+        vllm_plugin.register()
+
+
+def test_an_unknown_fca_base_option_is_refused_by_name():
+    with pytest.raises(ConfigError, match="fca_base"):
+        build({"fca_base": "FLASHINFER"})

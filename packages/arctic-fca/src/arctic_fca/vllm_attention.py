@@ -1,42 +1,36 @@
-"""FCA as a vLLM 0.24 attention backend (imported by vLLM only; register it with ``vllm_plugin``).
+"""FCA as a vLLM 0.24 attention backend (imported by vLLM only; registered by ``vllm_plugin``).
 
-The backend is vLLM's FlashAttention backend with one path added: a batch of pure decode steps
-(every query one token) runs FCA. Everything else stays FlashAttention's, unchanged: the KV-cache
-layout ``[num_blocks, 2, block_size, kv_heads, head_dim]`` and its writes, prefill and mixed
-batches, and the layers FCA cannot run exactly (sliding window, ALiBi, soft-capped logits, sinks,
-encoder or cross attention, quantized KV or outputs).
+The backend is one of vLLM's own backends with one path added: a batch of pure decode steps
+(every query one token) runs FCA. Everything else stays the base backend's, unchanged: the
+KV-cache layout ``[num_blocks, 2, block_size, kv_heads, head_dim]`` and its writes, prefill and
+mixed batches, and the layers FCA cannot run exactly (sliding window, ALiBi, soft-capped logits,
+sinks, encoder or cross attention, quantized KV or outputs). Two bases, both with that layout:
+
+- ``FCAAttentionBackend`` over FlashAttention (the default; bf16 / fp16);
+- ``FCATritonAttentionBackend`` over vLLM's Triton backend, which also runs fp32 (used to check
+  greedy outputs against vLLM without bf16 rounding in the way).
 
 Per step the metadata builder calls :class:`arctic_fca.fca.device_work.DeviceWorkBuilder` on the
 step's device block table and sequence lengths: the shared-prefix forest, the cost model's choice
 (FCA or the plain split-K pass of the same Triton kernel) and the work items are all tensors
 written into persistent buffers, so there is no device-to-host sync and a full CUDA graph of a
-decode step replays the kernels unchanged (the builder's support level is FlashAttention's).
+decode step replays the kernels unchanged (the builder keeps its base's CUDA-graph support level).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
-from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.flash_attn import (
-    FlashAttentionBackend,
-    FlashAttentionImpl,
-    FlashAttentionMetadata,
-    FlashAttentionMetadataBuilder,
-)
+from vllm.v1.attention.backend import AttentionBackend, AttentionType
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
 from arctic_fca.fca.device_work import DeviceWorkBuilder
-from arctic_fca.fca.triton_decode import DeviceWork, triton_decode_attention
+from arctic_fca.fca.triton_decode import triton_decode_attention
 
 
-@dataclass
-class FCAMetadata(FlashAttentionMetadata):
-    fca: DeviceWork | None = None  # set for pure decode batches
-    fca_block_size: int = 0  # the block size the work was built for
+class FCABuilderMixin:
+    """Adds ``fca`` (the step's work, or None) and ``fca_block_size`` to the base's metadata."""
 
-
-class FCAMetadataBuilder(FlashAttentionMetadataBuilder):
     # vLLM may reuse one group's metadata for another by swapping the block table; the FCA work
     # was built from this group's table, so it must be built afresh instead.
     supports_update_block_table = False
@@ -49,15 +43,14 @@ class FCAMetadataBuilder(FlashAttentionMetadataBuilder):
         self.num_q_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         self.work_builder: DeviceWorkBuilder | None = None
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> FCAMetadata:
-        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        meta = FCAMetadata(**{f.name: getattr(base, f.name) for f in fields(FlashAttentionMetadata)})
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        meta.fca, meta.fca_block_size = None, self.spec.block_size
         cam = common_attn_metadata
         # Host-side facts only (no sync): a batch of single-token queries, no vLLM cascade.
-        if cam.max_query_len == 1 and not base.use_cascade and cam.num_reqs > 1 and cam.causal is True:
+        if cam.max_query_len == 1 and not meta.use_cascade and cam.num_reqs > 1 and cam.causal is True:
             tables, seq_lens = cam.block_table_tensor[: cam.num_reqs], cam.seq_lens[: cam.num_reqs]
             meta.fca = self._work_builder(tables).build(tables, seq_lens)
-            meta.fca_block_size = self.spec.block_size
         return meta
 
     def _work_builder(self, tables: torch.Tensor) -> DeviceWorkBuilder:
@@ -69,7 +62,7 @@ class FCAMetadataBuilder(FlashAttentionMetadataBuilder):
         return self.work_builder
 
 
-class FCAAttentionImpl(FlashAttentionImpl):
+class FCAImplMixin:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # What FCA computes exactly: plain causal softmax attention over an unquantized cache.
@@ -93,15 +86,24 @@ class FCAAttentionImpl(FlashAttentionImpl):
         return output
 
 
-class FCAAttentionBackend(FlashAttentionBackend):
-    @staticmethod
-    def get_name() -> str:
-        return "CUSTOM"  # vLLM looks the backend up by this name in AttentionBackendEnum
+def _subclass(name: str, bases: tuple[type, ...], body: dict | None = None) -> type:
+    """A module-level class (importable by name, so pickling and vLLM's class paths work)."""
+    cls = type(name, bases, {"__module__": __name__, "__qualname__": name, **(body or {})})
+    globals()[name] = cls
+    return cls
 
-    @staticmethod
-    def get_impl_cls() -> type[FCAAttentionImpl]:
-        return FCAAttentionImpl
 
-    @staticmethod
-    def get_builder_cls() -> type[FCAMetadataBuilder]:
-        return FCAMetadataBuilder
+def fca_backend(base: type[AttentionBackend]) -> type[AttentionBackend]:
+    """``base`` with FCA decode: its builder and impl get the mixins above."""
+    builder = _subclass(f"FCA{base.get_builder_cls().__name__}", (FCABuilderMixin, base.get_builder_cls()))
+    impl = _subclass(f"FCA{base.get_impl_cls().__name__}", (FCAImplMixin, base.get_impl_cls()))
+    return _subclass(f"FCA{base.__name__}", (base,), {
+        # vLLM looks a backend up by this name in AttentionBackendEnum: ours is the CUSTOM slot.
+        "get_name": staticmethod(lambda: "CUSTOM"),
+        "get_impl_cls": staticmethod(lambda: impl),
+        "get_builder_cls": staticmethod(lambda: builder),
+    })
+
+
+FCAAttentionBackend = fca_backend(FlashAttentionBackend)  # FCAFlashAttentionBackend
+FCATritonAttentionBackend = fca_backend(TritonAttentionBackend)

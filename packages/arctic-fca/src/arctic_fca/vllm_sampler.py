@@ -17,7 +17,8 @@ Decode attention is FCA (``arctic_fca.vllm_attention``, vLLM's CUSTOM backend) u
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -36,6 +37,8 @@ class VllmOptions(StrictModel):
     enforce_eager: bool = Field(False, description="No CUDA graphs (faster start, slower decode).")
     bucket_bytes: int = Field(256 * 2**20, gt=0, description="Weight-update bucket size (one IPC handle each).")
     fca: bool = Field(True, description="Decode with FCA (our vLLM attention backend) instead of FlashAttention.")
+    fca_base: Literal["FLASH_ATTN", "TRITON_ATTN"] = Field(
+        "FLASH_ATTN", description="The vLLM backend FCA extends (prefill, mixed batches); TRITON_ATTN also runs fp32.")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="Any other vllm.LLM argument.")
 
 
@@ -69,6 +72,9 @@ class VllmSampler:
         """FCA is vLLM's CUSTOM backend, registered by our ``vllm.general_plugins`` entry point."""
         if not self.options.fca or "attention_config" in self.options.engine_args:
             return {}
+        from arctic_fca.vllm_plugin import BASE_ENV
+
+        os.environ[BASE_ENV] = self.options.fca_base  # read by the plugin in vLLM's processes
         return {"attention_config": {"backend": "CUSTOM"}}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
