@@ -97,12 +97,16 @@ class DeviceWorkBuilder:
         if self.graphs is None:
             self._build(block_tables, seq_lens)
             return self.work
+        # Batch sizes round up to a power of two (rows of length 0 are padding, given no work), so
+        # an engine that does not pad its batches still needs only ~log2(max_requests) graphs.
+        bucket = min(self.max_requests, 1 << max(0, num_requests - 1).bit_length())
         self.tables_in[:num_requests].copy_(block_tables)
         self.lens_in[:num_requests].copy_(seq_lens)
-        graph = self.graphs.get(num_requests)
+        self.lens_in[num_requests:bucket].zero_()
+        graph = self.graphs.get(bucket)
         if graph is None:
             try:
-                graph = self._capture(num_requests)
+                graph = self._capture(bucket)
             except RuntimeError as error:  # e.g. a capture already running on this stream
                 logger.warning("FCA work builder: CUDA graph capture failed (%s); building eagerly from now on", error)
                 self.graphs = None
