@@ -4,6 +4,7 @@ the update of one rank on the same global batch; a dead worker is reported by ra
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -117,8 +118,7 @@ def test_a_dead_worker_is_named_and_a_checkpoint_restarts_the_workers(tiny_polic
         expected_loss = client.fwd_bwd(batch, PPO).metrics["loss"]  # the next step's loss, from the checkpoint
         client.step()
         ray.kill(server.trainer.workers[1])
-        with pytest.raises(WorkerError, match="training worker rank 1 died during fwd_bwd"):
-            client.fwd_bwd(batch, PPO)
+        assert "training worker rank 1 died during fwd_bwd" in str(_first_worker_error(lambda: client.fwd_bwd(batch, PPO)))
         assert client.status().step == 2  # still answering
         health = _health(server, busy=False)
         assert health["status"] == "degraded" and health["engines"]["trainer"]["dead_ranks"] == [1]
@@ -170,10 +170,22 @@ def test_ray_clients_connect_by_name_keep_hundreds_of_calls_apart_and_see_errors
     assert [r.batch.prompt(0) for r in results] == [load_prompt(i) for i in range(200)]
     assert all(r.batch.num_responses == 1 and int(r.batch.response_lens[0]) == 1 for r in results)
     ray.kill(owner.transport.actor)
-    with pytest.raises(WorkerError, match="'arctic-shared' died"):
-        other.status()
+    assert "'arctic-shared' died" in str(_first_worker_error(other.status))
     with pytest.raises(WorkerError, match="no Arctic server actor named 'nobody'"):
         ArcticClient.ray(name="nobody")
+
+
+def _first_worker_error(call, seconds: float = 30.0) -> WorkerError:
+    """``ray.kill`` returns before the actor is gone (a call made at once can still be served):
+    call until the death shows, within a deadline."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            call()
+        except WorkerError as error:
+            return error
+        time.sleep(0.1)
+    raise AssertionError(f"the killed actor still answered after {seconds} s")
 
 
 async def _gather_generate(client, calls: int) -> list:
@@ -253,8 +265,8 @@ def test_a_reference_engine_in_its_own_actor_answers_like_the_in_process_one(con
         client.sleep(["reference"])
         client.wake(["reference"])
         ray.kill(client.transport.server.reference.worker)
-        with pytest.raises(WorkerError, match="log-prob engine actor died during log_probs"):
-            client.log_probs(batch, model="reference")
+        error = _first_worker_error(lambda: client.log_probs(batch, model="reference"))
+        assert "log-prob engine actor died during log_probs" in str(error)
     local.shutdown()
 
 
