@@ -41,14 +41,17 @@ SHAPES = [(64, 8, 2048), (16, 16, 4096), (32, 8, 7680), (4, 64, 1024)]
 FOLDER = "/tmp/qwen3-1.7b-shape-vllm"
 
 
-def make_model(folder: str, seed: int = 0) -> torch.nn.Module:
+def make_model(folder: str, seed: int = 0) -> torch.nn.Module | None:
+    """Random weights (saved to ``folder`` unless it holds a model already, or returned if none)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if folder and os.path.exists(os.path.join(folder, "config.json")):
+        return None
     config = AutoConfig.for_model("qwen3", **QWEN3_1_7B, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    if folder and not os.path.exists(os.path.join(folder, "config.json")):
+    if folder:
         model.save_pretrained(folder)
     return model
 
