@@ -81,7 +81,7 @@ class VllmSampler:
         if self.asleep:
             raise RequestError("the vllm sampler is asleep; call wake() first")
         # vLLM refuses greedy decoding with n > 1; the n greedy samples are one sequence repeated.
-        copies = params.n if params.temperature == 0 else 1
+        copies = params.n if params.greedy else 1
         sampling = self.vllm.SamplingParams(
             n=params.n // copies, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids or None, seed=params.seed,
