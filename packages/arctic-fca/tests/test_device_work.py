@@ -49,7 +49,9 @@ def execute(work, query, key_cache, value_cache, scale: float) -> torch.Tensor:
         first, last = work.merge_indptr[request : request + 2].tolist()
         row_request[work.merge_rows[first:last].long()] = request
     used = row_request >= 0
-    return merge_partials(partial[used], lse[used], row_request[used], num_requests)[0]
+    out = merge_partials(partial[used], lse[used], row_request[used], num_requests)[0]
+    idle = torch.bincount(row_request[used], minlength=num_requests) == 0
+    return out.masked_fill(idle[:, None, None], 0.0)  # as the merge kernel: a request with no rows gets zeros
 
 
 def forest_of_plan(plan) -> set:
