@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The vLLM + FCA measurements on the H200 (issue 7), in steps that each fit one device call (10 min).
+# Results go to $OUT (or ./vllm-results). vLLM 0.24.0 travels as wheels, prepared here with
+# ../shared/scripts/vllm-h200-wheels.sh .vllm (then `echo /.vllm/ >> .git/info/exclude`), and the
+# wheel in parts of 58 MB, each carried in its own call (`cp .vllm/vllm.partNN /tmp/vp/`).
+#
+#   bash bench/vllm_h200.sh install    # carry .vllm/deps and .whl: joins the parts, installs all
+#   bash bench/vllm_h200.sh kernels    # the work builder, eager vs CUDA graph (no vLLM, ~15 s)
+#   bash bench/vllm_h200.sh bf16       # default then FCA: throughput, greedy, weight sync (~6 min)
+#   bash bench/vllm_h200.sh fp32       # the greedy check without bf16 rounding (~5 min)
+set -euo pipefail
+out=${OUT:-vllm-results}
+mkdir -p "$out"
+export PYTHONPATH=/tmp/site:bench PYTHONUNBUFFERED=1
+
+run() {  # run NAME ARGS...: one engine per process; its log and JSON land in $out
+  local name=$1; shift
+  timeout 280 python3 bench/vllm_fca.py "$@" --out "$out/$name.json" >"$out/$name.log" 2>&1 || echo "$name: rc=$?"
+  grep "^{" "$out/$name.log" | tail -1 | cut -c1-400
+}
+
+case ${1:?usage: $0 install|kernels|bf16|fp32} in
+  install)
+    cat /tmp/vp/vllm.part* >/tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      /tmp/vllm-0.24.0-*.whl .vllm/deps/*.whl .whl/*.whl
+    python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
+  kernels)
+    timeout 120 python3 bench/fca_decode.py --device-work >"$out/device_work.log" 2>&1
+    grep "^{'shape'" "$out/device_work.log" ;;
+  bf16)
+    run default --mode default
+    run fca --mode fca --weight-sync
+    python3 bench/vllm_fca.py --compare "$out/default.json" "$out/fca.json" | tail -1 ;;
+  fp32)
+    run default32 --mode default --dtype float32 --greedy-only
+    run fca32 --mode fca --dtype float32 --greedy-only
+    python3 bench/vllm_fca.py --compare "$out/default32.json" "$out/fca32.json" | tail -1 ;;
+esac
