@@ -73,8 +73,11 @@ class DeviceWorkBuilder:
         def ints(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int32, device=device)
 
+        # The step's inputs are copied here; the kernels read the block tables through this very
+        # buffer (row r starts at r * table_width), so no second copy is made for them.
+        self.tables_in, self.lens_in = ints(max_requests, table_width), ints(max_requests)
         self.work = DeviceWork(
-            kv_index=ints(max_requests * table_width),
+            kv_index=self.tables_in.view(-1),
             q_index=ints(self.max_pairs + max_requests),
             node=DeviceLaunch(ints(5, self.caps["node_items"]), ints(1), self.per_tile),
             single=DeviceLaunch(ints(5, self.caps["single_items"]), ints(1), 1),
@@ -85,7 +88,6 @@ class DeviceWorkBuilder:
             direct=False,
         )
         self.used_fca = torch.zeros((), dtype=torch.bool, device=device)  # this step's choice, for metrics
-        self.tables_in, self.lens_in = ints(max_requests, table_width), ints(max_requests)  # graph inputs
 
     def build(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> DeviceWork:
         """This step's items (``block_tables [R, table_width]`` int32 and ``seq_lens [R]`` on the
@@ -94,14 +96,14 @@ class DeviceWorkBuilder:
         if num_requests > self.max_requests or width != self.width:
             raise ValueError(f"block_tables {tuple(block_tables.shape)} exceed the builder's capacity "
                              f"({self.max_requests} requests, width {self.width})")
+        self.tables_in[:num_requests].copy_(block_tables)
+        self.lens_in[:num_requests].copy_(seq_lens)
         if self.graphs is None:
-            self._build(block_tables, seq_lens)
+            self._build(num_requests)
             return self.work
         # Batch sizes round up to a power of two (rows of length 0 are padding, given no work), so
         # an engine that does not pad its batches still needs only ~log2(max_requests) graphs.
         bucket = min(self.max_requests, 1 << max(0, num_requests - 1).bit_length())
-        self.tables_in[:num_requests].copy_(block_tables)
-        self.lens_in[:num_requests].copy_(seq_lens)
         self.lens_in[num_requests:bucket].zero_()
         graph = self.graphs.get(bucket)
         if graph is None:
@@ -110,33 +112,32 @@ class DeviceWorkBuilder:
             except RuntimeError as error:  # e.g. a capture already running on this stream
                 logger.warning("FCA work builder: CUDA graph capture failed (%s); building eagerly from now on", error)
                 self.graphs = None
-                self._build(block_tables, seq_lens)
+                self._build(num_requests)
                 return self.work
         graph.replay()
         return self.work
 
     def _capture(self, num_requests: int) -> torch.cuda.CUDAGraph:
-        tables, lens = self.tables_in[:num_requests], self.lens_in[:num_requests]
         side = torch.cuda.Stream()  # warm up off the capturing stream, as torch.cuda.graph asks
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._build(tables, lens)
+            self._build(num_requests)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # One memory pool for every batch size: a build's temporaries die with it.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._build(tables, lens)
+            self._build(num_requests)
         self._pool = graph.pool()
         self.graphs[num_requests] = graph
         return graph
 
-    def _build(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        num_requests, width = block_tables.shape
-        forest = _Forest(block_tables.long(), seq_lens.long(), self.block_size, self.num_blocks)
+    def _build(self, num_requests: int) -> None:
+        """The work of the first ``num_requests`` rows of the input buffers."""
+        tables, lens = self.tables_in[:num_requests].long(), self.lens_in[:num_requests].long()
+        forest = _Forest(tables, lens, self.block_size, self.num_blocks)
         fca = forest.consistent & self._fca_pays(forest) & (forest.num_pairs <= self.max_pairs)
         forest.keep_if(fca)
         self.used_fca.copy_(fca)
-        self.work.kv_index[: num_requests * width].copy_(block_tables.reshape(-1))
         pairs = forest.pair_request[: self.max_pairs]
         self.work.q_index[: pairs.numel()].copy_(pairs)
         node_rows = self._node_items(forest)
