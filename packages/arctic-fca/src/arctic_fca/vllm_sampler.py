@@ -103,7 +103,7 @@ class VllmSampler:
             from arctic_core.weight_ipc import export_cuda_ipc
 
             payload, buffers = export_cuda_ipc(named, self.options.bucket_bytes, version)
-            self.llm.collective_rpc("arctic_load_ipc", args=(payload,))
+            self.llm.collective_rpc("import_weights_ipc", args=(payload,))
             del buffers  # every worker has copied (collective_rpc returns when they all have)
         else:
             self.llm.collective_rpc("arctic_load_tensors", args=({name: t.contiguous() for name, t in named},))

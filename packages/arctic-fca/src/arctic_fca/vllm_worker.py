@@ -1,6 +1,8 @@
 """Mixed into vLLM's GPU worker (``worker_extension_cls``): loads the weights the Arctic trainer
 sends, through the model's own ``load_weights`` (Hugging Face names; vLLM fuses q/k/v and
-gate/up itself). Reached from :class:`arctic_fca.vllm_sampler.VllmSampler` by ``collective_rpc``.
+gate/up itself). Reached from :class:`arctic_fca.vllm_sampler.VllmSampler` by ``collective_rpc``;
+the CUDA-IPC receive is :class:`arctic_core.weight_actor.WeightSyncActor`'s ``import_weights_ipc``,
+the same one the Ray sampler replicas run.
 """
 
 from __future__ import annotations
@@ -9,17 +11,15 @@ from typing import Any
 
 import torch
 
+from arctic_core.interfaces import NamedTensors
+from arctic_core.weight_actor import WeightSyncActor
 
-class ArcticWeightLoader:
+
+class ArcticWeightLoader(WeightSyncActor):
     model_runner: Any  # the worker's, once vLLM has mixed this class in
 
-    def arctic_load_ipc(self, payload: dict[str, Any]) -> int:
-        """Weights exported as CUDA IPC handles (the trainer shares this GPU)."""
-        from arctic_core.weight_ipc import import_cuda_ipc
-
-        self.model_runner.model.load_weights(weights=import_cuda_ipc(payload))
-        torch.cuda.current_stream().synchronize()  # copied before the sender frees its buffers
-        return int(payload["plan"]["version"])
+    def receive_weights_into(self, weights: NamedTensors, version: int) -> None:
+        self.model_runner.model.load_weights(weights=weights)
 
     def arctic_load_tensors(self, named: dict[str, torch.Tensor]) -> None:
         """Weights sent as (CPU) tensors."""
