@@ -209,57 +209,90 @@ def gpu() -> dict:
 
 
 SWEEP_SHAPES = [(32, 8, 4096), (8, 16, 16384), (1, 64, 4096), (128, 1, 4096)]
+VLLM_SHAPES = ((4, 64, 1024), (64, 8, 2048), (16, 16, 4096), (32, 8, 7680))  # bench/vllm_fca.py's
+QWEN3_1_7B_HEADS = dict(num_q_heads=16, num_kv_heads=8, head_dim=128)
 
 
-def sweep() -> dict:
+COMBOS = [  # settings the single-knob sweep liked, together (--sweep --quick)
+    ("nodes bn64 s4, singles bn64, 2 items/SM", {"node": {"block_n": 64, "num_warps": 4, "num_stages": 4},
+                                                 "single": {"block_n": 64, "num_warps": 4, "num_stages": 2}, "items": 2}),
+    ("nodes bn64 s4, singles bn64 w2 s3, 2 items/SM", {"node": {"block_n": 64, "num_warps": 4, "num_stages": 4},
+                                                       "single": {"block_n": 64, "num_warps": 2, "num_stages": 3}, "items": 2}),
+    ("nodes bn64 s4, singles bn64", {"node": {"block_n": 64, "num_warps": 4, "num_stages": 4},
+                                     "single": {"block_n": 64, "num_warps": 4, "num_stages": 2}}),
+]
+
+
+def sweep(heads: dict, shapes, quick: bool = False) -> dict:
     """Time FCA and plain over launch settings (one knob group at a time, the others at their
     defaults); prints one line per setting. Used to pick the defaults in triton_decode / work."""
     from arctic_fca.fca import triton_decode, work
 
-    batches = [build_batch(g, s, p, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **QWEN3_8B_HEADS)
-               for g, s, p in SWEEP_SHAPES]
-    scale = 1 / math.sqrt(QWEN3_8B_HEADS["head_dim"])
+    batches = [build_batch(g, s, p, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **heads) for g, s, p in shapes]
+    scale = 1 / math.sqrt(heads["head_dim"])
 
     def measure() -> dict:
         times = {}
-        for (g, s, p), batch in zip(SWEEP_SHAPES, batches, strict=True):
+        for (g, s, p), batch in zip(shapes, batches, strict=True):
             query, key_cache, value_cache, block_tables, seq_lens = attention_args(batch)
             for mode in ("fca", "plain"):
                 prepared = prepare_decode(block_tables.cpu(), seq_lens.cpu(), key_cache.shape[1], mode=mode,
                                           num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2],
                                           head_dim=query.shape[2], dtype=query.dtype, device="cuda")
-                run = functools.partial(prepared, query, key_cache, value_cache, scale)
+                run = graphed(functools.partial(prepared, query, key_cache, value_cache, scale))
                 times[f"{g}x{s}@{p} {mode}"] = round(time_us(run), 1)
         return times
 
     defaults = (dict(triton_decode.NODE_CONFIG), dict(triton_decode.SINGLE_CONFIG), work.ITEMS_PER_SM,
-                triton_decode.PROGRAMS_PER_SM)
-    settings = [("default", {})]
-    settings += [(f"node bn{bn} w{w} s{st}", {"node": {"block_n": bn, "num_warps": w, "num_stages": st}})
-                 for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-    settings += [(f"single bn{bn} w{w} s{st}", {"single": {"block_n": bn, "num_warps": w, "num_stages": st}})
-                 for bn in (32, 64, 128) for w in (2, 4) for st in (2, 3)]
-    settings += [(f"items/SM {i} programs/SM {pr}", {"items": i, "programs": pr}) for i in (4, 8, 16) for pr in (8, 16, 32)]
+                triton_decode.PROGRAMS_PER_SM, work.NODE_TILE_ROWS)
+    settings = [("default", {}), ("default, sequential launches", {"sequential": True})] + COMBOS
+    settings += [] if quick else [(f"node rows {rows}", {"rows": rows}) for rows in (16, 32, 128)]
+    settings += [] if quick else [(f"node bn{bn} w{w} s{st}", {"node": {"block_n": bn, "num_warps": w, "num_stages": st}})
+                 for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    settings += [] if quick else [(f"single bn{bn} w{w} s{st}", {"single": {"block_n": bn, "num_warps": w, "num_stages": st}})
+                 for bn in (64, 128) for w in (2, 4) for st in (2, 3)]
+    settings += [] if quick else [(f"items/SM {i} programs/SM {pr}", {"items": i, "programs": pr}) for i in (2, 4, 8, 16) for pr in (16, 32)]
     results = {}
     for name, change in settings:
         triton_decode.NODE_CONFIG = change.get("node", defaults[0])
         triton_decode.SINGLE_CONFIG = change.get("single", defaults[1])
         work.ITEMS_PER_SM = change.get("items", defaults[2])
         triton_decode.PROGRAMS_PER_SM = change.get("programs", defaults[3])
+        work.NODE_TILE_ROWS = change.get("rows", defaults[4])
+        triton_decode.OVERLAP_LAUNCHES = not change.get("sequential", False)
         results[name] = measure()
         print(name, json.dumps(results[name]), flush=True)
     return results
 
 
-def device_work(shapes=((4, 64, 1024), (64, 8, 2048), (16, 16, 4096), (32, 8, 7680)), width: int = 512) -> dict:
+def profile_build(groups: int = 32, samples: int = 8, prefix: int = 7680, width: int = 512, top: int = 12) -> None:
+    """The device work build's kernels, by CUDA time (eager: one kernel per op)."""
+    from arctic_fca.fca.device_work import DeviceWorkBuilder
+
+    batch = build_batch(groups, samples, prefix, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **QWEN3_1_7B_HEADS)
+    query, key_cache, _, tables, lens = attention_args(batch)
+    tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+    builder = DeviceWorkBuilder(1024, width, key_cache.shape[0], 16, kv_dtype=query.dtype, device="cuda",
+                                graphs=False, **QWEN3_1_7B_HEADS)
+    builder.build(tables, lens)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            builder.build(tables, lens)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60), flush=True)
+
+
+def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
     """The vLLM path's per-step cost: ``DeviceWorkBuilder.build``, eager and replayed from a CUDA
     graph (host ms per call, us on the stream, host syncs counted by torch's sync debug mode), and the kernels over its items, against the
     host-built FCA and plain work, at the vLLM benchmark's shapes (Qwen3-1.7B heads, tables as wide as
     an 8192-token context)."""
+    from arctic_fca.fca import triton_decode
     from arctic_fca.fca.device_work import DeviceWorkBuilder
     from arctic_fca.fca.triton_decode import triton_decode_attention
 
-    heads = dict(num_q_heads=16, num_kv_heads=8, head_dim=128)
+    heads = QWEN3_1_7B_HEADS
     rows = []
     for groups, samples, prefix in shapes:
         batch = build_batch(groups, samples, prefix, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **heads)
@@ -288,6 +321,12 @@ def device_work(shapes=((4, 64, 1024), (64, 8, 2048), (16, 16, 4096), (32, 8, 76
         shape = dict(dtype=query.dtype, device="cuda", **heads)
         host = {mode: prepare_decode(tables.cpu(), lens.cpu(), 16, mode=mode, **shape) for mode in ("fca", "plain")}
         runs = {"device_work": graphed(lambda: triton_decode_attention(query, key_cache, value_cache, work, scale))}
+        triton_decode.OVERLAP_LAUNCHES = False  # the same, node and single launches one after the other
+        runs["sequential"] = graphed(lambda: triton_decode_attention(query, key_cache, value_cache, work, scale))
+        triton_decode.OVERLAP_LAUNCHES = True
+        for kind in ("node", "single"):  # each launch alone
+            runs[kind] = graphed(lambda k=kind: triton_decode._launch(getattr(work, k), work, query, key_cache,
+                                                                      value_cache, work.partial, work.lse, scale))
         runs.update({f"host_{m}": graphed(lambda p=p: p(query, key_cache, value_cache, scale)) for m, p in host.items()})
         out = triton_decode_attention(query, key_cache, value_cache, work, scale).float()
         graph_equals_eager = bool(torch.equal(outs["graph"], outs["eager"]))
@@ -305,6 +344,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU exactness check (< 1 min)")
     parser.add_argument("--sweep", action="store_true", help="GPU: time the kernels over launch settings")
+    parser.add_argument("--vllm-shapes", action="store_true",
+                        help="with --sweep: Qwen3-1.7B heads at bench/vllm_fca.py's shapes (default: Qwen3-8B's)")
+    parser.add_argument("--quick", action="store_true", help="with --sweep: the defaults and COMBOS only")
+    parser.add_argument("--profile-build", action="store_true", help="GPU: the device work build's kernels")
     parser.add_argument("--device-work", action="store_true", help="GPU: the vLLM path's device-built work, timed")
     args = parser.parse_args()
     if args.device_work:
@@ -312,7 +355,10 @@ def main() -> None:
     elif args.smoke:
         print(json.dumps(smoke()))
     elif args.sweep:
-        print(json.dumps(sweep()))
+        heads, shapes = (QWEN3_1_7B_HEADS, VLLM_SHAPES) if args.vllm_shapes else (QWEN3_8B_HEADS, SWEEP_SHAPES)
+        print(json.dumps(sweep(heads, shapes, args.quick)))
+    elif args.profile_build:
+        profile_build()
     elif torch.cuda.is_available():
         print(json.dumps(gpu()))
     else:

@@ -41,7 +41,7 @@ SHAPES = [(64, 8, 2048), (16, 16, 4096), (32, 8, 7680), (4, 64, 1024)]
 FOLDER = "/tmp/qwen3-1.7b-shape-vllm"
 
 
-def make_model(folder: str, seed: int = 0) -> torch.nn.Module | None:
+def make_model(folder: str, seed: int = 0, dtype: str = "bfloat16") -> torch.nn.Module | None:
     """Random weights (saved to ``folder`` unless it holds a model already, or returned if none)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -50,7 +50,7 @@ def make_model(folder: str, seed: int = 0) -> torch.nn.Module | None:
     config = AutoConfig.for_model("qwen3", **QWEN3_1_7B, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(seed)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     if folder:
         model.save_pretrained(folder)
     return model
@@ -62,14 +62,21 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
 
 
 def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int) -> dict:
-    params = vllm.SamplingParams(n=samples, temperature=1.0, max_tokens=512, ignore_eos=True, detokenize=False)
-    batch = [{"prompt_token_ids": p} for p in random_prompts(prompts, prompt_len, seed=prompt_len + prompts)]
-    started = time.perf_counter()
-    outputs = llm.generate(batch, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
-    tokens = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    """Tokens/s of the whole run; and, as a breakdown, the seconds of the same shape with one new
+    token each (prefill and the first step, on other prompts: the prefix cache must not help)."""
+
+    def run(max_tokens: int, seed: int) -> tuple[float, int]:
+        params = vllm.SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
+                                     detokenize=False)
+        batch = [{"prompt_token_ids": p} for p in random_prompts(prompts, prompt_len, seed=seed)]
+        started = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        return time.perf_counter() - started, sum(len(s.token_ids) for o in outputs for s in o.outputs)
+
+    prefill_seconds, _ = run(1, seed=prompt_len + prompts + 1)
+    seconds, tokens = run(512, seed=prompt_len + prompts)
     return {"shape": f"{prompts}x{samples}@{prompt_len}", "tokens": tokens, "seconds": round(seconds, 2),
-            "tok_s": round(tokens / seconds)}
+            "tok_s": round(tokens / seconds), "prefill_s": round(prefill_seconds, 2)}
 
 
 def greedy_with_gaps(llm, vllm, prompts: list[list[int]], tokens: int) -> list[dict]:
@@ -92,9 +99,9 @@ def greedy(sampler, prompts: list[list[int]], n: int, tokens: int) -> list[list[
     return [batch.response(i) for i in range(batch.num_responses)]
 
 
-def weight_sync(sampler) -> dict:
+def weight_sync(sampler, dtype: str) -> dict:
     """The trainer's weights into the running engine, then compare sums and greedy tokens."""
-    trainer = make_model("", seed=1).eval()
+    trainer = make_model("", seed=1, dtype=dtype).eval()
     prompts = random_prompts(8, 256, seed=7)
     before = greedy(sampler, prompts, 1, 32)
     started = time.perf_counter()
@@ -142,7 +149,7 @@ def run_mode(args) -> dict:
         print(rows[-1], flush=True)
     result["throughput"] = rows
     if args.weight_sync:
-        result["weight_sync"] = weight_sync(sampler)
+        result["weight_sync"] = weight_sync(sampler, args.dtype)
         print(result["weight_sync"], flush=True)
     return result
 
@@ -155,7 +162,10 @@ def compare(default_path: str, fca_path: str) -> dict:
     split_gaps = [max(d["gaps"][i], f["gaps"][i]) for d, f, i in zip(default["greedy"], fca["greedy"], common)
                   if i < len(d["tokens"])]
     rows = [{"shape": d["shape"], "default_tok_s": d["tok_s"], "fca_tok_s": f["tok_s"],
-             "speedup": round(f["tok_s"] / d["tok_s"], 2)} for d, f in zip(default["throughput"], fca["throughput"])]
+             "speedup": round(f["tok_s"] / d["tok_s"], 2), "prefill_s": [d["prefill_s"], f["prefill_s"]],
+             # the steps after the first: total time less that of the one-token run
+             "decode_speedup": round((d["seconds"] - d["prefill_s"]) / (f["seconds"] - f["prefill_s"]), 2)}
+            for d, f in zip(default["throughput"], fca["throughput"])]
     for row in rows:
         print(row)
     return {"greedy_identical": sum(x == y for x, y in pairs), "greedy_sequences": len(pairs),

@@ -5,9 +5,9 @@
 # wheel in parts of 58 MB, each carried in its own call (`cp .vllm/vllm.partNN /tmp/vp/`).
 #
 #   bash bench/vllm_h200.sh install    # carry .vllm/deps and .whl: joins the parts, installs all
-#   bash bench/vllm_h200.sh kernels    # the work builder, eager vs CUDA graph (no vLLM, ~15 s)
+#   bash bench/vllm_h200.sh kernels    # the work builder (eager vs CUDA graph) and the FCA kernel table (no vLLM)
 #   bash bench/vllm_h200.sh bf16       # default then FCA: throughput, greedy, weight sync (~6 min)
-#   bash bench/vllm_h200.sh fp32       # the greedy check without bf16 rounding (~5 min)
+#   bash bench/vllm_h200.sh fp32       # greedy checks (FCA, weight sync) without bf16 rounding (~5 min)
 set -euo pipefail
 out=${OUT:-vllm-results}
 mkdir -p "$out"
@@ -25,15 +25,17 @@ case ${1:?usage: $0 install|kernels|bf16|fp32} in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       /tmp/vllm-0.24.0-*.whl .vllm/deps/*.whl .whl/*.whl
     python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
-  kernels)
+  kernels)  # also the FCA kernel table of issue 4 (Qwen3-8B heads)
     timeout 120 python3 bench/fca_decode.py --device-work >"$out/device_work.log" 2>&1
-    grep "^{'shape'" "$out/device_work.log" ;;
+    grep "^{'shape'" "$out/device_work.log" | cut -c1-400
+    timeout 300 python3 bench/fca_decode.py >"$out/fca_decode.log" 2>&1 || echo "fca_decode: rc=$?"
+    grep "^groups" "$out/fca_decode.log" | cut -c1-300 ;;
   bf16)
     run default --mode default
     run fca --mode fca --weight-sync
     python3 bench/vllm_fca.py --compare "$out/default.json" "$out/fca.json" | tail -1 ;;
   fp32)
     run default32 --mode default --dtype float32 --greedy-only
-    run fca32 --mode fca --dtype float32 --greedy-only
+    run fca32 --mode fca --dtype float32 --greedy-only --weight-sync
     python3 bench/vllm_fca.py --compare "$out/default32.json" "$out/fca32.json" | tail -1 ;;
 esac

@@ -11,6 +11,7 @@ from test_fca import attention_args, make_batch, random_forest
 
 from arctic_fca.fca import attention_with_lse, build_plan, choose, merge_partials, paged_decode_attention
 from arctic_fca.fca.cost_model import CostConstants
+from arctic_fca.fca import device_work
 from arctic_fca.fca.device_work import DeviceWorkBuilder
 
 ALWAYS_FCA = CostConstants(per_call_overhead_s=0.0, per_node_overhead_s=0.0, min_speedup=0.0)
@@ -117,6 +118,24 @@ def test_one_builder_serves_successive_steps_and_padded_rows():
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
+def test_a_build_rests_on_its_inputs_alone_not_on_what_its_buffers_held():
+    """vLLM's sleep mode can hand the builder's memory back holding other bytes: every buffer the
+    kernels read must be written by each build. Fill them all with garbage first."""
+    segments, requests = random_forest(5, 16)
+    batch = make_batch(segments, requests, 16, seed=5)
+    query, key_cache, value_cache, tables, lens = attention_args(batch)
+    builder = builder_for(batch)
+    work = builder.work
+    for buffer in (work.q_index, work.node.items, work.node.count, work.single.items, work.single.count,
+                   work.merge_indptr, work.merge_rows, builder.tables_in, builder.lens_in):
+        buffer.fill_(7)
+    work.partial.fill_(float("nan"))
+    work.lse.fill_(float("nan"))
+    out = execute(builder.build(tables, lens), query, key_cache, value_cache, 0.3)
+    expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("breach", ["another column", "another parent"])
 def test_tables_that_break_the_prefix_property_decode_plain_and_exact(breach):
     """One physical block must mean one prefix: the same block at two columns, or under two
@@ -162,7 +181,7 @@ def test_the_device_choice_is_the_host_cost_models():
     assert set(choices) == {"fca", "plain"}
 
 
-def test_the_cost_model_and_the_pair_capacity_can_choose_plain():
+def test_the_cost_model_and_the_pair_capacity_can_choose_plain(monkeypatch):
     segments = {"a": 1}
     batch = make_batch(segments, [(("a",), 3), (("a",), 3)], 16, seed=0)
     tables, lens = batch["block_tables"], batch["seq_lens"]
@@ -172,6 +191,8 @@ def test_the_cost_model_and_the_pair_capacity_can_choose_plain():
     deep = make_batch({"a": 1, "b": 1, "c": 1, "d": 1, "e": 1}, [(("a", "b", "c", "d", "e"), 2)] * 2 + [(("a", "b", "c", "d"), 2)]
                       + [(("a", "b", "c"), 2), (("a", "b"), 2), (("a",), 2)], 16, seed=0)
     builder = builder_for(deep)
-    builder.max_pairs = 2  # fewer than the forest's pairs
+    builder.build(deep["block_tables"], deep["seq_lens"])
+    assert bool(builder.used_fca)
+    monkeypatch.setattr(device_work, "PAIRS_PER_REQUEST", 1)  # 6 pair slots, fewer than the forest's 20 pairs
     builder.build(deep["block_tables"], deep["seq_lens"])
     assert not bool(builder.used_fca)

@@ -135,11 +135,10 @@ class DeviceWorkBuilder:
         """The work of the first ``num_requests`` rows of the input buffers."""
         tables, lens = self.tables_in[:num_requests].long(), self.lens_in[:num_requests].long()
         forest = _Forest(tables, lens, self.block_size, self.num_blocks)
-        fca = forest.consistent & self._fca_pays(forest) & (forest.num_pairs <= self.max_pairs)
+        fca = forest.consistent & self._fca_pays(forest) & (forest.num_pairs <= forest.pair_slots)
         forest.keep_if(fca)
         self.used_fca.copy_(fca)
-        pairs = forest.pair_request[: self.max_pairs]
-        self.work.q_index[: pairs.numel()].copy_(pairs)
+        self.work.q_index[: forest.pair_slots].copy_(forest.pair_request)
         node_rows = self._node_items(forest)
         self._single_items(forest, node_rows)
         self._merge(forest, node_rows)
@@ -198,11 +197,13 @@ class DeviceWorkBuilder:
         live = torch.arange(single.shape[1], device=request.device) < work.single.count[0]
         tail = torch.full((single.shape[1],), self.caps["rows"] - 1, dtype=torch.long, device=request.device)
         request.scatter_(0, torch.where(live, single[4], tail), torch.where(live, single[2] - self.max_pairs, sentinel))
-        order = torch.sort(request, stable=True)
+        order = torch.sort(request.int(), stable=True)  # int32 keys: half the radix passes of int64
         work.merge_rows.copy_(order.indices)
         counts = torch.zeros(sentinel + 1, dtype=torch.long, device=request.device).scatter_add_(
             0, request, torch.ones_like(request))
-        work.merge_indptr[1 : num_requests + 1].copy_(counts[:num_requests].cumsum(0))
+        # Entry 0 too, every step: nothing may rest on a buffer's first contents (vLLM's sleep mode
+        # can hand memory back with other bytes in it).
+        work.merge_indptr[: num_requests + 1].copy_(torch.cat([counts[:1] * 0, counts[:num_requests].cumsum(0)]))
 
 
 class _Forest:
@@ -273,9 +274,17 @@ class _Forest:
         self.node_len, self.node_size = per_node(run_end - self.cols), per_node(count)
         self.node_q_start = self.node_size.cumsum(0) - self.node_size
         # Pairs in node order, requests ascending within a node: sort keys node * rows + request.
+        # Only the pairs are sorted (compacted in row-major order into PAIRS_PER_REQUEST slots per
+        # request; a batch with more decodes plain anyway), as int32: a sort of the whole table
+        # was the build's most expensive kernel.
         node_id = self._per_block(torch.where(leader, node_of_leader.reshape(rows, width), -1), "amax", -1)[self.ids]
-        keys = torch.where(start, node_id * rows + self.rows, torch.iinfo(torch.long).max)
-        self.pair_request = torch.sort(keys.reshape(-1)).values % rows
+        self.pair_slots = pair_slots = PAIRS_PER_REQUEST * rows
+        position = start.reshape(-1).cumsum(0) - 1
+        slot = torch.where(start.reshape(-1) & (position < pair_slots), position, pair_slots + flat)
+        keys = torch.full((pair_slots + flat.numel(),), torch.iinfo(torch.int32).max, dtype=torch.int32,
+                          device=shared.device)
+        keys.scatter_(0, slot, (node_id * rows + self.rows).reshape(-1).int())
+        self.pair_request = (torch.sort(keys[:pair_slots]).values % rows).long()
 
 
 def _ceil_div(a: torch.Tensor, b: torch.Tensor | int) -> torch.Tensor:

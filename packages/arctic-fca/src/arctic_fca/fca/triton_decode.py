@@ -10,9 +10,10 @@ Two kernels serve both (see ``arctic_fca.fca.work`` for the work items):
 - ``_merge_partials``: one program per (request, head); combines its partial rows with
   log-sum-exp weights.
 
-FCA launches the partial kernel twice (shared-node items with tall query tiles, then the
-one-request suffix items) and merges; plain decode is the same kernel over whole sequences, so the
-comparison is between two uses of one kernel of the same quality.
+FCA launches the partial kernel twice (shared-node items with tall query tiles, and the
+one-request suffix items, side by side on two CUDA streams) and merges; plain decode is the same
+kernel over whole sequences, so the comparison is between two uses of one kernel of the same
+quality.
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on the CPU (slowly), which is how the CPU test
 suite checks them against the exact torch path.
@@ -33,10 +34,14 @@ from arctic_fca.fca.work import DecodeWork, Launch, build_work, device_sms
 LOG2E = 1.4426950408889634
 # Launch settings per kind of item, tuned on the H200 (bench/fca_decode.py --sweep): KV tokens per
 # inner step (a gather of block_n / block_size pages), warps, software-pipeline stages.
-NODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
-SINGLE_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2}
+NODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 4}
+SINGLE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 PROGRAMS_PER_SM = 32  # persistent programs (x KV heads) per streaming multiprocessor
 MERGE_ROWS = 16  # partial rows a merge program reads at once
+# Run the node and single launches on two streams (two branches of a captured CUDA graph): they
+# write disjoint partial rows, and side by side neither one's tail leaves the GPU idle.
+OVERLAP_LAUNCHES = True
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 @triton.jit
@@ -251,12 +256,28 @@ def triton_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     if work.direct:
         _launch(work.single, work, query, key_cache, value_cache, out, out, scale)
         return out
-    for launch in (work.node, work.single):
-        if launch is not None:
-            _launch(launch, work, query, key_cache, value_cache, work.partial, work.lse, scale)
+    _launch_partials(work, query, key_cache, value_cache, scale)
     _merge_partials[(num_requests, num_q_heads)](
         work.partial, work.lse, work.merge_indptr, work.merge_rows, out,
         work.partial.stride(0), work.partial.stride(1), work.lse.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), ROWS=MERGE_ROWS, num_warps=2,
     )
     return out
+
+
+def _launch_partials(work: DeviceWork, query, key_cache, value_cache, scale: float) -> None:
+    """The node and single launches, on two streams where that can help (CUDA, both present)."""
+    if work.node is None or not query.is_cuda or not OVERLAP_LAUNCHES:
+        for launch in (work.node, work.single):
+            if launch is not None:
+                _launch(launch, work, query, key_cache, value_cache, work.partial, work.lse, scale)
+        return
+    main = torch.cuda.current_stream(query.device)
+    side = _side_streams.get(query.device)
+    if side is None:
+        side = _side_streams[query.device] = torch.cuda.Stream(query.device)
+    side.wait_stream(main)  # fork: the side stream sees this step's query and cache writes
+    with torch.cuda.stream(side):
+        _launch(work.node, work, query, key_cache, value_cache, work.partial, work.lse, scale)
+    _launch(work.single, work, query, key_cache, value_cache, work.partial, work.lse, scale)
+    main.wait_stream(side)  # join: the merge (and any later free of the inputs) waits for both

@@ -36,7 +36,7 @@ from arctic_fca.fca.plan import FCAPlan
 
 MIN_CHUNK_TOKENS = 256
 MAX_CHUNK_TOKENS = 8192
-ITEMS_PER_SM = 4  # split target: items (x KV heads) per streaming multiprocessor
+ITEMS_PER_SM = 2  # split target: items (x KV heads) per streaming multiprocessor
 NODE_TILE_ROWS = 64  # query rows (requests x heads per KV head) a node item serves at once
 SINGLE_TILE_ROWS = 16  # one request's heads, padded to the smallest tensor-core tile
 
