@@ -13,12 +13,13 @@ bf16 Qwen3-1.7B-shaped model:
   each step's gap between the best and second-best log-prob are saved; ``--compare`` counts the
   sequences identical in both modes and, where two part, how close to a tie that step was (bf16
   rounding can only flip near-ties; a wrong attention would part them at clear choices);
-- generated tokens/s at 64 x 8 @ 2048, 16 x 16 @ 4096, 32 x 8 @ 7680, 4 x 64 @ 1024, 512 new
-  tokens each, temperature 1, no stop (as vLLM's own figures in ../shared/ENVIRONMENT.md);
-- ``--weight-sync``: the weights of another model (the "trainer", in this process on the same GPU)
-  go into the running engine through ``update_weights`` (CUDA IPC); then the engine's weights sum
-  to the trainer's and its greedy tokens are compared with the trainer's own ``generate``; then a
-  sleep (level 1) and a wake must leave the greedy tokens unchanged.
+- generated tokens/s at 64 x 8 @ 2048, 16 x 16 @ 4096, 32 x 8 @ 7680, 4 x 64 @ 1024 (and 128 x 1
+  @ 2048, where nothing is shared), 512 new tokens each, temperature 1, no stop (as vLLM's own figures in ../shared/ENVIRONMENT.md);
+- ``--weight-sync``: the sampler runs inside our server (``ArcticClient.in_process``) next to our
+  DeepSpeed trainer on the same GPU; one real training step (a PPO loss on a rollout from the
+  engine), then ``sync_weights`` moves the trainer's weights into the running engine (CUDA IPC);
+  the engine's weights must sum to the trainer's, its greedy tokens are compared with the trainer
+  model's own ``generate``, and a sleep (level 1) and a wake must leave them unchanged.
 The last line is a JSON object.
 """
 
@@ -37,23 +38,21 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from shapes import QWEN3_1_7B  # noqa: E402
 
-SHAPES = [(64, 8, 2048), (16, 16, 4096), (32, 8, 7680), (4, 64, 1024)]
+SHAPES = [(64, 8, 2048), (16, 16, 4096), (32, 8, 7680), (4, 64, 1024),
+          (128, 1, 2048)]  # the last shares nothing: FCA must cost nothing there
 FOLDER = "/tmp/qwen3-1.7b-shape-vllm"
 
 
-def make_model(folder: str, seed: int = 0, dtype: str = "bfloat16") -> torch.nn.Module | None:
-    """Random weights (saved to ``folder`` unless it holds a model already, or returned if none)."""
+def save_random_model(folder: str) -> None:
+    """Random bf16 weights of the Qwen3-1.7B shape in ``folder`` (unless it holds a model already)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if folder and os.path.exists(os.path.join(folder, "config.json")):
-        return None
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return
     config = AutoConfig.for_model("qwen3", **QWEN3_1_7B, eos_token_id=None, bos_token_id=None)
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if folder:
-        model.save_pretrained(folder)
-    return model
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
 
 
 def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -99,36 +98,62 @@ def greedy(sampler, prompts: list[list[int]], n: int, tokens: int) -> list[list[
     return [batch.response(i) for i in range(batch.num_responses)]
 
 
-def weight_sync(sampler, dtype: str) -> dict:
-    """The trainer's weights into the running engine, then compare sums and greedy tokens."""
-    trainer = make_model("", seed=1, dtype=dtype).eval()
+def weight_sync(client) -> dict:
+    """One real step of our DeepSpeed trainer on a rollout from the running engine, its weights
+    into that engine through the server's ``sync_weights`` (CUDA IPC), then: the engine's weights
+    sum to the trainer's, its greedy tokens are compared with the trainer model's own ``generate``,
+    and a sleep (level 1) and wake must leave them unchanged."""
+    server = client.transport.server
+    sampler, model = server.sampler, server.trainer.model
     prompts = random_prompts(8, 256, seed=7)
+    rollout = client.generate(prompts, n=4, max_tokens=16, seed=3).batch
+    advantages = torch.linspace(-1, 1, rollout.num_responses)
+    rollout = rollout.replace(old_logprobs=client.log_probs(rollout).outputs["logprobs"], advantages=advantages,
+                              rewards=advantages)
+    client.fwd_bwd(rollout, "ppo")
+    step = client.step().metrics
     before = greedy(sampler, prompts, 1, 32)
     started = time.perf_counter()
-    sampler.update_weights(list(trainer.named_parameters()), version=1)
+    synced = client.sync_weights()
     seconds = time.perf_counter() - started
     engine_sum = sum(sampler.llm.collective_rpc("arctic_weights_checksum"))
-    trainer_sum = sum(float(p.double().sum()) for p in trainer.parameters())
-    after = greedy(sampler, prompts, 1, 32)
-    sampler.sleep()  # level 1: weights to the host, KV cache freed
+    trainer_sum = sum(float(p.double().sum()) for p in model.parameters())  # tied weights once, as vLLM
+    after = client.generate(prompts, n=1, temperature=0.0, max_tokens=32).batch
+    client.sleep(["sampler"])
     asleep_gib = torch.cuda.mem_get_info()[0] / 2**30
-    sampler.wake()
+    client.wake(["sampler"])
     after_wake = greedy(sampler, prompts, 1, 32)
     with torch.no_grad():
-        expected = [trainer.generate(torch.tensor([p], device="cuda"), do_sample=False,
-                                     max_new_tokens=32)[0, len(p):].tolist() for p in prompts]
-    return {"update_s": round(seconds, 3), "engine_weight_sum": engine_sum, "trainer_weight_sum": trainer_sum,
-            "greedy_equal_to_trainer": sum(a == e for a, e in zip(after, expected)),
-            "greedy_equal_before_update": sum(b == e for b, e in zip(before, expected)), "prompts": len(prompts),
-            "first_token_equal_to_trainer": sum(a[0] == e[0] for a, e in zip(after, expected)),
-            "free_gib_while_asleep": round(asleep_gib, 1), "greedy_same_after_sleep_wake": after_wake == after}
+        expected = [model.generate(torch.tensor([p], device="cuda"), do_sample=False,
+                                   max_new_tokens=32)[0, len(p):].tolist() for p in prompts]
+    tokens = [after.response(i) for i in range(after.num_responses)]
+    return {"grad_norm": step["grad_norm"], "sync_s": round(seconds, 3), "policy_version": synced.policy_version,
+            "versions_reported": sorted(set(after.policy_version.tolist())),
+            "engine_weight_sum": engine_sum, "trainer_weight_sum": trainer_sum,
+            "greedy_equal_to_trainer": sum(a == e for a, e in zip(tokens, expected)),
+            "greedy_equal_before_sync": sum(b == e for b, e in zip(before, expected)), "prompts": len(prompts),
+            "first_token_equal_to_trainer": sum(a[0] == e[0] for a, e in zip(tokens, expected)),
+            "free_gib_while_asleep": round(asleep_gib, 1), "greedy_same_after_sleep_wake": after_wake == tokens}
+
+
+def start_sampler(args, options: dict):
+    """The vLLM sampler alone, or (``--weight-sync``) inside our server, next to our DeepSpeed
+    trainer on the same weights: returns (sampler, client or None)."""
+    from arctic_core.client import ArcticClient
+    from arctic_core.config import ArcticConfig, ModelConfig, SamplerConfig
+    from arctic_fca.vllm_sampler import VllmSampler
+
+    model = {"path": FOLDER, "dtype": args.dtype, "device": "cuda"}
+    sampler = {"backend": "vllm", "options": options}
+    if not args.weight_sync:
+        return VllmSampler(SamplerConfig(**sampler), ModelConfig(**model), seed=0), None
+    client = ArcticClient.in_process(ArcticConfig.from_dict(
+        {"model": model, "sampler": sampler, "trainer": {"optimizer": {"lr": 1e-3}}, "seed": 0}))
+    return client.transport.server.sampler, client
 
 
 def run_mode(args) -> dict:
-    from arctic_core.config import ModelConfig, SamplerConfig
-    from arctic_fca.vllm_sampler import VllmSampler
-
-    make_model(FOLDER)
+    save_random_model(FOLDER)
     torch.cuda.empty_cache()
     started = time.perf_counter()
     options = {"fca": args.mode == "fca", "gpu_memory_utilization": 0.6, "max_model_len": 8192}
@@ -136,8 +161,7 @@ def run_mode(args) -> dict:
         options["fca_base"] = "TRITON_ATTN"
         if args.mode == "default":
             options["engine_args"] = {"attention_config": {"backend": "TRITON_ATTN"}}
-    sampler = VllmSampler(SamplerConfig(backend="vllm", options=options), ModelConfig(path=FOLDER, dtype=args.dtype),
-                          seed=0)
+    sampler, client = start_sampler(args, options)
     result = {"mode": args.mode, "dtype": args.dtype, "engine_start_s": round(time.perf_counter() - started, 1)}
     print(result, flush=True)
     # Eight requests per prompt (vLLM refuses n > 1 for greedy): they share the prompt's KV blocks.
@@ -148,8 +172,8 @@ def run_mode(args) -> dict:
         rows.append(throughput(sampler.llm, sampler.vllm, *shape))
         print(rows[-1], flush=True)
     result["throughput"] = rows
-    if args.weight_sync:
-        result["weight_sync"] = weight_sync(sampler, args.dtype)
+    if client is not None:
+        result["weight_sync"] = weight_sync(client)
         print(result["weight_sync"], flush=True)
     return result
 

@@ -4,22 +4,23 @@
 # ../shared/scripts/vllm-h200-wheels.sh .vllm (then `echo /.vllm/ >> .git/info/exclude`), and the
 # wheel in parts of 58 MB, each carried in its own call (`cp .vllm/vllm.partNN /tmp/vp/`).
 #
-#   bash bench/vllm_h200.sh install    # carry .vllm/deps and .whl: joins the parts, installs all
-#   bash bench/vllm_h200.sh kernels    # the work builder (eager vs CUDA graph) and the FCA kernel table (no vLLM)
-#   bash bench/vllm_h200.sh bf16       # default then FCA: throughput, greedy, weight sync (~6 min)
-#   bash bench/vllm_h200.sh fp32       # greedy checks (FCA, weight sync) without bf16 rounding (~5 min)
+#   bash bench/vllm_h200.sh install      # carry .vllm/deps and .whl: joins the parts, installs all
+#   bash bench/vllm_h200.sh kernels      # the work builder (eager vs CUDA graph) and the FCA kernel table (no vLLM)
+#   bash bench/vllm_h200.sh bf16         # default then FCA: throughput, greedy, weight sync (~7 min)
+#   bash bench/vllm_h200.sh fp32-fca     # greedy and weight sync without bf16 rounding (~5 min) ...
+#   bash bench/vllm_h200.sh fp32-default # ... and the default side of the fp32 greedy check, then --compare
 set -euo pipefail
 out=${OUT:-vllm-results}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:bench PYTHONUNBUFFERED=1
 
-run() {  # run NAME ARGS...: one engine per process; its log and JSON land in $out
-  local name=$1; shift
-  timeout 280 python3 bench/vllm_fca.py "$@" --out "$out/$name.json" >"$out/$name.log" 2>&1 || echo "$name: rc=$?"
+run() {  # run SECONDS NAME ARGS...: one engine per process; its log and JSON land in $out
+  local seconds=$1 name=$2; shift 2
+  timeout "$seconds" python3 bench/vllm_fca.py "$@" --out "$out/$name.json" >"$out/$name.log" 2>&1 || echo "$name: rc=$?"
   grep "^{" "$out/$name.log" | tail -1 | cut -c1-400
 }
 
-case ${1:?usage: $0 install|kernels|bf16|fp32} in
+case ${1:?usage: $0 install|kernels|bf16|fp32-fca|fp32-default} in
   install)
     cat /tmp/vp/vllm.part* >/tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -31,11 +32,13 @@ case ${1:?usage: $0 install|kernels|bf16|fp32} in
     timeout 300 python3 bench/fca_decode.py >"$out/fca_decode.log" 2>&1 || echo "fca_decode: rc=$?"
     grep "^groups" "$out/fca_decode.log" | cut -c1-300 ;;
   bf16)
-    run default --mode default
-    run fca --mode fca --weight-sync
+    run 280 default --mode default
+    run 300 fca --mode fca --weight-sync
     python3 bench/vllm_fca.py --compare "$out/default.json" "$out/fca.json" | tail -1 ;;
-  fp32)
-    run default32 --mode default --dtype float32 --greedy-only
-    run fca32 --mode fca --dtype float32 --greedy-only --weight-sync
-    python3 bench/vllm_fca.py --compare "$out/default32.json" "$out/fca32.json" | tail -1 ;;
+  fp32-fca)
+    run 560 fca32 --mode fca --dtype float32 --greedy-only --weight-sync
+    cp "$out/fca32.json" /tmp/fca32.json ;;  # for fp32-default, while the machine stays warm
+  fp32-default)  # compares with fp32-fca's JSON (FCA32, default: its copy in /tmp)
+    run 500 default32 --mode default --dtype float32 --greedy-only
+    python3 bench/vllm_fca.py --compare "$out/default32.json" "${FCA32:-/tmp/fca32.json}" | tail -1 ;;
 esac
