@@ -299,12 +299,20 @@ def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
         query, key_cache, value_cache, tables, lens = attention_args(batch)
         tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
         scale = 1 / math.sqrt(heads["head_dim"])
-        host_ms, build_us, syncs, outs = {}, {}, [], {}
-        for kind in ("eager", "graph"):
+        host_ms, build_us, first_ms, syncs, outs = {}, {}, {}, [], {}
+        kept = None
+        for kind in ("eager", "graph", "compiled"):
+            begin = time.perf_counter()
             builder = DeviceWorkBuilder(1024, width, key_cache.shape[0], 16, kv_dtype=query.dtype, device="cuda",
-                                        graphs=kind == "graph", **heads)
-            builder.build(tables, lens)  # a graph is captured here
+                                        graphs=kind != "eager", compile_backend="inductor" if kind == "compiled" else None,
+                                        **heads)
+            try:
+                builder.build(tables, lens)  # a graph is captured here (and the build compiled)
+            except Exception as error:  # noqa: BLE001 - the experiment must not stop the others
+                print(f"{kind} build failed: {error!r}"[:300], flush=True)
+                continue
             torch.cuda.synchronize()
+            first_ms[kind] = round((time.perf_counter() - begin) * 1e3)
             torch.cuda.set_sync_debug_mode("warn")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -316,6 +324,8 @@ def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
             syncs += caught
             build_us[kind] = round(time_us(lambda b=builder: b.build(tables, lens)), 1)
             outs[kind] = triton_decode_attention(query, key_cache, value_cache, work, scale)
+            kept = (builder, work) if kind == "graph" else kept
+        builder, work = kept
         for sync in syncs[:3]:
             print("host sync:", sync.filename, sync.lineno, str(sync.message)[:200], flush=True)
         shape = dict(dtype=query.dtype, device="cuda", **heads)
@@ -330,10 +340,12 @@ def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
         runs.update({f"host_{m}": graphed(lambda p=p: p(query, key_cache, value_cache, scale)) for m, p in host.items()})
         out = triton_decode_attention(query, key_cache, value_cache, work, scale).float()
         graph_equals_eager = bool(torch.equal(outs["graph"], outs["eager"]))
+        compiled_equals_eager = bool(torch.equal(outs["compiled"], outs["eager"])) if "compiled" in outs else None
         expected = host["plain"](query, key_cache, value_cache, scale).float()
         rows.append({"shape": f"{groups}x{samples}@{prefix}", "used_fca": bool(builder.used_fca),
                      "host_syncs_per_build": len(syncs) / 20, "build_host_ms": host_ms, "build_us": build_us,
-                     "graph_equals_eager": graph_equals_eager,
+                     "graph_equals_eager": graph_equals_eager, "compiled_equals_eager": compiled_equals_eager,
+                     "first_build_ms": first_ms,
                      **{f"{k}_us": round(time_us(v), 1) for k, v in runs.items()},
                      "max_abs_diff_vs_plain": (out - expected).abs().max().item()})
         print(rows[-1], flush=True)

@@ -156,13 +156,14 @@ def run_mode(args) -> dict:
     save_random_model(FOLDER)
     torch.cuda.empty_cache()
     started = time.perf_counter()
-    options = {"fca": args.mode == "fca", "gpu_memory_utilization": 0.6, "max_model_len": 8192}
+    options = {"fca": args.mode == "fca", "gpu_memory_utilization": 0.6, "max_model_len": 8192,
+               "fca_compile_build": args.compile_build}
     if args.dtype == "float32":  # FlashAttention has no fp32: both modes on vLLM's Triton backend
         options["fca_base"] = "TRITON_ATTN"
         if args.mode == "default":
             options["engine_args"] = {"attention_config": {"backend": "TRITON_ATTN"}}
     sampler, client = start_sampler(args, options)
-    result = {"mode": args.mode, "dtype": args.dtype, "engine_start_s": round(time.perf_counter() - started, 1)}
+    result = {"mode": args.mode, "dtype": args.dtype, "compile_build": args.compile_build, "engine_start_s": round(time.perf_counter() - started, 1)}
     print(result, flush=True)
     # Eight requests per prompt (vLLM refuses n > 1 for greedy): they share the prompt's KV blocks.
     prompts = [p for p in random_prompts(64, 2048, seed=1) for _ in range(8)]
@@ -207,6 +208,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="float32: both modes on vLLM's Triton backend, for a greedy check free of bf16 rounding")
     parser.add_argument("--greedy-only", action="store_true", help="skip the throughput runs")
+    parser.add_argument("--compile-build", action="store_true",
+                        help="fca mode: the per-step work build fused by torch.compile (fca_compile_build)")
     parser.add_argument("--compare", nargs=2, metavar=("DEFAULT_JSON", "FCA_JSON"))
     args = parser.parse_args()
     if args.compare:

@@ -7,6 +7,7 @@
 #   bash bench/vllm_h200.sh install      # carry .vllm/deps and .whl: joins the parts, installs all
 #   bash bench/vllm_h200.sh kernels      # the work builder (eager vs CUDA graph) and the FCA kernel table (no vLLM)
 #   bash bench/vllm_h200.sh bf16         # default then FCA: throughput, greedy, weight sync (~7 min)
+#   bash bench/vllm_h200.sh fca-compiled # FCA with the work build fused by torch.compile (~3 min)
 #   bash bench/vllm_h200.sh fp32-fca     # greedy and weight sync without bf16 rounding (~5 min) ...
 #   bash bench/vllm_h200.sh fp32-default # ... and the default side of the fp32 greedy check, then --compare
 set -euo pipefail
@@ -20,7 +21,7 @@ run() {  # run SECONDS NAME ARGS...: one engine per process; its log and JSON la
   grep "^{" "$out/$name.log" | tail -1 | cut -c1-400
 }
 
-case ${1:?usage: $0 install|kernels|bf16|fp32-fca|fp32-default} in
+case ${1:?usage: $0 install|kernels|bf16|fca-compiled|fp32-fca|fp32-default} in
   install)
     cat /tmp/vp/vllm.part* >/tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -33,8 +34,12 @@ case ${1:?usage: $0 install|kernels|bf16|fp32-fca|fp32-default} in
     grep "^groups" "$out/fca_decode.log" | cut -c1-300 ;;
   bf16)
     run 280 default --mode default
+    cp "$out/default.json" /tmp/default.json  # for fca-compiled, while the machine stays warm
     run 300 fca --mode fca --weight-sync
     python3 bench/vllm_fca.py --compare "$out/default.json" "$out/fca.json" | tail -1 ;;
+  fca-compiled)  # FCA with its work build fused by torch.compile, against bf16's default run
+    run 300 fcac --mode fca --compile-build
+    python3 bench/vllm_fca.py --compare "${DEFAULT:-/tmp/default.json}" "$out/fcac.json" | tail -1 ;;
   fp32-fca)
     run 560 fca32 --mode fca --dtype float32 --greedy-only --weight-sync
     cp "$out/fca32.json" /tmp/fca32.json ;;  # for fp32-default, while the machine stays warm

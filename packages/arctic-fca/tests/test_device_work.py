@@ -136,6 +136,30 @@ def test_a_build_rests_on_its_inputs_alone_not_on_what_its_buffers_held():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
+def test_a_compiled_build_writes_what_the_eager_build_writes():
+    """``compile_backend`` traces the build once for every batch size (dynamic shapes); the GPU runs
+    it through inductor, the CPU suite through aot_eager (the same traced program, unfused)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    eager, compiled = None, None
+    for seed, rows in ((2, 0), (3, 4)):  # two batch sizes: one trace must serve both
+        segments, requests = random_forest(seed, 16)
+        batch = make_batch(segments, requests, 16, seed=seed)
+        tables = torch.nn.functional.pad(batch["block_tables"].clamp(min=0), (0, 16 - batch["block_tables"].shape[1]))
+        tables, lens = torch.nn.functional.pad(tables, (0, 0, 0, rows)), torch.nn.functional.pad(batch["seq_lens"], (0, rows))
+        eager = eager or builder_for({**batch, "block_tables": tables}, rows=64)
+        compiled = compiled or builder_for({**batch, "block_tables": tables}, rows=64, compile_backend="aot_eager")
+        expected, work = eager.build(tables, lens), compiled.build(tables, lens)
+        for name in ("q_index", "merge_indptr", "merge_rows"):
+            assert torch.equal(getattr(work, name), getattr(expected, name)), name
+        for launch in ("node", "single"):
+            assert torch.equal(getattr(work, launch).items, getattr(expected, launch).items), launch
+            assert torch.equal(getattr(work, launch).count, getattr(expected, launch).count), launch
+        assert bool(compiled.used_fca) == bool(eager.used_fca)
+    assert counters["stats"]["unique_graphs"] == 1  # traced whole (fullgraph), once
+
+
 @pytest.mark.parametrize("breach", ["another column", "another parent"])
 def test_tables_that_break_the_prefix_property_decode_plain_and_exact(breach):
     """One physical block must mean one prefix: the same block at two columns, or under two

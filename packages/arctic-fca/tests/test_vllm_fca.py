@@ -16,6 +16,7 @@ from test_fca import attention_args, make_batch, random_forest
 from arctic_fca import vllm_fca
 from arctic_fca.fca import paged_decode_attention
 from arctic_fca.fca.device_work import DeviceWorkBuilder
+from arctic_fca.vllm_plugin import COMPILE_ENV
 
 HEADS, KV_HEADS, HEAD_DIM, SCALE = 4, 2, 16, 0.3
 
@@ -92,6 +93,17 @@ def test_a_decode_batch_runs_fca_on_vllms_cache_layout_and_output_buffer(step):
     output = run(step, meta)
     torch.testing.assert_close(output[: step.real].view(step.real, HEADS, HEAD_DIM), step.expected, atol=1e-5, rtol=0)
     assert (output[step.real :] == 0).all()  # padding rows: zeros, nothing read out of bounds
+
+
+def test_the_compile_setting_reaches_the_work_builder(step, monkeypatch):
+    """The sampler's ``fca_compile_build`` travels to vLLM's workers as an environment variable;
+    the builder then traces its work build (aot_eager here; inductor on the GPU)."""
+    monkeypatch.setenv(COMPILE_ENV, "aot_eager")
+    meta = step.builder.build(0, step.cam)
+    work_builder = step.builder.work_builder
+    assert work_builder._run_build != work_builder._build  # the compiled wrapper, not the method
+    output = run(step, meta)
+    torch.testing.assert_close(output[: step.real].view(step.real, HEADS, HEAD_DIM), step.expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("change", ["prefill", "cascade", "one request", "not causal"])

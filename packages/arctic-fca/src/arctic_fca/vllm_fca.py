@@ -10,10 +10,13 @@ against stand-in bases); ``vllm_attention`` mixes them into vLLM's own backends.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from arctic_fca.fca.device_work import DeviceWorkBuilder
 from arctic_fca.fca.triton_decode import triton_decode_attention
+from arctic_fca.vllm_plugin import COMPILE_ENV
 
 DECODER = "decoder"  # vLLM's AttentionType.DECODER (a str enum)
 
@@ -48,7 +51,7 @@ class FCABuilderMixin:
             self.work_builder = DeviceWorkBuilder(
                 self.max_requests, tables.shape[1], self.cache_config.num_gpu_blocks, self.spec.block_size,
                 num_q_heads=self.num_q_heads, num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_size,
-                kv_dtype=self.spec.dtype, device=tables.device)
+                kv_dtype=self.spec.dtype, device=tables.device, compile_backend=os.environ.get(COMPILE_ENV) or None)
         return self.work_builder
 
 
