@@ -249,6 +249,9 @@ def sweep(heads: dict, shapes, quick: bool = False) -> dict:
     settings += [] if quick else [(f"node rows {rows}", {"rows": rows}) for rows in (16, 32, 128)]
     settings += [] if quick else [(f"node bn{bn} w{w} s{st}", {"node": {"block_n": bn, "num_warps": w, "num_stages": st}})
                  for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    # Deeper pipelines (more KV bytes in flight per SM; shared memory allows them at one program per SM).
+    settings += [] if quick else [(f"node bn{bn} w4 s{st}", {"node": {"block_n": bn, "num_warps": 4, "num_stages": st}})
+                                  for bn, st in ((64, 5), (64, 6), (32, 6), (32, 8))]
     settings += [] if quick else [(f"single bn{bn} w{w} s{st}", {"single": {"block_n": bn, "num_warps": w, "num_stages": st}})
                  for bn in (64, 128) for w in (2, 4) for st in (2, 3)]
     settings += [] if quick else [(f"items/SM {i} programs/SM {pr}", {"items": i, "programs": pr}) for i in (2, 4, 8, 16) for pr in (16, 32)]
