@@ -160,6 +160,21 @@ def test_a_compiled_build_writes_what_the_eager_build_writes():
     assert counters["stats"]["unique_graphs"] == 1  # traced whole (fullgraph), once
 
 
+def test_a_compiler_that_fails_leaves_the_build_unfused_and_working(caplog):
+    def broken_backend(graph, example_inputs):
+        raise RuntimeError("no kernels today")
+
+    segments, requests = random_forest(1, 16)
+    batch = make_batch(segments, requests, 16, seed=1)
+    query, key_cache, value_cache, tables, lens = attention_args(batch)
+    builder = builder_for(batch, compile_backend=broken_backend)
+    out = execute(builder.build(tables, lens), query, key_cache, value_cache, 0.3)
+    torch.testing.assert_close(out, paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3),
+                               atol=1e-5, rtol=0)
+    assert "torch.compile failed" in caplog.text and "no kernels today" in caplog.text
+    assert builder._run_build == builder._build
+
+
 @pytest.mark.parametrize("breach", ["another column", "another parent"])
 def test_tables_that_break_the_prefix_property_decode_plain_and_exact(breach):
     """One physical block must mean one prefix: the same block at two columns, or under two

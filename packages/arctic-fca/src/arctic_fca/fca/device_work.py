@@ -35,6 +35,7 @@ they still cost ~0.8 ms of GPU time (one small kernel after another); ``compile_
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -54,7 +55,7 @@ class DeviceWorkBuilder:
                  num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, device: torch.device | str,
                  costs: CostConstants = DEFAULT_COSTS, num_sms: int | None = None,
                  chunk_range: tuple[int, int] = (MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS), graphs: bool = True,
-                 compile_backend: str | None = None) -> None:
+                 compile_backend: str | Callable | None = None) -> None:
         device = torch.device(device)
         # One traced program for every batch size (dynamic); CUDA graphs then capture its kernels.
         self._run_build = (torch.compile(self._build, backend=compile_backend, dynamic=True, fullgraph=True)
@@ -105,7 +106,7 @@ class DeviceWorkBuilder:
         self.tables_in[:num_requests].copy_(block_tables)
         self.lens_in[:num_requests].copy_(seq_lens)
         if self.graphs is None:
-            self._run_build(num_requests)
+            self._build_now(num_requests)
             return self.work
         # Batch sizes round up to a power of two (rows of length 0 are padding, given no work), so
         # an engine that does not pad its batches still needs only ~log2(max_requests) graphs.
@@ -118,7 +119,7 @@ class DeviceWorkBuilder:
             except RuntimeError as error:  # e.g. a capture already running on this stream
                 logger.warning("FCA work builder: CUDA graph capture failed (%s); building eagerly from now on", error)
                 self.graphs = None
-                self._run_build(num_requests)
+                self._build_now(num_requests)
                 return self.work
         graph.replay()
         return self.work
@@ -127,7 +128,7 @@ class DeviceWorkBuilder:
         side = torch.cuda.Stream()  # warm up off the capturing stream, as torch.cuda.graph asks
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._run_build(num_requests)
+            self._build_now(num_requests)  # compiles, if asked
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # One memory pool for every batch size: a build's temporaries die with it.
@@ -136,6 +137,18 @@ class DeviceWorkBuilder:
         self._pool = graph.pool()
         self.graphs[num_requests] = graph
         return graph
+
+    def _build_now(self, num_requests: int) -> None:
+        """Run the build; if the compiler fails on it, warn and run its ops one by one from now on
+        (a slower step, not a dead engine)."""
+        try:
+            self._run_build(num_requests)
+        except Exception as error:  # noqa: BLE001 - any compiler failure; the plain ops then run
+            if self._run_build == self._build:
+                raise
+            logger.warning("FCA work builder: torch.compile failed (%s); building op by op", error)
+            self._run_build = self._build
+            self._build(num_requests)
 
     def _build(self, num_requests: int) -> None:
         """The work of the first ``num_requests`` rows of the input buffers."""
