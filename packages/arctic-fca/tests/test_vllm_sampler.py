@@ -10,7 +10,7 @@ import types
 import pytest
 
 from arctic_core.config import ModelConfig, SamplerConfig
-from arctic_core.errors import ConfigError
+from arctic_core.errors import ConfigError, RequestError
 from arctic_core.registry import default_registry
 from arctic_fca.vllm_plugin import BASE_ENV, COMPILE_ENV
 
@@ -43,6 +43,8 @@ class RecordingLLM:
 
     def __init__(self, **kwargs) -> None:
         self.kwargs, self.requests = kwargs, []
+        model_config = types.SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000)
+        self.llm_engine = types.SimpleNamespace(model_config=model_config)
 
     def generate(self, prompts, sampling, use_tqdm=False):
         self.requests.append(sampling)
@@ -87,6 +89,18 @@ def test_greedy_samples_are_one_request_repeated_and_sampling_asks_for_n(fake_vl
     assert sampler.llm.requests[-1].n == 3 and sampler.llm.requests[-1].logprobs == 0
     assert [sampled.response(i) for i in range(3)] == [[10, 11], [11, 12], [12, 13]]  # by sample index
     assert sampled.sampling_logprobs[0, :2].tolist() == [-0.5, -1.0]
+
+
+def test_prompts_vllm_cannot_take_are_refused_by_name_before_vllm_sees_them(fake_vllm):
+    from arctic_core.config import SamplingParams
+
+    sampler = build()
+    with pytest.raises(RequestError, match=r"prompts\[1\] contain token id 1000 >= vocab size 1000"):
+        sampler.generate([[5], [7, 1000]], SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError, match=r"prompts\[0\] \(60 tokens\) \+ max_tokens=8 exceeds max_model_len=64"):
+        sampler.generate([[5] * 60], SamplingParams(max_tokens=8))
+    assert sampler.llm.requests == []  # nothing reached the engine
+    assert sampler.generate([[5] * 60], SamplingParams(max_tokens=4)).num_responses == 1
 
 
 def test_the_plugin_names_an_unknown_base_backend(monkeypatch):

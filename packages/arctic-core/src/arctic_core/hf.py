@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -49,6 +49,16 @@ def copy_weights_(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Ten
 def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     if ids.numel() and int(ids.max()) >= vocab_size:
         raise RequestError(f"{what} contain token id {int(ids.max())} >= vocab size {vocab_size}")
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_tokens: int, max_model_len: int) -> None:
+    """Refuse, naming the prompt, a token id past the vocabulary or a prompt with no room left for
+    ``max_tokens`` more (the protocol already refuses empty prompts and negative ids)."""
+    for i, prompt in enumerate(prompts):
+        check_token_ids(torch.tensor(prompt), vocab_size, f"prompts[{i}]")
+        if len(prompt) + max_tokens > max_model_len:
+            raise RequestError(f"prompts[{i}] ({len(prompt)} tokens) + max_tokens={max_tokens} exceeds "
+                               f"max_model_len={max_model_len}")
 
 
 def set_attention_implementation(model: torch.nn.Module, name: str) -> None:

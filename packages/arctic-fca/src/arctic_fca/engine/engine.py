@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 
 from arctic_core.config import SamplingParams, StrictModel
 from arctic_core.errors import ConfigError, RequestError
-from arctic_core.hf import check_token_ids, copy_weights_, default_stop_tokens, set_attention_implementation
+from arctic_core.hf import check_prompts, copy_weights_, default_stop_tokens, set_attention_implementation
 from arctic_fca.engine.attention import ATTENTION_NAME, PrefillSpan, StepMetadata
 from arctic_fca.engine.blocks import BlockPool, block_hashes
 from arctic_fca.engine.kv_cache import PagedKVCache
@@ -251,21 +251,17 @@ class EmbeddedEngine:
     def _check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if params.n > self.options.max_num_seqs:
             raise RequestError(f"n={params.n} exceeds the engine's max_num_seqs={self.options.max_num_seqs}")
-        vocab = self.model.config.vocab_size
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompts):  # called directly too, not only behind the protocol
             if not prompt:
                 raise RequestError(f"prompts[{i}] is empty")
             if min(prompt) < 0:
                 raise RequestError(f"prompts[{i}] contain a negative token id {min(prompt)}")
-            check_token_ids(torch.tensor(prompt), vocab, f"prompts[{i}]")
+        check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, self.max_model_len)
         for i, prompt in enumerate(prompts):
             needed = self._group_blocks(len(prompt), 0, params)
             if needed > self.pool.capacity:
                 raise RequestError(f"prompts[{i}] with n={params.n} and max_tokens={params.max_tokens} needs {needed} KV "
                                    f"blocks; the cache has {self.pool.capacity} (raise kv_cache_tokens)")
-            if len(prompt) + params.max_tokens > self.max_model_len:
-                raise RequestError(f"prompts[{i}] ({len(prompt)} tokens) + max_tokens={params.max_tokens} exceeds "
-                                   f"max_model_len={self.max_model_len}")
 
     def _own_blocks(self, prompt_len: int, params: SamplingParams) -> int:
         """Blocks one sample writes beyond the prompt's full blocks (the last sampled token is never cached)."""
