@@ -123,9 +123,7 @@ def weight_sync(client) -> dict:
     asleep_gib = torch.cuda.mem_get_info()[0] / 2**30
     client.wake(["sampler"])
     after_wake = greedy(sampler, prompts, 1, 32)
-    with torch.no_grad():
-        expected = [model.generate(torch.tensor([p], device="cuda"), do_sample=False,
-                                   max_new_tokens=32)[0, len(p):].tolist() for p in prompts]
+    expected = trainer_greedy(model, prompts, 32)
     tokens = [after.response(i) for i in range(after.num_responses)]
     return {"grad_norm": step["grad_norm"], "sync_s": round(seconds, 3), "policy_version": synced.policy_version,
             "versions_reported": sorted(set(after.policy_version.tolist())),
@@ -134,6 +132,21 @@ def weight_sync(client) -> dict:
             "greedy_equal_before_sync": sum(b == e for b, e in zip(before, expected)), "prompts": len(prompts),
             "first_token_equal_to_trainer": sum(a[0] == e[0] for a, e in zip(tokens, expected)),
             "free_gib_while_asleep": round(asleep_gib, 1), "greedy_same_after_sleep_wake": after_wake == tokens}
+
+
+def trainer_greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """The trainer's own greedy tokens: its model is routed to ZoRRo's packed attention, which
+    serves training batches only, so ``generate`` runs it on SDPA, then the routing is restored."""
+    from arctic_core.hf import set_attention_implementation
+
+    packed, device = model.config._attn_implementation, next(model.parameters()).device
+    set_attention_implementation(model, "sdpa")
+    try:
+        with torch.no_grad():
+            return [model.generate(torch.tensor([p], device=device), do_sample=False,
+                                   max_new_tokens=tokens)[0, len(p):].tolist() for p in prompts]
+    finally:
+        set_attention_implementation(model, packed)
 
 
 def start_sampler(args, options: dict):
@@ -163,7 +176,8 @@ def run_mode(args) -> dict:
         if args.mode == "default":
             options["engine_args"] = {"attention_config": {"backend": "TRITON_ATTN"}}
     sampler, client = start_sampler(args, options)
-    result = {"mode": args.mode, "dtype": args.dtype, "compile_build": args.compile_build, "engine_start_s": round(time.perf_counter() - started, 1)}
+    result = {"mode": args.mode, "dtype": args.dtype, "compile_build": args.compile_build,
+              "engine_start_s": round(time.perf_counter() - started, 1)}
     print(result, flush=True)
     # Eight requests per prompt (vLLM refuses n > 1 for greedy): they share the prompt's KV blocks.
     prompts = [p for p in random_prompts(64, 2048, seed=1) for _ in range(8)]
