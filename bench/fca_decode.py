@@ -328,6 +328,8 @@ def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
             build_us[kind] = round(time_us(lambda b=builder: b.build(tables, lens)), 1)
             outs[kind] = triton_decode_attention(query, key_cache, value_cache, work, scale)
             kept = (builder, work) if kind == "graph" else kept
+            if kind == "compiled":  # the builder falls back to unfused ops if inductor fails
+                first_ms["compiled_fell_back"] = builder._run_build == builder._build
         builder, work = kept
         for sync in syncs[:3]:
             print("host sync:", sync.filename, sync.lineno, str(sync.message)[:200], flush=True)
