@@ -172,6 +172,9 @@ def run_mode(args) -> dict:
     options = {"fca": args.mode == "fca", "gpu_memory_utilization": 0.6, "max_model_len": 8192,
                "fca_compile_build": args.compile_build}
     if args.dtype == "float32":  # FlashAttention has no fp32: both modes on vLLM's Triton backend
+        # whose tl.dot rounds fp32 inputs to TF32 by default (10-bit mantissas): IEEE fp32 instead,
+        # in vLLM's processes too (they inherit the environment), or the check measures TF32 noise.
+        os.environ["TRITON_F32_DEFAULT"] = "ieee"
         options["fca_base"] = "TRITON_ATTN"
         if args.mode == "default":
             options["engine_args"] = {"attention_config": {"backend": "TRITON_ATTN"}}
