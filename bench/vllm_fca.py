@@ -180,19 +180,26 @@ def run_mode(args) -> dict:
             options["engine_args"] = {"attention_config": {"backend": "TRITON_ATTN"}}
     sampler, client = start_sampler(args, options)
     result = {"mode": args.mode, "dtype": args.dtype, "compile_build": args.compile_build,
-              "engine_start_s": round(time.perf_counter() - started, 1)}
+              "engine_start_s": round(time.perf_counter() - started, 1), "throughput": []}
     print(result, flush=True)
+
+    def save() -> None:  # after every part: a run cut short by its time limit keeps what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+
     # Eight requests per prompt (vLLM refuses n > 1 for greedy): they share the prompt's KV blocks.
     prompts = [p for p in random_prompts(64, 2048, seed=1) for _ in range(8)]
     result["greedy"] = greedy_with_gaps(sampler.llm, sampler.vllm, prompts, 128)
-    rows = []
+    save()
     for shape in [] if args.greedy_only else SHAPES:
-        rows.append(throughput(sampler.llm, sampler.vllm, *shape))
-        print(rows[-1], flush=True)
-    result["throughput"] = rows
+        result["throughput"].append(throughput(sampler.llm, sampler.vllm, *shape))
+        print(result["throughput"][-1], flush=True)
+        save()
     if client is not None:
         result["weight_sync"] = weight_sync(client)
         print(result["weight_sync"], flush=True)
+        save()
     return result
 
 
@@ -233,9 +240,6 @@ def main() -> None:
         print(json.dumps(compare(*args.compare)))
         return
     result = run_mode(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
     print(json.dumps({k: v for k, v in result.items() if k != "greedy"}))
     os._exit(0)  # vLLM's engine-core process and NCCL teardown can hang at interpreter exit
 

@@ -35,7 +35,7 @@ case ${1:?usage: $0 install|kernels|bf16|fca-compiled|fp32-fca|fp32-default} in
   bf16)
     run 280 default --mode default
     cp "$out/default.json" /tmp/default.json || true  # for fca-compiled, while the machine stays warm
-    run 300 fca --mode fca --weight-sync
+    run 310 fca --mode fca --weight-sync
     python3 bench/vllm_fca.py --compare "$out/default.json" "$out/fca.json" | tail -1 ;;
   fca-compiled)  # FCA with its work build fused by torch.compile, against bf16's default run
     run 300 fcac --mode fca --compile-build
