@@ -26,7 +26,7 @@ node rows <= per_tile * target + R*W*bs/max_chunk + pairs. They hold by construc
 length is never below (work / target), so no batch overflows them; only the (node, request) pairs
 are checked (a forest deeper than ``PAIRS_PER_REQUEST`` nodes decodes plain).
 
-On CUDA each batch size's build is captured in a CUDA graph once and replayed: eager, its ~170
+On CUDA each batch size's build is captured in a CUDA graph once and replayed: eager, its ~250
 small ops cost ~5 ms of host time per step (H200), which a short decode step cannot hide. Replayed,
 they still cost ~0.8 ms of GPU time (one small kernel after another); ``compile_backend``
 ("inductor") fuses them with ``torch.compile`` before the capture (an option until measured).
