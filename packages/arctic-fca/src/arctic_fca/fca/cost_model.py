@@ -46,6 +46,7 @@ class ByteEstimate:
     plain: float
     fca: float
     unique_kv: float  # the KV bytes FCA reads (what its achieved bandwidth is measured on)
+    fca_wins: bool  # the cost model's choice (``price``)
 
 
 def token_bytes(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -69,17 +70,14 @@ def price(plain_tokens, unique_tokens, partial_rows, num_nodes, kv_token_bytes: 
 def estimate_bytes(plan: FCAPlan, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    costs: CostConstants = DEFAULT_COSTS) -> ByteEstimate:
     kv_bytes, row_bytes = token_bytes(num_q_heads, num_kv_heads, head_dim, dtype)
-    plain, fca, _ = price(plan.plain_kv_tokens(), plan.fca_kv_tokens(), plan.num_partial_rows, plan.num_nodes,
-                          kv_bytes, row_bytes, costs)
-    return ByteEstimate(plain=plain, fca=fca, unique_kv=plan.fca_kv_tokens() * kv_bytes)
+    plain, fca, wins = price(plan.plain_kv_tokens(), plan.fca_kv_tokens(), plan.num_partial_rows, plan.num_nodes,
+                             kv_bytes, row_bytes, costs)
+    return ByteEstimate(plain=plain, fca=fca, unique_kv=plan.fca_kv_tokens() * kv_bytes, fca_wins=bool(wins))
 
 
 def choose(plan: FCAPlan, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
            costs: CostConstants = DEFAULT_COSTS) -> Literal["fca", "plain"]:
-    kv_bytes, row_bytes = token_bytes(num_q_heads, num_kv_heads, head_dim, dtype)
-    wins = price(plan.plain_kv_tokens(), plan.fca_kv_tokens(), plan.num_partial_rows, plan.num_nodes,
-                 kv_bytes, row_bytes, costs)[2]
-    return "fca" if wins else "plain"
+    return "fca" if estimate_bytes(plan, num_q_heads, num_kv_heads, head_dim, dtype, costs).fca_wins else "plain"
 
 
 def fca_or_plain_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
