@@ -43,6 +43,16 @@ SHAPES = [(64, 8, 2048), (16, 16, 4096), (32, 8, 7680), (4, 64, 1024),
 FOLDER = "/tmp/qwen3-1.7b-shape-vllm"
 
 
+def shape_list(text: str) -> list[tuple[int, int, int]]:
+    """``64x8@2048,4x64@1024`` -> [(64, 8, 2048), (4, 64, 1024)] (prompts x samples @ prompt length)."""
+    shapes = []
+    for item in text.split(","):
+        counts, _, length = item.partition("@")
+        prompts, _, samples = counts.partition("x")
+        shapes.append((int(prompts), int(samples), int(length)))
+    return shapes
+
+
 def save_random_model(folder: str) -> None:
     """Random bf16 weights of the Qwen3-1.7B shape in ``folder`` (unless it holds a model already)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -119,6 +129,7 @@ def weight_sync(client) -> dict:
     engine_sum = sum(sampler.llm.collective_rpc("arctic_weights_checksum"))
     trainer_sum = sum(float(p.double().sum()) for p in model.parameters())  # tied weights once, as vLLM
     after = client.generate(prompts, n=1, temperature=0.0, max_tokens=32).batch
+    repeated = greedy(sampler, prompts, 1, 32)  # the same call again: run-to-run changes, apart from sleep's
     client.sleep(["sampler"])
     asleep_gib = torch.cuda.mem_get_info()[0] / 2**30
     client.wake(["sampler"])
@@ -131,7 +142,8 @@ def weight_sync(client) -> dict:
             "greedy_equal_to_trainer": sum(a == e for a, e in zip(tokens, expected)),
             "greedy_equal_before_sync": sum(b == e for b, e in zip(before, expected)), "prompts": len(prompts),
             "first_token_equal_to_trainer": sum(a[0] == e[0] for a, e in zip(tokens, expected)),
-            "free_gib_while_asleep": round(asleep_gib, 1), "greedy_same_after_sleep_wake": after_wake == tokens}
+            "free_gib_while_asleep": round(asleep_gib, 1), "greedy_same_when_repeated": repeated == tokens,
+            "greedy_same_after_sleep_wake": after_wake == tokens}
 
 
 def trainer_greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -192,7 +204,7 @@ def run_mode(args) -> dict:
     prompts = [p for p in random_prompts(64, 2048, seed=1) for _ in range(8)]
     result["greedy"] = greedy_with_gaps(sampler.llm, sampler.vllm, prompts, 128)
     save()
-    for shape in [] if args.greedy_only else SHAPES:
+    for shape in [] if args.greedy_only else args.shapes:
         result["throughput"].append(throughput(sampler.llm, sampler.vllm, *shape))
         print(result["throughput"][-1], flush=True)
         save()
@@ -221,7 +233,7 @@ def compare(default_path: str, fca_path: str) -> dict:
             "greedy_mean_common_prefix": round(sum(common) / len(common), 1),
             "largest_gap_where_they_part": max(split_gaps, default=None),
             "median_gap_overall": statistics.median(g for d in default["greedy"] for g in d["gaps"]), "rows": rows,
-            "weight_sync": fca.get("weight_sync")}
+            "weight_sync": fca.get("weight_sync"), "default_weight_sync": default.get("weight_sync")}
 
 
 def main() -> None:
@@ -232,6 +244,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="float32: both modes on vLLM's Triton backend, for a greedy check free of bf16 rounding")
     parser.add_argument("--greedy-only", action="store_true", help="skip the throughput runs")
+    parser.add_argument("--shapes", type=shape_list, default=SHAPES,
+                        help="throughput shapes, e.g. 128x1@2048,4x64@1024 (default: all five)")
     parser.add_argument("--compile-build", action="store_true",
                         help="fca mode: the per-step work build fused by torch.compile (fca_compile_build)")
     parser.add_argument("--compare", nargs=2, metavar=("DEFAULT_JSON", "FCA_JSON"))

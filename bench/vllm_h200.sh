@@ -8,6 +8,7 @@
 #   bash bench/vllm_h200.sh kernels      # the work builder (eager vs CUDA graph) and the FCA kernel table (no vLLM)
 #   bash bench/vllm_h200.sh bf16         # default then FCA: throughput, greedy, weight sync (~7 min)
 #   bash bench/vllm_h200.sh fca-compiled # FCA with the work build fused by torch.compile (~3 min)
+#   bash bench/vllm_h200.sh gate         # the shape that shares nothing and 4x64@1024, default (with weight sync) then FCA (~6 min)
 #   bash bench/vllm_h200.sh fp32-fca     # greedy and weight sync without bf16 rounding (~5 min) ...
 #   bash bench/vllm_h200.sh fp32-default # ... and the default side of the fp32 greedy check, then --compare
 set -euo pipefail
@@ -21,7 +22,7 @@ run() {  # run SECONDS NAME ARGS...: one engine per process; its log and JSON la
   grep "^{" "$out/$name.log" | tail -1 | cut -c1-400 || true
 }
 
-case ${1:?usage: $0 install|kernels|bf16|fca-compiled|fp32-fca|fp32-default} in
+case ${1:?usage: $0 install|kernels|bf16|fca-compiled|gate|gate-fca|fp32-fca|fp32-default} in
   install)
     cat /tmp/vp/vllm.part* >/tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -40,6 +41,12 @@ case ${1:?usage: $0 install|kernels|bf16|fca-compiled|fp32-fca|fp32-default} in
   fca-compiled)  # FCA with its work build fused by torch.compile, against bf16's default run
     run 300 fcac --mode fca --compile-build
     python3 bench/vllm_fca.py --compare "${DEFAULT:-/tmp/default.json}" "$out/fcac.json" | tail -1 ;;
+  gate)  # a batch that shares nothing must cost nothing (the host's block-table check); bf16 sleep/wake without FCA
+    run 250 default_gate --mode default --weight-sync --shapes 128x1@2048,4x64@1024
+    run 200 fca_gate --mode fca --shapes 128x1@2048,4x64@1024
+    python3 bench/vllm_fca.py --compare "$out/default_gate.json" "$out/fca_gate.json" | tail -1 ;;
+  gate-fca)  # gate's FCA side alone (compare with a gate run's default_gate.json)
+    run 150 fca_gate --mode fca --shapes 128x1@2048,4x64@1024 ;;
   fp32-fca)
     run 560 fca32 --mode fca --dtype float32 --greedy-only --weight-sync
     cp "$out/fca32.json" /tmp/fca32.json || true ;;  # for fp32-default, while the machine stays warm

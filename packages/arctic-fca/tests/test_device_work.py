@@ -136,6 +136,59 @@ def test_a_build_rests_on_its_inputs_alone_not_on_what_its_buffers_held():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
+def unshared_batch(seed: int, rows: int = 0) -> dict:
+    """Requests that share no block (singletons of random lengths, some under one block), padded
+    with ``rows`` rows of length 0 and vLLM's null block."""
+    rng = torch.Generator().manual_seed(seed)
+    requests = [((), int(n)) for n in torch.randint(1, 90, (7,), generator=rng)]
+    batch = make_batch({}, requests, 16, seed=seed)
+    batch["block_tables"] = torch.nn.functional.pad(batch["block_tables"].clamp(min=0), (0, 0, 0, rows))
+    batch["seq_lens"] = torch.nn.functional.pad(batch["seq_lens"], (0, rows))
+    batch["query"] = torch.cat([batch["query"], torch.randn(rows, *batch["query"].shape[1:])])
+    return batch
+
+
+@pytest.mark.parametrize("chunk_range", [(256, 8192), (16, 16)], ids=["whole", "split-1-block"])
+def test_a_build_told_nothing_is_shared_writes_what_the_full_build_writes(chunk_range):
+    """``shared=False`` skips the forest search; its work must be the full build's plain choice."""
+    batch = unshared_batch(seed=3, rows=2)
+    query, key_cache, value_cache, tables, lens = attention_args(batch)
+    full = builder_for(batch, chunk_range=chunk_range).build(tables, lens)
+    plain_builder = builder_for(batch, chunk_range=chunk_range)
+    plain = plain_builder.build(tables, lens, shared=False)
+    assert int(plain.node.count) == int(full.node.count) == 0 and not bool(plain_builder.used_fca)
+    count = int(full.single.count)
+    assert int(plain.single.count) == count and torch.equal(plain.single.items[:, :count], full.single.items[:, :count])
+    requests = tables.shape[0]
+    assert torch.equal(plain.merge_indptr[: requests + 1], full.merge_indptr[: requests + 1])
+    assert torch.equal(plain.merge_rows[:count], full.merge_rows[:count])
+    out = execute(plain, query, key_cache, value_cache, 0.3)
+    real = int((lens > 0).sum())
+    expected = paged_decode_attention(query[:real], key_cache, value_cache, tables[:real], lens[:real], 0.3)
+    torch.testing.assert_close(out[:real], expected, atol=1e-5, rtol=0)
+    assert (out[real:] == 0).all()  # padding rows: no items, zeros
+
+
+def test_shared_and_unshared_builds_take_turns_on_one_builder():
+    """An engine's batches alternate between the two builds: neither may rest on what the other
+    left in the buffers (a forest's node items, a plain step's row order)."""
+    forest = make_batch(*random_forest(2, 16), 16, seed=2)
+    alone = unshared_batch(seed=4)
+    width = max(forest["block_tables"].shape[1], alone["block_tables"].shape[1])
+    for batch in (forest, alone):
+        batch["block_tables"] = torch.nn.functional.pad(batch["block_tables"].clamp(min=0),
+                                                        (0, width - batch["block_tables"].shape[1]))
+    cache = [torch.cat([forest[k], alone[k]]) for k in ("key_cache", "value_cache")]
+    alone["block_tables"] = alone["block_tables"] + forest["key_cache"].shape[0]  # its blocks follow the forest's
+    rows = max(forest["query"].shape[0], alone["query"].shape[0])
+    builder = builder_for({**forest, "key_cache": cache[0]}, rows=rows)
+    for batch, shared in ((forest, True), (alone, False), (forest, True), (alone, False)):
+        query, _, _, tables, lens = attention_args(batch)
+        out = execute(builder.build(tables, lens, shared=shared), query, *cache, 0.3)
+        torch.testing.assert_close(out, paged_decode_attention(query, *cache, tables, lens, 0.3), atol=1e-5, rtol=0)
+        assert bool(builder.used_fca) == shared
+
+
 def test_a_compiled_build_writes_what_the_eager_build_writes():
     """``compile_backend`` traces the build once for every batch size (dynamic shapes); the GPU runs
     it through inductor, the CPU suite through aot_eager (the same traced program, unfused)."""

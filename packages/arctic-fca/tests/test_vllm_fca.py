@@ -8,12 +8,13 @@ from __future__ import annotations
 import functools
 import types
 
+import numpy as np
 import pytest
 import torch
 from test_device_work import ALWAYS_FCA, execute
 from test_fca import attention_args, make_batch, random_forest
 
-from arctic_fca import vllm_fca
+from arctic_fca import vllm_fca, vllm_host_tables
 from arctic_fca.fca import paged_decode_attention
 from arctic_fca.fca.device_work import DeviceWorkBuilder
 from arctic_fca.vllm_plugin import COMPILE_ENV
@@ -104,6 +105,100 @@ def test_the_compile_setting_reaches_the_work_builder(step, monkeypatch):
     assert work_builder._run_build != work_builder._build  # the compiled wrapper, not the method
     output = run(step, meta)
     torch.testing.assert_close(output[: step.real].view(step.real, HEADS, HEAD_DIM), step.expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("host_sees", ["the forest", "nothing shared", "nothing"])
+def test_a_batch_the_host_sees_share_nothing_is_built_without_the_forest_search(step, host_sees):
+    """The host's first blocks decide: all different -> plain at once; else (or unknown) the device
+    searches for the forest. Exact either way (here the device's tables do hold a forest)."""
+    first = step.cam.block_table_tensor[: step.real, 0].numpy()
+    step.builder.host_first_blocks = {"the forest": lambda: first, "nothing": lambda: None,
+                                      "nothing shared": lambda: np.arange(step.real)}[host_sees]
+    meta = step.builder.build(0, step.cam)
+    assert bool(step.builder.work_builder.used_fca) == (host_sees != "nothing shared")
+    output = run(step, meta)
+    torch.testing.assert_close(output[: step.real].view(step.real, HEADS, HEAD_DIM), step.expected, atol=1e-5, rtol=0)
+
+
+def test_a_host_view_that_fails_is_dropped_and_the_device_searches(step, caplog):
+    def moved():
+        raise AttributeError("'GPUModelRunner' object has no attribute 'input_batch'")
+
+    step.builder.host_first_blocks = moved
+    for _ in range(2):  # the second step no longer asks the host
+        output = run(step, step.builder.build(0, step.cam))
+        torch.testing.assert_close(output[: step.real].view(step.real, HEADS, HEAD_DIM), step.expected, atol=1e-5, rtol=0)
+    assert step.builder.host_first_blocks is None and bool(step.builder.work_builder.used_fca)
+    assert caplog.text.count("cannot be read") == 1 and "no attribute 'input_batch'" in caplog.text
+
+
+def v1_runner(builders: list, host_table: np.ndarray, num_reqs: int):
+    """Stands in for vLLM's V1 GPU model runner: one KV-cache group whose attention groups hold
+    ``builders``, and the input batch's host copy of the group's block table."""
+    block_table = types.SimpleNamespace(block_table=types.SimpleNamespace(np=host_table))
+    return types.SimpleNamespace(attn_groups=[[types.SimpleNamespace(metadata_builders=builders)]],
+                                 input_batch=types.SimpleNamespace(block_table=[block_table], num_reqs=num_reqs))
+
+
+class V2BlockTables:
+    """Stands in for the V2 runner's ``BlockTables``: ids staged per request slot, counted on the host."""
+
+    def __init__(self, max_num_reqs: int) -> None:
+        self.block_tables, self.max_num_reqs = [None], max_num_reqs
+        self.num_blocks = types.SimpleNamespace(np=np.zeros((1, max_num_reqs), dtype=np.int32))
+        self.staged = []
+
+    def append_block_ids(self, req_index, new_block_ids, overwrite):
+        start = 0 if overwrite else self.num_blocks.np[0, req_index]
+        self.staged.append((req_index, start, list(new_block_ids[0])))
+        self.num_blocks.np[0, req_index] = start + len(new_block_ids[0])
+
+
+def test_v1_runners_first_blocks_are_its_host_tables_first_column(step):
+    host = np.array([[4, 1], [9, 2], [4, 3], [4, 5]], dtype=np.int32)  # the last row: stale padding
+    other = BaseBuilder(None, [], None, "cpu")
+    assert vllm_host_tables.attach_host_tables(v1_runner([step.builder, other], host, num_reqs=3)) == 1
+    assert step.builder.host_first_blocks().tolist() == [4, 9, 4]
+    assert not hasattr(other, "host_first_blocks")
+
+
+def test_v2_runners_first_blocks_are_recorded_as_it_appends_block_ids(step):
+    tables = V2BlockTables(max_num_reqs=8)
+    runner = types.SimpleNamespace(attn_groups=[[types.SimpleNamespace(metadata_builders=[step.builder])]],
+                                   block_tables=tables, prepare_attn=lambda batch: "attn",
+                                   prepare_dummy_attn=lambda batch: "dummy")
+    assert vllm_host_tables.attach_host_tables(runner) == 1
+    assert step.builder.host_first_blocks() is None  # no step prepared yet
+    tables.append_block_ids(3, ([7, 8],), overwrite=True)
+    tables.append_block_ids(5, ([9],), overwrite=True)
+    tables.append_block_ids(3, ([10],), overwrite=False)  # a decode step's new block: not the first
+    assert runner.prepare_attn(types.SimpleNamespace(idx_mapping_np=np.array([5, 3]))) == "attn"
+    assert step.builder.host_first_blocks().tolist() == [9, 7]
+    assert tables.staged == [(3, 0, [7, 8]), (5, 0, [9]), (3, 2, [10])]  # vLLM's own bookkeeping runs on
+    tables.append_block_ids(3, ([11],), overwrite=True)  # the slot handed to a new request
+    assert step.builder.host_first_blocks().tolist() == [9, 11]
+    assert runner.prepare_dummy_attn(None) == "dummy" and step.builder.host_first_blocks() is None
+
+
+def test_a_runner_of_unknown_shape_gets_nothing_attached(step, caplog):
+    runner = types.SimpleNamespace(attn_groups=[[types.SimpleNamespace(metadata_builders=[step.builder])]])
+    assert vllm_host_tables.attach_host_tables(runner) == 0 and step.builder.host_first_blocks is None
+    assert "searched for shared prefixes on the device" in caplog.text
+
+
+def test_the_worker_extension_attaches_the_host_tables(step):
+    """What the sampler's ``collective_rpc("arctic_fca_attach_host_tables")`` runs in each worker."""
+    from arctic_fca.vllm_worker import ArcticWorkerExtension
+
+    worker = ArcticWorkerExtension.__new__(ArcticWorkerExtension)  # vLLM mixes it into its worker
+    worker.model_runner = v1_runner([step.builder], np.zeros((4, 2), dtype=np.int32), num_reqs=2)
+    assert worker.arctic_fca_attach_host_tables() == 1 and step.builder.host_first_blocks().tolist() == [0, 0]
+
+
+def test_requests_share_a_block_only_if_they_share_their_first():
+    assert vllm_fca.shares_a_block(np.array([5, 9, 5]))
+    assert not vllm_fca.shares_a_block(np.array([5, 9, 7]))
+    assert not vllm_fca.shares_a_block(np.array([], dtype=np.int32))
 
 
 @pytest.mark.parametrize("change", ["prefill", "cascade", "one request", "not causal"])

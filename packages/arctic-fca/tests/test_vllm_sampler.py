@@ -42,9 +42,13 @@ class RecordingLLM:
     (one output per prompt, n samples, a {token: Logprob} dict per generated token)."""
 
     def __init__(self, **kwargs) -> None:
-        self.kwargs, self.requests = kwargs, []
+        self.kwargs, self.requests, self.rpcs = kwargs, [], []
         model_config = types.SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000)
         self.llm_engine = types.SimpleNamespace(model_config=model_config)
+
+    def collective_rpc(self, method, args=()):
+        self.rpcs.append(method)
+        return [None]
 
     def generate(self, prompts, sampling, use_tqdm=False):
         self.requests.append(sampling)
@@ -66,13 +70,15 @@ def fake_vllm(monkeypatch):
 
 
 def test_fca_is_vllms_custom_backend_unless_switched_off(fake_vllm):
-    assert build().llm.kwargs["attention_config"] == {"backend": "CUSTOM"}
+    llm = build().llm
+    assert llm.kwargs["attention_config"] == {"backend": "CUSTOM"}
+    assert llm.rpcs == ["arctic_fca_attach_host_tables"]  # the builders get the host's block tables
     assert os.environ[BASE_ENV] == "FLASH_ATTN"  # what the plugin registers in vLLM's processes
     assert os.environ[COMPILE_ENV] == ""  # the work build runs its ops one by one...
     build({"fca_base": "TRITON_ATTN", "fca_compile_build": True})
     assert os.environ[BASE_ENV] == "TRITON_ATTN"
     assert os.environ[COMPILE_ENV] == "inductor"  # ... or fused by torch.compile
-    assert "attention_config" not in build({"fca": False}).llm.kwargs
+    assert "attention_config" not in build({"fca": False}).llm.kwargs and build({"fca": False}).llm.rpcs == []
     chosen = build({"engine_args": {"attention_config": {"backend": "FLASHINFER"}}}).llm.kwargs
     assert chosen["attention_config"] == {"backend": "FLASHINFER"}  # the user's explicit choice wins
 

@@ -4,20 +4,26 @@ against stand-in bases); ``vllm_attention`` mixes them into vLLM's own backends.
 - ``FCABuilderMixin``: after the base builder's ``build``, a batch of pure single-token decode
   steps also gets ``fca`` (this step's work from ``DeviceWorkBuilder``, built on the device from
   the block table, no host sync) and ``fca_block_size``; any other batch gets ``fca = None``.
+  A batch the host knows shares no block (``host_first_blocks``, set by ``vllm_host_tables``)
+  is built plain at once (``DeviceWorkBuilder.build(shared=False)``: no forest search).
 - ``FCAImplMixin``: ``forward`` runs FCA when the metadata carries work and the layer is one FCA
   computes exactly; everything else goes to the base impl unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from arctic_fca.fca.device_work import DeviceWorkBuilder
 from arctic_fca.fca.triton_decode import triton_decode_attention
 from arctic_fca.vllm_plugin import COMPILE_ENV
 
+logger = logging.getLogger(__name__)
 DECODER = "decoder"  # vLLM's AttentionType.DECODER (a str enum)
 
 
@@ -27,6 +33,9 @@ class FCABuilderMixin:
     # vLLM may reuse one group's metadata for another by swapping the block table; the FCA work
     # was built from this group's table, so it must be built afresh instead.
     supports_update_block_table = False
+    # The first block of each of this step's requests as the host knows it, or None where it does
+    # not (set by ``vllm_host_tables.attach_host_tables``); unknown: the device searches for a forest.
+    host_first_blocks: Callable[[], np.ndarray | None] | None = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -43,8 +52,23 @@ class FCABuilderMixin:
         # Host-side facts only (no sync): a batch of single-token queries, no vLLM cascade.
         if cam.max_query_len == 1 and not meta.use_cascade and cam.num_reqs > 1 and cam.causal is True:
             tables, seq_lens = cam.block_table_tensor[: cam.num_reqs], cam.seq_lens[: cam.num_reqs]
-            meta.fca = self._work_builder(tables).build(tables, seq_lens)
+            meta.fca = self._work_builder(tables).build(tables, seq_lens, shared=self._may_share())
         return meta
+
+    def _may_share(self) -> bool:
+        """False when the host knows that no two of this step's requests share a block. A host
+        view that fails (vLLM's internals moved) is dropped with a warning: the device then
+        searches every batch, as without it (plain or FCA, the result is exact either way)."""
+        if self.host_first_blocks is None:
+            return True
+        try:
+            first_blocks = self.host_first_blocks()
+        except Exception as error:  # noqa: BLE001 - any failure of a duck-typed view of vLLM
+            logger.warning("FCA: the host's block tables cannot be read (%r); the device searches every "
+                           "batch for shared prefixes from now on", error)
+            self.host_first_blocks = None
+            return True
+        return first_blocks is None or shares_a_block(first_blocks)
 
     def _work_builder(self, tables: torch.Tensor) -> DeviceWorkBuilder:
         if self.work_builder is None:  # first build: the block table's width is known from here on
@@ -53,6 +77,12 @@ class FCABuilderMixin:
                 num_q_heads=self.num_q_heads, num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_size,
                 kv_dtype=self.spec.dtype, device=tables.device, compile_backend=os.environ.get(COMPILE_ENV) or None)
         return self.work_builder
+
+
+def shares_a_block(first_blocks: np.ndarray) -> bool:
+    """Whether two of the requests whose first KV blocks these are share any block. Prefix caching
+    gives one block id to one token prefix, so requests that share a block share their first."""
+    return np.unique(first_blocks).size < first_blocks.size
 
 
 class FCAImplMixin:

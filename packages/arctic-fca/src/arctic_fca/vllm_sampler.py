@@ -6,7 +6,7 @@ token's log-prob; ``processed_logprobs`` makes it the log-prob of the distributi
 from, after temperature and top-k/top-p), ``n`` samples per prompt, prefix caching on. Weights from
 the trainer go into the running engine without a restart: CUDA tensors as IPC handles
 (:mod:`arctic_core.weight_ipc`), CPU tensors as they are, through ``collective_rpc`` into the worker
-extension :class:`arctic_fca.vllm_worker.ArcticWeightLoader`; the prefix cache is reset after every
+extension :class:`arctic_fca.vllm_worker.ArcticWorkerExtension`; the prefix cache is reset after every
 update, so no result mixes KV of two policies. Sleep/wake use vLLM's sleep mode (level 1: weights
 offloaded to the host, KV cache freed).
 
@@ -29,7 +29,7 @@ from arctic_core.hf import check_prompts
 from arctic_core.interfaces import NamedTensors
 
 SUPPORTED_VERSION = "0.24."
-WORKER_EXTENSION = "arctic_fca.vllm_worker.ArcticWeightLoader"
+WORKER_EXTENSION = "arctic_fca.vllm_worker.ArcticWorkerExtension"
 
 
 class VllmOptions(StrictModel):
@@ -68,6 +68,8 @@ class VllmSampler:
             enforce_eager=self.options.enforce_eager, enable_sleep_mode=True, logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION, **self._attention(), **self.options.engine_args,
         )
+        if self.options.fca:  # the builders and the runner's host tables exist once the engine is up
+            self.llm.collective_rpc("arctic_fca_attach_host_tables")
         self.policy_version = 0
         self.asleep = False
 

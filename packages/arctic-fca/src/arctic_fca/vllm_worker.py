@@ -1,8 +1,9 @@
 """Mixed into vLLM's GPU worker (``worker_extension_cls``): loads the weights the Arctic trainer
 sends, through the model's own ``load_weights`` (Hugging Face names; vLLM fuses q/k/v and
-gate/up itself). Reached from :class:`arctic_fca.vllm_sampler.VllmSampler` by ``collective_rpc``;
-the CUDA-IPC receive is :class:`arctic_core.weight_actor.WeightSyncActor`'s ``import_weights_ipc``,
-the same one the Ray sampler replicas run.
+gate/up itself), and hands FCA's metadata builders the host's block tables. Reached from
+:class:`arctic_fca.vllm_sampler.VllmSampler` by ``collective_rpc``; the CUDA-IPC receive is
+:class:`arctic_core.weight_actor.WeightSyncActor`'s ``import_weights_ipc``, the same one the Ray
+sampler replicas run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from arctic_core.interfaces import NamedTensors
 from arctic_core.weight_actor import WeightSyncActor
 
 
-class ArcticWeightLoader(WeightSyncActor):
+class ArcticWorkerExtension(WeightSyncActor):
     model_runner: Any  # the worker's, once vLLM has mixed this class in
 
     def receive_weights_into(self, weights: NamedTensors, version: int) -> None:
@@ -30,3 +31,10 @@ class ArcticWeightLoader(WeightSyncActor):
         (vLLM's fused q/k/v and gate/up hold the same numbers)."""
         with torch.no_grad():
             return float(sum(p.double().sum() for p in self.model_runner.model.parameters()))
+
+    def arctic_fca_attach_host_tables(self) -> int:
+        """FCA's builders learn from the host's block tables which batches share nothing
+        (``arctic_fca.vllm_host_tables``); the number of builders attached."""
+        from arctic_fca.vllm_host_tables import attach_host_tables
+
+        return attach_host_tables(self.model_runner)

@@ -29,7 +29,9 @@ are checked (a forest deeper than ``PAIRS_PER_REQUEST`` nodes decodes plain).
 On CUDA each batch size's build is captured in a CUDA graph once and replayed: eager, its ~250
 small ops cost ~5 ms of host time per step (H200), which a short decode step cannot hide. Replayed,
 they still cost ~0.8 ms of GPU time (one small kernel after another); ``compile_backend``
-("inductor") fuses them with ``torch.compile`` before the capture (an option until measured).
+("inductor") fuses them with ``torch.compile`` before the capture (0.45 ms; in the vLLM engine no
+faster overall, so an option). A caller that knows no block is shared (``build(shared=False)``)
+gets the plain work from ~30 ops, with graphs of its own.
 """
 
 from __future__ import annotations
@@ -96,9 +98,14 @@ class DeviceWorkBuilder:
         )
         self.used_fca = torch.zeros((), dtype=torch.bool, device=device)  # this step's choice, for metrics
 
-    def build(self, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> DeviceWork:
+    def build(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, *, shared: bool = True) -> DeviceWork:
         """This step's items (``block_tables [R, table_width]`` int32 and ``seq_lens [R]`` on the
-        builder's device, R <= max_requests; a request of length 0 is padding and gets no output)."""
+        builder's device, R <= max_requests; a request of length 0 is padding and gets no output).
+
+        ``shared=False``: the caller knows that no two requests share a block (an engine that
+        keeps the tables on the host too can tell at no cost). The forest is then not looked for:
+        every request is read whole, the work the full build writes when it chooses plain, for a
+        tenth of its kernels (a batch that shares nothing must not pay for FCA)."""
         num_requests, width = block_tables.shape
         if num_requests > self.max_requests or width != self.width:
             raise ValueError(f"block_tables {tuple(block_tables.shape)} exceed the builder's capacity "
@@ -106,52 +113,54 @@ class DeviceWorkBuilder:
         self.tables_in[:num_requests].copy_(block_tables)
         self.lens_in[:num_requests].copy_(seq_lens)
         if self.graphs is None:
-            self._build_now(num_requests)
+            self._build_now(num_requests, shared)
             return self.work
         # Batch sizes round up to a power of two (rows of length 0 are padding, given no work), so
         # an engine that does not pad its batches still needs only ~log2(max_requests) graphs.
         bucket = min(self.max_requests, 1 << max(0, num_requests - 1).bit_length())
         self.lens_in[num_requests:bucket].zero_()
-        graph = self.graphs.get(bucket)
+        graph = self.graphs.get((bucket, shared))
         if graph is None:
             try:
-                graph = self._capture(bucket)
+                graph = self._capture(bucket, shared)
             except RuntimeError as error:  # e.g. a capture already running on this stream
                 logger.warning("FCA work builder: CUDA graph capture failed (%s); building eagerly from now on", error)
                 self.graphs = None
-                self._build_now(num_requests)
+                self._build_now(num_requests, shared)
                 return self.work
         graph.replay()
         return self.work
 
-    def _capture(self, num_requests: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, num_requests: int, shared: bool) -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream()  # warm up off the capturing stream, as torch.cuda.graph asks
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._build_now(num_requests)  # compiles, if asked
+            self._build_now(num_requests, shared)  # compiles, if asked
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # One memory pool for every batch size: a build's temporaries die with it.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._run_build(num_requests)
+            self._run_build(num_requests, shared)
         self._pool = graph.pool()
-        self.graphs[num_requests] = graph
+        self.graphs[num_requests, shared] = graph
         return graph
 
-    def _build_now(self, num_requests: int) -> None:
+    def _build_now(self, num_requests: int, shared: bool) -> None:
         """Run the build; if the compiler fails on it, warn and run its ops one by one from now on
         (a slower step, not a dead engine)."""
         try:
-            self._run_build(num_requests)
+            self._run_build(num_requests, shared)
         except Exception as error:  # noqa: BLE001 - any compiler failure; the plain ops then run
             if self._run_build == self._build:
                 raise
             logger.warning("FCA work builder: torch.compile failed (%s); building op by op", error)
             self._run_build = self._build
-            self._build(num_requests)
+            self._build(num_requests, shared)
 
-    def _build(self, num_requests: int) -> None:
+    def _build(self, num_requests: int, shared: bool) -> None:
         """The work of the first ``num_requests`` rows of the input buffers."""
+        if not shared:
+            return self._build_plain(num_requests)
         tables, lens = self.tables_in[:num_requests].long(), self.lens_in[:num_requests].long()
         forest = _Forest(tables, lens, self.block_size, self.num_blocks)
         fca = forest.consistent & self._fca_pays(forest) & (forest.num_pairs <= forest.pair_slots)
@@ -159,8 +168,18 @@ class DeviceWorkBuilder:
         self.used_fca.copy_(fca)
         self.work.q_index[: forest.pair_slots].copy_(forest.pair_request)
         node_rows = self._node_items(forest)
-        self._single_items(forest, node_rows)
+        self._single_items(forest.suffix_start, forest.suffix_len, node_rows)
         self._merge(forest, node_rows)
+
+    def _build_plain(self, num_requests: int) -> None:
+        """Every request read whole by the single launch: its rows are its items, in request order,
+        so the merge needs no sort."""
+        lens = self.lens_in[:num_requests].long()
+        self.used_fca.zero_()
+        self.work.node.count.zero_()
+        pieces = self._single_items(torch.zeros_like(lens), lens, lens.new_zeros(()))
+        self.work.merge_rows.copy_(torch.arange(self.caps["rows"], device=lens.device))
+        self.work.merge_indptr[: num_requests + 1].copy_(torch.cat([pieces[:1] * 0, pieces.cumsum(0)]))
 
     def _fca_pays(self, forest: _Forest) -> torch.Tensor:
         """The cost model's choice, priced on tensors (``cost_model.price``)."""
@@ -191,16 +210,19 @@ class DeviceWorkBuilder:
                    torch.minimum(torch.full_like(q_first, self.per_tile), forest.node_size[owner] - tile * self.per_tile))
         return _write_launch(self.work.node, columns, item < total, first_row=torch.zeros_like(chunk))
 
-    def _single_items(self, forest: _Forest, node_rows: torch.Tensor) -> None:
-        suffix = forest.suffix_len
+    def _single_items(self, suffix_start: torch.Tensor, suffix: torch.Tensor, node_rows: torch.Tensor) -> torch.Tensor:
+        """Fill the single launch with each request's tokens from block ``suffix_start`` on
+        (``suffix`` of them); return each request's number of items."""
         chunk = self._chunk(suffix.sum())
-        item, owner, piece, total = _expand(_ceil_div(suffix, chunk), self.caps["single_items"])
-        columns = (owner * self.width + forest.suffix_start[owner] + piece * (chunk // self.block_size),
+        pieces = _ceil_div(suffix, chunk)
+        item, owner, piece, total = _expand(pieces, self.caps["single_items"])
+        columns = (owner * self.width + suffix_start[owner] + piece * (chunk // self.block_size),
                    torch.minimum(chunk, suffix[owner] - piece * chunk),
                    self.max_pairs + owner,
                    torch.ones_like(owner))
         self.work.q_index[self.max_pairs : self.max_pairs + suffix.numel()].copy_(torch.arange(suffix.numel(), device=suffix.device))
         _write_launch(self.work.single, columns, item < total, first_row=node_rows)
+        return pieces
 
     def _merge(self, forest: _Forest, node_rows: torch.Tensor) -> None:
         """Each request's partial rows, grouped by request (merge_indptr / merge_rows)."""

@@ -1,0 +1,89 @@
+"""What the host knows of a decode step's block tables, handed to FCA's metadata builders.
+
+A batch in which no two requests share a KV block cannot gain from FCA, and telling so on the
+device costs the work build's whole forest search (~0.8 ms per step on an H200). The host can
+tell for the price of a ``np.unique``: prefix caching gives one block id to one token prefix, so
+requests that share any block share their first (``vllm_fca.shares_a_block``). vLLM's two model
+runners keep the first blocks on the host differently:
+
+- V1 (``gpu_model_runner``): the input batch holds a host copy of each group's block table, rows
+  in the batch's order, filled before every step;
+- V2 (``gpu/model_runner``, the default for common models in vLLM 0.24): block ids are staged to
+  the device per request slot and gathered there, so no host copy exists. The first block of each
+  slot is recorded as the runner appends ids (``BlockTables.append_block_ids``), and the step's
+  slots in batch order are taken as the runner prepares attention (``prepare_attn``).
+
+Duck-typed, no vLLM import: the CPU suite runs it on stand-in runners. A runner of neither shape
+gets nothing attached (a warning), and FCA then searches every batch on the device, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from arctic_fca.vllm_fca import FCABuilderMixin
+
+logger = logging.getLogger(__name__)
+FirstBlocks = Callable[[], "np.ndarray | None"]  # this step's first block per request, or None: unknown
+
+
+def attach_host_tables(runner: Any) -> int:
+    """Set ``host_first_blocks`` on each FCA metadata builder of ``runner`` (once its KV cache is
+    set up); returns the number of builders that got one."""
+    builders = [(group_id, builder) for group_id, groups in enumerate(runner.attn_groups)
+                for builder in (b for group in groups for b in group.metadata_builders)
+                if isinstance(builder, FCABuilderMixin)]
+    if not builders:
+        return 0
+    if hasattr(runner, "input_batch") and hasattr(runner.input_batch, "block_table"):
+        first_blocks = _v1_first_blocks(runner)
+    elif hasattr(runner, "block_tables") and hasattr(runner, "prepare_attn"):
+        first_blocks = _v2_first_blocks(runner)
+    else:
+        logger.warning("FCA: %s keeps no block tables FCA knows of; every decode batch is searched for "
+                       "shared prefixes on the device", type(runner).__name__)
+        return 0
+    for group_id, builder in builders:
+        builder.host_first_blocks = first_blocks(group_id)
+    return len(builders)
+
+
+def _v1_first_blocks(runner: Any) -> Callable[[int], FirstBlocks]:
+    def for_group(group_id: int) -> FirstBlocks:
+        def first_blocks() -> np.ndarray:
+            batch = runner.input_batch
+            return batch.block_table[group_id].block_table.np[: batch.num_reqs, 0]
+        return first_blocks
+    return for_group
+
+
+def _v2_first_blocks(runner: Any) -> Callable[[int], FirstBlocks]:
+    tables = runner.block_tables
+    first = np.full((len(tables.block_tables), tables.max_num_reqs), -1, dtype=np.int64)  # per request slot
+    step: dict[str, np.ndarray | None] = {"slots": None}  # this step's slots, in batch order
+    append, prepare, prepare_dummy = tables.append_block_ids, runner.prepare_attn, runner.prepare_dummy_attn
+
+    def append_block_ids(req_index: int, new_block_ids: tuple[list[int], ...], overwrite: bool) -> None:
+        for group_id, ids in enumerate(new_block_ids):
+            if ids and (overwrite or tables.num_blocks.np[group_id, req_index] == 0):
+                first[group_id, req_index] = ids[0]  # (a kernel-block split keeps first ids distinct)
+        append(req_index, new_block_ids, overwrite)
+
+    def prepare_attn(input_batch: Any) -> Any:
+        step["slots"] = np.asarray(input_batch.idx_mapping_np)
+        return prepare(input_batch)
+
+    def prepare_dummy_attn(input_batch: Any) -> Any:
+        step["slots"] = None  # a dummy batch: its requests are nobody's
+        return prepare_dummy(input_batch)
+
+    tables.append_block_ids, runner.prepare_attn, runner.prepare_dummy_attn = (
+        append_block_ids, prepare_attn, prepare_dummy_attn)
+
+    def for_group(group_id: int) -> FirstBlocks:
+        return lambda: None if step["slots"] is None else first[group_id, step["slots"]]
+    return for_group
