@@ -82,6 +82,10 @@ def step(monkeypatch):
                                  kv_cache=torch.stack([key_cache, value_cache], dim=1))
 
 
+def assert_exact(step, output: torch.Tensor) -> None:
+    torch.testing.assert_close(output[: step.real].view(step.real, HEADS, HEAD_DIM), step.expected, atol=1e-5, rtol=0)
+
+
 def run(step, meta, impl=None):
     output = torch.full((step.query.shape[0], HEADS * HEAD_DIM), 7.0)
     impl = impl or Impl(HEADS, HEAD_DIM, SCALE, KV_HEADS, None, None, "auto")
@@ -92,7 +96,7 @@ def test_a_decode_batch_runs_fca_on_vllms_cache_layout_and_output_buffer(step):
     meta = step.builder.build(0, step.cam)
     assert meta.fca is not None and meta.fca_block_size == 16
     output = run(step, meta)
-    torch.testing.assert_close(output[: step.real].view(step.real, HEADS, HEAD_DIM), step.expected, atol=1e-5, rtol=0)
+    assert_exact(step, output)
     assert (output[step.real :] == 0).all()  # padding rows: zeros, nothing read out of bounds
 
 
@@ -104,7 +108,7 @@ def test_the_compile_setting_reaches_the_work_builder(step, monkeypatch):
     work_builder = step.builder.work_builder
     assert work_builder._run_build != work_builder._build  # the compiled wrapper, not the method
     output = run(step, meta)
-    torch.testing.assert_close(output[: step.real].view(step.real, HEADS, HEAD_DIM), step.expected, atol=1e-5, rtol=0)
+    assert_exact(step, output)
 
 
 @pytest.mark.parametrize("host_sees", ["the forest", "nothing shared", "nothing"])
@@ -117,7 +121,7 @@ def test_a_batch_the_host_sees_share_nothing_is_built_without_the_forest_search(
     meta = step.builder.build(0, step.cam)
     assert bool(step.builder.work_builder.used_fca) == (host_sees != "nothing shared")
     output = run(step, meta)
-    torch.testing.assert_close(output[: step.real].view(step.real, HEADS, HEAD_DIM), step.expected, atol=1e-5, rtol=0)
+    assert_exact(step, output)
 
 
 def test_a_host_view_that_fails_is_dropped_and_the_device_searches(step, caplog):
@@ -127,17 +131,20 @@ def test_a_host_view_that_fails_is_dropped_and_the_device_searches(step, caplog)
     step.builder.host_first_blocks = moved
     for _ in range(2):  # the second step no longer asks the host
         output = run(step, step.builder.build(0, step.cam))
-        torch.testing.assert_close(output[: step.real].view(step.real, HEADS, HEAD_DIM), step.expected, atol=1e-5, rtol=0)
+        assert_exact(step, output)
     assert step.builder.host_first_blocks is None and bool(step.builder.work_builder.used_fca)
     assert caplog.text.count("cannot be read") == 1 and "no attribute 'input_batch'" in caplog.text
 
 
 def v1_runner(builders: list, host_table: np.ndarray, num_reqs: int):
-    """Stands in for vLLM's V1 GPU model runner: one KV-cache group whose attention groups hold
-    ``builders``, and the input batch's host copy of the group's block table."""
+    """Stands in for vLLM's V1 GPU model runner: its input batch's host copy of the block table."""
     block_table = types.SimpleNamespace(block_table=types.SimpleNamespace(np=host_table))
-    return types.SimpleNamespace(attn_groups=[[types.SimpleNamespace(metadata_builders=builders)]],
-                                 input_batch=types.SimpleNamespace(block_table=[block_table], num_reqs=num_reqs))
+    return runner_holding(builders, input_batch=types.SimpleNamespace(block_table=[block_table], num_reqs=num_reqs))
+
+
+def runner_holding(builders: list, **parts):
+    """A stand-in model runner whose one KV-cache group's attention groups hold ``builders``."""
+    return types.SimpleNamespace(attn_groups=[[types.SimpleNamespace(metadata_builders=builders)]], **parts)
 
 
 class V2BlockTables:
@@ -164,9 +171,8 @@ def test_v1_runners_first_blocks_are_its_host_tables_first_column(step):
 
 def test_v2_runners_first_blocks_are_recorded_as_it_appends_block_ids(step):
     tables = V2BlockTables(max_num_reqs=8)
-    runner = types.SimpleNamespace(attn_groups=[[types.SimpleNamespace(metadata_builders=[step.builder])]],
-                                   block_tables=tables, prepare_attn=lambda batch: "attn",
-                                   prepare_dummy_attn=lambda batch: "dummy")
+    runner = runner_holding([step.builder], block_tables=tables, prepare_attn=lambda batch: "attn",
+                            prepare_dummy_attn=lambda batch: "dummy")
     assert vllm_host_tables.attach_host_tables(runner) == 1
     assert step.builder.host_first_blocks() is None  # no step prepared yet
     tables.append_block_ids(3, ([7, 8],), overwrite=True)
@@ -181,7 +187,7 @@ def test_v2_runners_first_blocks_are_recorded_as_it_appends_block_ids(step):
 
 
 def test_a_runner_of_unknown_shape_gets_nothing_attached(step, caplog):
-    runner = types.SimpleNamespace(attn_groups=[[types.SimpleNamespace(metadata_builders=[step.builder])]])
+    runner = runner_holding([step.builder])
     assert vllm_host_tables.attach_host_tables(runner) == 0 and step.builder.host_first_blocks is None
     assert "searched for shared prefixes on the device" in caplog.text
 

@@ -62,8 +62,9 @@ class DeviceWorkBuilder:
         # One traced program for every batch size (dynamic); CUDA graphs then capture its kernels.
         self._run_build = (torch.compile(self._build, backend=compile_backend, dynamic=True, fullgraph=True)
                            if compile_backend else self._build)
-        # Static shapes per batch size: on CUDA each size's build is captured once and replayed.
-        self.graphs: dict[int, torch.cuda.CUDAGraph] | None = {} if graphs and device.type == "cuda" else None
+        # Static shapes per batch size: on CUDA each (size, shared) build is captured once and replayed.
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] | None = (
+            {} if graphs and device.type == "cuda" else None)
         self._pool = None
         self.chunk_range = (max(chunk_range[0], block_size), chunk_range[1])  # split lengths allowed
         self.max_requests, self.width, self.num_blocks, self.block_size = max_requests, table_width, num_blocks, block_size
@@ -179,7 +180,7 @@ class DeviceWorkBuilder:
         self.work.node.count.zero_()
         pieces = self._single_items(torch.zeros_like(lens), lens, lens.new_zeros(()))
         self.work.merge_rows.copy_(torch.arange(self.caps["rows"], device=lens.device))
-        self.work.merge_indptr[: num_requests + 1].copy_(torch.cat([pieces[:1] * 0, pieces.cumsum(0)]))
+        self.work.merge_indptr[: num_requests + 1].copy_(_indptr(pieces))
 
     def _fca_pays(self, forest: _Forest) -> torch.Tensor:
         """The cost model's choice, priced on tensors (``cost_model.price``)."""
@@ -244,7 +245,7 @@ class DeviceWorkBuilder:
             0, request, torch.ones_like(request))
         # Entry 0 too, every step: nothing may rest on a buffer's first contents (vLLM's sleep mode
         # can hand memory back with other bytes in it).
-        work.merge_indptr[: num_requests + 1].copy_(torch.cat([counts[:1] * 0, counts[:num_requests].cumsum(0)]))
+        work.merge_indptr[: num_requests + 1].copy_(_indptr(counts[:num_requests]))
 
 
 class _Forest:
@@ -326,6 +327,11 @@ class _Forest:
                           device=shared.device)
         keys.scatter_(0, slot, (node_id * rows + self.rows).reshape(-1).int())
         self.pair_request = (torch.sort(keys[:pair_slots]).values % rows).long()
+
+
+def _indptr(counts: torch.Tensor) -> torch.Tensor:
+    """Where each owner's entries start, and the end: ``[0, c0, c0 + c1, ...]``."""
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
 def _ceil_div(a: torch.Tensor, b: torch.Tensor | int) -> torch.Tensor:
