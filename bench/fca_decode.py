@@ -293,8 +293,9 @@ def profile_build(groups: int = 32, samples: int = 8, prefix: int = 7680, width:
 
 
 def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
-    """The vLLM path's per-step cost: ``DeviceWorkBuilder.build``, eager and replayed from a CUDA
-    graph (host ms per call, us on the stream, host syncs counted by torch's sync debug mode), and the kernels over its items, against the
+    """The vLLM path's per-step cost: ``DeviceWorkBuilder.build``, eager, replayed from a CUDA
+    graph, compiled, and reusing the first build's forest (every ``REFRESH_BUILDS`` builds a full
+    one, as in the engine) (host ms per call, us on the stream, host syncs counted by torch's sync debug mode), and the kernels over its items, against the
     host-built FCA and plain work, at the vLLM benchmark's shapes (Qwen3-1.7B heads, tables as wide as
     an 8192-token context)."""
     from arctic_fca.fca import triton_decode
@@ -308,13 +309,14 @@ def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
         query, key_cache, value_cache, tables, lens = vllm_step(groups, samples, prefix, width)
         host_ms, build_us, first_ms, syncs, outs = {}, {}, {}, [], {}
         kept, fell_back = None, None
-        for kind in ("eager", "graph", "compiled"):
+        for kind in ("eager", "graph", "compiled", "reuse"):
+            key = "the same requests" if kind == "reuse" else None  # reuse: the forest of the first build
             begin = time.perf_counter()
             builder = DeviceWorkBuilder(1024, width, key_cache.shape[0], 16, kv_dtype=query.dtype, device="cuda",
                                         graphs=kind != "eager", compile_backend="inductor" if kind == "compiled" else None,
                                         **heads)
             try:
-                builder.build(tables, lens)  # a graph is captured here (and the build compiled)
+                builder.build(tables, lens, forest_key=key)  # a graph is captured here (and the build compiled)
             except Exception as error:  # noqa: BLE001 - the experiment must not stop the others
                 print(f"{kind} build failed: {error!r}"[:300], flush=True)
                 continue
@@ -325,11 +327,11 @@ def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
                 warnings.simplefilter("always")
                 begin = time.perf_counter()
                 for _ in range(10):
-                    work = builder.build(tables, lens)
+                    work = builder.build(tables, lens, forest_key=key)
                 host_ms[kind] = round((time.perf_counter() - begin) / 10 * 1e3, 3)
             torch.cuda.set_sync_debug_mode(0)
             syncs += caught
-            build_us[kind] = round(time_us(lambda b=builder: b.build(tables, lens)), 1)
+            build_us[kind] = round(time_us(lambda b=builder, k=key: b.build(tables, lens, forest_key=k)), 1)
             outs[kind] = triton_decode_attention(query, key_cache, value_cache, work, scale)
             kept = (builder, work) if kind == "graph" else kept
             if kind == "compiled":  # the builder falls back to unfused ops if inductor fails
@@ -350,11 +352,13 @@ def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
         out = triton_decode_attention(query, key_cache, value_cache, work, scale).float()
         graph_equals_eager = bool(torch.equal(outs["graph"], outs["eager"]))
         compiled_equals_eager = bool(torch.equal(outs["compiled"], outs["eager"])) if "compiled" in outs else None
+        reuse_equals_eager = bool(torch.equal(outs["reuse"], outs["eager"])) if "reuse" in outs else None
         expected = host["plain"](query, key_cache, value_cache, scale).float()
         rows.append({"shape": f"{groups}x{samples}@{prefix}", "used_fca": bool(builder.used_fca),
                      "host_syncs_per_build": len(syncs) / (10 * len(host_ms)), "build_host_ms": host_ms,
                      "build_us": build_us, "graph_equals_eager": graph_equals_eager,
-                     "compiled_equals_eager": compiled_equals_eager, "compiled_fell_back": fell_back,
+                     "compiled_equals_eager": compiled_equals_eager, "reuse_equals_eager": reuse_equals_eager,
+                     "compiled_fell_back": fell_back,
                      "first_build_ms": first_ms,
                      **{f"{k}_us": round(time_us(v), 1) for k, v in runs.items()},
                      "max_abs_diff_vs_plain": (out - expected).abs().max().item()})

@@ -192,6 +192,7 @@ def run_mode(args) -> dict:
             options["engine_args"] = {"attention_config": {"backend": "TRITON_ATTN"}}
     sampler, client = start_sampler(args, options)
     result = {"mode": args.mode, "dtype": args.dtype, "compile_build": args.compile_build,
+              "fca_host_views": getattr(sampler, "fca_host_views", None),
               "engine_start_s": round(time.perf_counter() - started, 1), "throughput": []}
     print(result, flush=True)
 
@@ -205,7 +206,10 @@ def run_mode(args) -> dict:
     result["greedy"] = greedy_with_gaps(sampler.llm, sampler.vllm, prompts, 128)
     save()
     for shape in [] if args.greedy_only else args.shapes:
+        before = sampler.fca_stats()
         result["throughput"].append(throughput(sampler.llm, sampler.vllm, *shape))
+        # FCA's batches (decode / mixed / base) and work builds (forest / reuse / plain) in this shape
+        result["throughput"][-1]["fca"] = {k: v - before.get(k, 0) for k, v in sampler.fca_stats().items()}
         print(result["throughput"][-1], flush=True)
         save()
     if client is not None:

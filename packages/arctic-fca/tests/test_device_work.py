@@ -288,3 +288,53 @@ def test_the_cost_model_and_the_pair_capacity_can_choose_plain(monkeypatch):
     monkeypatch.setattr(device_work, "PAIRS_PER_REQUEST", 1)  # 6 pair slots, fewer than the forest's 20 pairs
     builder.build(deep["block_tables"], deep["seq_lens"])
     assert not bool(builder.used_fca)
+
+
+def decode_steps(seed: int, growth: int) -> tuple[dict, list[torch.Tensor]]:
+    """A forest whose requests then decode ``growth`` tokens each: tables hold the final blocks,
+    and the sequence lengths of every step from the first on."""
+    segments, requests = random_forest(seed, 16)
+    batch = make_batch(segments, [(path, suffix + growth) for path, suffix in requests], 16, seed=seed)
+    return batch, [batch["seq_lens"] - growth + step for step in range(growth + 1)]
+
+
+def same_work(a, b, requests: int) -> bool:
+    total = int(a.merge_indptr[requests])
+    return all(int(x.count) == int(y.count) and torch.equal(x.items[:, : int(x.count)], y.items[:, : int(y.count)])
+               for x, y in ((a.node, b.node), (a.single, b.single))) and torch.equal(
+        a.merge_indptr[: requests + 1], b.merge_indptr[: requests + 1]) and torch.equal(a.merge_rows[:total], b.merge_rows[:total])
+
+
+@pytest.mark.parametrize("costs", [ALWAYS_FCA, CostConstants(min_speedup=1e9)], ids=["fca", "plain"])
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_steps_of_the_same_requests_reuse_their_forest_and_write_the_full_builds_work(seed, costs):
+    """With the same ``forest_key`` the builder keeps the first step's forest and writes only the
+    single items and the merge: each step's work equals a full build's, bit for bit, and exact."""
+    batch, steps = decode_steps(seed, growth=40)  # 40 tokens: suffixes cross two block boundaries
+    query, key_cache, value_cache, tables, _ = attention_args(batch)
+    reusing, searching = builder_for(batch, costs=costs), builder_for(batch, costs=costs)
+    for lens in steps:
+        work = reusing.build(tables, lens, forest_key="these requests")
+        assert same_work(work, searching.build(tables, lens), tables.shape[0])
+        out = execute(work, query, key_cache, value_cache, 0.3)
+        torch.testing.assert_close(out, paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3),
+                                   atol=1e-5, rtol=0)
+    assert reusing.builds == {"forest": 1, "reuse": len(steps) - 1, "plain": 0}
+    assert bool(reusing.used_fca) == bool(searching.used_fca)
+
+
+def test_a_new_key_a_plain_step_or_the_refresh_count_brings_back_the_full_search(monkeypatch):
+    monkeypatch.setattr(device_work, "REFRESH_BUILDS", 2)
+    batch, steps = decode_steps(1, growth=8)
+    tables = batch["block_tables"]
+    builder = builder_for(batch)
+    kinds = []
+    for lens, key, shared in zip(steps, ["a", "a", "b", "b", "b", "b", "b", "b", "b"],
+                                 [True, True, True, True, False, True, True, True, True]):
+        before = dict(builder.builds)
+        builder.build(tables, lens, shared=shared, forest_key=key)
+        kinds += [kind for kind in before if builder.builds[kind] > before[kind]]
+    assert kinds == ["forest", "reuse", "forest", "reuse", "plain", "forest", "reuse", "reuse", "forest"]
+    # The same key over fewer rows is another batch: searched afresh.
+    builder.build(tables[:-1], steps[-1][:-1], forest_key="b")
+    assert builder.builds["forest"] == 5

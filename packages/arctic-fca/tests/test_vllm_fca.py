@@ -29,8 +29,10 @@ class BaseBuilder:
         pass
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        return types.SimpleNamespace(use_cascade=common_prefix_len > 0,
-                                     num_actual_tokens=common_attn_metadata.num_actual_tokens)
+        cam = common_attn_metadata
+        return types.SimpleNamespace(use_cascade=common_prefix_len > 0, num_actual_tokens=cam.num_actual_tokens,
+                                     num_reqs=cam.num_reqs, query_start_loc=cam.query_start_loc,
+                                     seq_lens=cam.seq_lens, block_table=cam.block_table_tensor)
 
 
 class BaseImpl:
@@ -49,8 +51,29 @@ class BaseImpl:
         return output.fill_(-1.0)
 
 
+class PagedBaseImpl(BaseImpl):
+    """A base that computes causal paged attention from its metadata, query by query (each
+    request's queries are the last tokens of its sequence), so a split batch can be checked whole."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        key_cache, value_cache = kv_cache.unbind(1)
+        starts, block_size = attn_metadata.query_start_loc.tolist(), key_cache.shape[1]
+        for r in range(attn_metadata.num_reqs):
+            length, queries = int(attn_metadata.seq_lens[r]), starts[r + 1] - starts[r]
+            blocks = attn_metadata.block_table[r, : -(-length // block_size)].long()
+            k, v = (cache[blocks].reshape(-1, KV_HEADS, HEAD_DIM)[:length].repeat_interleave(HEADS // KV_HEADS, 1)
+                    .transpose(0, 1) for cache in (key_cache, value_cache))
+            q = query[starts[r] : starts[r + 1]].view(queries, HEADS, HEAD_DIM).transpose(0, 1)
+            visible = torch.arange(length)[None, :] <= torch.arange(length - queries, length)[:, None]
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scale)
+            output[starts[r] : starts[r + 1]] = out.transpose(0, 1).reshape(queries, HEADS * HEAD_DIM)
+        return output
+
+
 Builder = type("Builder", (vllm_fca.FCABuilderMixin, BaseBuilder), {})
 Impl = type("Impl", (vllm_fca.FCAImplMixin, BaseImpl), {})
+PagedImpl = type("PagedImpl", (vllm_fca.FCAImplMixin, PagedBaseImpl), {})
 
 
 @pytest.fixture
@@ -69,17 +92,32 @@ def step(monkeypatch):
     padded_tables[: len(requests), : tables.shape[1]] = tables.clamp(min=0)
     padded_lens = torch.zeros(rows, dtype=torch.int32)
     padded_lens[: len(requests)] = lens
+    kv_cache = torch.stack([key_cache, value_cache], dim=1)
+    layers = {"layers.0.attn": types.SimpleNamespace(impl=PagedImpl(HEADS, HEAD_DIM, SCALE, KV_HEADS, None, None, "auto"),
+                                                     kv_cache=kv_cache)}
     config = types.SimpleNamespace(
         scheduler_config=types.SimpleNamespace(max_num_seqs=rows), compilation_config=types.SimpleNamespace(
-            max_cudagraph_capture_size=None), cache_config=types.SimpleNamespace(num_gpu_blocks=key_cache.shape[0]),
+            max_cudagraph_capture_size=None, static_forward_context=layers),
+        cache_config=types.SimpleNamespace(num_gpu_blocks=key_cache.shape[0]),
         model_config=types.SimpleNamespace(get_num_attention_heads=lambda parallel: HEADS), parallel_config=None)
     spec = types.SimpleNamespace(block_size=16, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
-    cam = types.SimpleNamespace(max_query_len=1, num_reqs=rows, num_actual_tokens=rows, causal=True,
-                                block_table_tensor=padded_tables, seq_lens=padded_lens)
+    cam = decode_metadata(padded_tables, padded_lens)
     expected = paged_decode_attention(query, key_cache, value_cache, tables.clamp(min=0), lens, SCALE)
-    return types.SimpleNamespace(builder=Builder(spec, [], config, "cpu"), cam=cam, real=len(requests),
+    return types.SimpleNamespace(builder=Builder(spec, list(layers), config, "cpu"), cam=cam, real=len(requests),
                                  query=torch.cat([query, torch.randn(3, HEADS, HEAD_DIM)]), expected=expected,
-                                 kv_cache=torch.stack([key_cache, value_cache], dim=1))
+                                 kv_cache=kv_cache, layers=layers)
+
+
+def decode_metadata(tables: torch.Tensor, lens: torch.Tensor, query_lens: list[int] | None = None):
+    """Stands in for vLLM's CommonAttentionMetadata (the fields FCA and the stand-in base read)."""
+    query_lens = query_lens or [1] * len(lens)
+    starts = torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32)
+    tokens = int(starts[-1])
+    return types.SimpleNamespace(
+        max_query_len=max(query_lens), num_reqs=len(lens), num_actual_tokens=tokens, causal=True,
+        block_table_tensor=tables, seq_lens=lens, query_start_loc=starts, query_start_loc_cpu=starts.clone(),
+        slot_mapping=torch.arange(tokens), positions=None, is_prefilling=None, seq_lens_cpu_upper_bound=lens.clone(),
+        _seq_lens_cpu=None, _num_computed_tokens_cpu=None, _num_computed_tokens_cache=None)
 
 
 def assert_exact(step, output: torch.Tensor) -> None:
@@ -116,8 +154,8 @@ def test_a_batch_the_host_sees_share_nothing_is_built_without_the_forest_search(
     """The host's first blocks decide: all different -> plain at once; else (or unknown) the device
     searches for the forest. Exact either way (here the device's tables do hold a forest)."""
     first = step.cam.block_table_tensor[: step.real, 0].numpy()
-    step.builder.host_first_blocks = {"the forest": lambda: first, "nothing": lambda: None,
-                                      "nothing shared": lambda: np.arange(step.real)}[host_sees]
+    step.builder.host_step = {"the forest": lambda: vllm_fca.HostStep(first, None), "nothing": lambda: None,
+                              "nothing shared": lambda: vllm_fca.HostStep(np.arange(step.real), None)}[host_sees]
     meta = step.builder.build(0, step.cam)
     assert bool(step.builder.work_builder.used_fca) == (host_sees != "nothing shared")
     output = run(step, meta)
@@ -128,11 +166,11 @@ def test_a_host_view_that_fails_is_dropped_and_the_device_searches(step, caplog)
     def moved():
         raise AttributeError("'GPUModelRunner' object has no attribute 'input_batch'")
 
-    step.builder.host_first_blocks = moved
+    step.builder.host_step = moved
     for _ in range(2):  # the second step no longer asks the host
         output = run(step, step.builder.build(0, step.cam))
         assert_exact(step, output)
-    assert step.builder.host_first_blocks is None and bool(step.builder.work_builder.used_fca)
+    assert step.builder.host_step is None and bool(step.builder.work_builder.used_fca)
     assert caplog.text.count("cannot be read") == 1 and "no attribute 'input_batch'" in caplog.text
 
 
@@ -165,8 +203,9 @@ def test_v1_runners_first_blocks_are_its_host_tables_first_column(step):
     host = np.array([[4, 1], [9, 2], [4, 3], [4, 5]], dtype=np.int32)  # the last row: stale padding
     other = BaseBuilder(None, [], None, "cpu")
     assert vllm_host_tables.attach_host_tables(v1_runner([step.builder, other], host, num_reqs=3)) == 1
-    assert step.builder.host_first_blocks().tolist() == [4, 9, 4]
-    assert not hasattr(other, "host_first_blocks")
+    assert step.builder.host_step().first_blocks.tolist() == [4, 9, 4]
+    assert step.builder.host_step().requests is None  # V1 names no requests: no forest is reused
+    assert not hasattr(other, "host_step")
 
 
 def test_v2_runners_first_blocks_are_recorded_as_it_appends_block_ids(step):
@@ -174,21 +213,26 @@ def test_v2_runners_first_blocks_are_recorded_as_it_appends_block_ids(step):
     runner = runner_holding([step.builder], block_tables=tables, prepare_attn=lambda batch: "attn",
                             prepare_dummy_attn=lambda batch: "dummy")
     assert vllm_host_tables.attach_host_tables(runner) == 1
-    assert step.builder.host_first_blocks() is None  # no step prepared yet
+    assert step.builder.host_step() is None  # no step prepared yet
     tables.append_block_ids(3, ([7, 8],), overwrite=True)
     tables.append_block_ids(5, ([9],), overwrite=True)
-    tables.append_block_ids(3, ([10],), overwrite=False)  # a decode step's new block: not the first
     assert runner.prepare_attn(types.SimpleNamespace(idx_mapping_np=np.array([5, 3]))) == "attn"
-    assert step.builder.host_first_blocks().tolist() == [9, 7]
+    before = step.builder.host_step()
+    tables.append_block_ids(3, ([10],), overwrite=False)  # a decode step's new block: not the first
+    now = step.builder.host_step()
+    assert now.first_blocks.tolist() == [9, 7] and now.requests.tolist() == before.requests.tolist()
     assert tables.staged == [(3, 0, [7, 8]), (5, 0, [9]), (3, 2, [10])]  # vLLM's own bookkeeping runs on
     tables.append_block_ids(3, ([11],), overwrite=True)  # the slot handed to a new request
-    assert step.builder.host_first_blocks().tolist() == [9, 11]
-    assert runner.prepare_dummy_attn(None) == "dummy" and step.builder.host_first_blocks() is None
+    after = step.builder.host_step()
+    assert after.first_blocks.tolist() == [9, 11] and after.requests[0] == now.requests[0] != after.requests[1]
+    tables.append_block_ids(3, ([7],), overwrite=True)  # another request with the old one's first block
+    assert step.builder.host_step().requests[1] not in (now.requests[1], after.requests[1])
+    assert runner.prepare_dummy_attn(None) == "dummy" and step.builder.host_step() is None
 
 
 def test_a_runner_of_unknown_shape_gets_nothing_attached(step, caplog):
     runner = runner_holding([step.builder])
-    assert vllm_host_tables.attach_host_tables(runner) == 0 and step.builder.host_first_blocks is None
+    assert vllm_host_tables.attach_host_tables(runner) == 0 and step.builder.host_step is None
     assert "searched for shared prefixes on the device" in caplog.text
 
 
@@ -198,7 +242,7 @@ def test_the_worker_extension_attaches_the_host_tables(step):
 
     worker = ArcticWorkerExtension.__new__(ArcticWorkerExtension)  # vLLM mixes it into its worker
     worker.model_runner = v1_runner([step.builder], np.zeros((4, 2), dtype=np.int32), num_reqs=2)
-    assert worker.arctic_fca_attach_host_tables() == 1 and step.builder.host_first_blocks().tolist() == [0, 0]
+    assert worker.arctic_fca_attach_host_tables() == 1 and step.builder.host_step().first_blocks.tolist() == [0, 0]
 
 
 def test_requests_share_a_block_only_if_they_share_their_first():
@@ -235,3 +279,74 @@ def test_a_cache_with_another_block_size_goes_to_the_base_backend(step):
     meta = step.builder.build(0, step.cam)
     meta.fca_block_size = 32  # as if vLLM had split its blocks into kernel blocks of another size
     assert (run(step, meta) == -1).all()
+
+
+def mixed_batch(step):
+    """The step's decode rows, then two prefill chunks (the last 5 and 3 tokens of two of its
+    sequences, whose KV is in the cache: vLLM writes a step's KV before attention runs)."""
+    real = step.real
+    tables, lens = step.cam.block_table_tensor[:real], step.cam.seq_lens[:real]
+    long_rows = [r for r in range(real) if lens[r] >= 5][:2]
+    cam = decode_metadata(torch.cat([tables, tables[long_rows]]), torch.cat([lens, lens[long_rows]]),
+                          query_lens=[1] * real + [5, 3])
+    query = torch.randn(cam.num_actual_tokens, HEADS, HEAD_DIM)
+    query[:real] = step.query[:real]
+    return cam, query
+
+
+def test_a_mixed_batchs_decode_rows_run_fca_and_the_rest_the_base_exactly(step):
+    cam, query = mixed_batch(step)
+    meta = step.builder.build(0, cam)
+    assert meta.fca is not None and meta.fca_split and meta.fca_rows == step.real
+    assert meta.num_reqs == 2 and meta.query_start_loc.tolist() == [0, 5, 8]  # the base's part: the prefills
+    assert step.builder.steps == {"decode": 0, "mixed": 1, "base": 0} and bool(step.builder.work_builder.used_fca)
+    impl = step.layers["layers.0.attn"].impl
+    output = impl.forward(None, query, None, None, step.kv_cache, meta, torch.full((len(query), HEADS * HEAD_DIM), 7.0))
+    whole = PagedBaseImpl.forward(impl, None, query, None, None, step.kv_cache, BaseBuilder.build(None, 0, cam),
+                                  torch.zeros(len(query), HEADS * HEAD_DIM))
+    torch.testing.assert_close(output, whole, atol=1e-5, rtol=0)
+    assert_exact(step, output)
+
+
+@pytest.mark.parametrize("layer", ["cannot run FCA", "cache not bound yet"])
+def test_a_mixed_batch_stays_whole_unless_every_layer_of_the_builder_runs_fca(step, layer):
+    entry = step.layers["layers.0.attn"]
+    if layer == "cannot run FCA":
+        entry.impl = Impl(HEADS, HEAD_DIM, SCALE, KV_HEADS, None, 64, "auto")  # sliding window
+    else:
+        entry.kv_cache = torch.tensor([])
+    cam, _ = mixed_batch(step)
+    meta = step.builder.build(0, cam)
+    assert meta.fca is None and not meta.fca_split and meta.num_reqs == cam.num_reqs
+    assert step.builder.layers_run_fca is (False if layer == "cannot run FCA" else None)  # unbound: asked again
+
+
+def test_a_split_batch_at_a_layer_that_cannot_run_fca_is_an_error_not_a_wrong_answer(step):
+    cam, query = mixed_batch(step)
+    meta = step.builder.build(0, cam)
+    impl = Impl(HEADS, HEAD_DIM, SCALE, KV_HEADS, None, 64, "auto")
+    with pytest.raises(RuntimeError, match="cannot run FCA"):
+        impl.forward(None, query, None, None, step.kv_cache, meta, torch.zeros(len(query), HEADS * HEAD_DIM))
+
+
+def test_the_same_requests_as_the_last_step_reuse_its_forest(step):
+    """The host names the requests (V2: a new id per slot whenever a request enters it)."""
+    first = step.cam.block_table_tensor[: step.real, 0].numpy()
+    ids = np.arange(step.real) + 100
+    step.builder.host_step = lambda: vllm_fca.HostStep(first, ids)
+    for _ in range(2):
+        assert_exact(step, run(step, step.builder.build(0, step.cam)))
+    ids = ids + 1  # other requests in the same slots
+    assert_exact(step, run(step, step.builder.build(0, step.cam)))
+    assert step.builder.work_builder.builds == {"forest": 2, "reuse": 1, "plain": 0}
+
+
+def test_the_worker_extension_reports_how_fcas_batches_went(step):
+    from arctic_fca.vllm_worker import ArcticWorkerExtension
+
+    worker = ArcticWorkerExtension.__new__(ArcticWorkerExtension)
+    worker.model_runner = runner_holding([step.builder, BaseBuilder(None, [], None, "cpu")])
+    assert worker.arctic_fca_stats() == {"decode": 0, "mixed": 0, "base": 0}  # no work builder yet
+    step.builder.build(0, step.cam)
+    step.builder.build(0, mixed_batch(step)[0])
+    assert worker.arctic_fca_stats() == {"decode": 1, "mixed": 1, "base": 0, "forest": 2, "reuse": 0, "plain": 0}

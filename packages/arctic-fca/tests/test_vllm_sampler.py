@@ -120,3 +120,10 @@ def test_the_plugin_names_an_unknown_base_backend(monkeypatch):
 def test_an_unknown_fca_base_option_is_refused_by_name():
     with pytest.raises(ConfigError, match="fca_base"):
         build({"fca_base": "FLASHINFER"})
+
+
+def test_fca_stats_are_summed_over_the_workers(fake_vllm):
+    sampler = build()
+    sampler.llm.collective_rpc = lambda method: [{"decode": 2, "reuse": 1}, {"decode": 3, "mixed": 1}]
+    assert sampler.fca_stats() == {"decode": 5, "reuse": 1, "mixed": 1}
+    assert build({"fca": False}).fca_stats() == {}

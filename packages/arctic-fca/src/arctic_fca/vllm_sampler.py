@@ -69,7 +69,7 @@ class VllmSampler:
             worker_extension_cls=WORKER_EXTENSION, **self._attention(), **self.options.engine_args,
         )
         if self.options.fca:  # the builders and the runner's host tables exist once the engine is up
-            self.llm.collective_rpc("arctic_fca_attach_host_tables")
+            self.fca_host_views = self.llm.collective_rpc("arctic_fca_attach_host_tables")  # builders, per worker
         self.policy_version = 0
         self.asleep = False
 
@@ -117,6 +117,15 @@ class VllmSampler:
             self.llm.collective_rpc("arctic_load_tensors", args=({name: t.contiguous() for name, t in named},))
         self.llm.reset_prefix_cache()  # cached KV belongs to the old policy
         self.policy_version = version
+
+    def fca_stats(self) -> dict[str, int]:
+        """How FCA's batches and work builds went so far, summed over the workers (empty without
+        FCA): see ``ArcticWorkerExtension.arctic_fca_stats``."""
+        totals: dict[str, int] = {}
+        for stats in self.llm.collective_rpc("arctic_fca_stats") if self.options.fca else []:
+            for name, count in stats.items():
+                totals[name] = totals.get(name, 0) + count
+        return totals
 
     def sleep(self) -> None:
         self.llm.sleep(level=1)

@@ -38,3 +38,18 @@ class ArcticWorkerExtension(WeightSyncActor):
         from arctic_fca.vllm_host_tables import attach_host_tables
 
         return attach_host_tables(self.model_runner)
+
+    def arctic_fca_stats(self) -> dict[str, int]:
+        """How this worker's batches went since it started, summed over FCA's builders: ``decode``,
+        ``mixed`` (split between FCA and the base) and ``base`` batches; ``forest``, ``reuse`` and
+        ``plain`` work builds (``DeviceWorkBuilder.builds``)."""
+        from arctic_fca.vllm_fca import FCABuilderMixin
+
+        totals: dict[str, int] = {}
+        for groups in self.model_runner.attn_groups:
+            for builder in (b for group in groups for b in group.metadata_builders):
+                if isinstance(builder, FCABuilderMixin):
+                    work = builder.work_builder.builds if builder.work_builder else {}
+                    for name, count in (builder.steps | work).items():
+                        totals[name] = totals.get(name, 0) + count
+        return totals

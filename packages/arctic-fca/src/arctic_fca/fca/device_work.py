@@ -30,14 +30,23 @@ On CUDA each batch size's build is captured in a CUDA graph once and replayed: e
 small ops cost ~5 ms of host time per step (H200), which a short decode step cannot hide. Replayed,
 they still cost ~0.8 ms of GPU time (one small kernel after another); ``compile_backend``
 ("inductor") fuses them with ``torch.compile`` before the capture (0.45 ms; in the vLLM engine no
-faster overall, so an option). A caller that knows no block is shared (``build(shared=False)``)
-gets the plain work from ~30 ops, with graphs of its own.
+faster overall, so an option). Two cheaper builds serve callers that know more than the tables:
+
+- ``build(shared=False)``: no block is shared; the plain work from ~30 ops.
+- ``build(forest_key=k)`` a second time with the same ``k``: the same requests in the same rows,
+  grown by decode steps only. Their forest cannot have changed (blocks a request fills while it
+  decodes are its own), so the last full build's nodes, pairs and suffix starts are kept and only
+  the single items and the merge are written, without a sort (~40 ops). Every ``REFRESH_BUILDS``
+  such builds a full one runs again, so the cost model sees the grown suffixes.
+
+Each (batch size, build) pair has graphs of its own.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Literal
 
 import torch
 
@@ -47,6 +56,8 @@ from arctic_fca.fca.work import ITEMS_PER_SM, MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS
 
 logger = logging.getLogger(__name__)
 PAIRS_PER_REQUEST = 4  # (node, request) pairs per request the buffers hold: a forest four nodes deep
+REFRESH_BUILDS = 64  # builds that reuse one forest before the next full build re-prices it
+Build = Literal["forest", "reuse", "plain"]  # the full search, a kept forest, nothing shared
 
 
 class DeviceWorkBuilder:
@@ -62,8 +73,8 @@ class DeviceWorkBuilder:
         # One traced program for every batch size (dynamic); CUDA graphs then capture its kernels.
         self._run_build = (torch.compile(self._build, backend=compile_backend, dynamic=True, fullgraph=True)
                            if compile_backend else self._build)
-        # Static shapes per batch size: on CUDA each (size, shared) build is captured once and replayed.
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] | None = (
+        # Static shapes per batch size: on CUDA each (size, build) pair is captured once and replayed.
+        self.graphs: dict[tuple[int, Build], torch.cuda.CUDAGraph] | None = (
             {} if graphs and device.type == "cuda" else None)
         self._pool = None
         self.chunk_range = (max(chunk_range[0], block_size), chunk_range[1])  # split lengths allowed
@@ -98,70 +109,98 @@ class DeviceWorkBuilder:
             direct=False,
         )
         self.used_fca = torch.zeros((), dtype=torch.bool, device=device)  # this step's choice, for metrics
+        # What a full build keeps for the builds that reuse its forest (``forest_key``): each
+        # request's first unshared block, its node rows in merge order, and the node rows' count.
+        self.kept = {"suffix_start": ints(max_requests), "node_count": ints(max_requests),
+                     "node_merge_rows": ints(self.caps["node_rows"]), "node_rows": ints(1)}
+        self.kept_key: Hashable | None = None  # the forest_key of the kept forest; None: none kept
+        self.reuses = 0  # builds since the kept forest was searched
+        self.builds = {"forest": 0, "reuse": 0, "plain": 0}  # host-side counts, for metrics
 
-    def build(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, *, shared: bool = True) -> DeviceWork:
+    def build(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, *, shared: bool = True,
+              forest_key: Hashable | None = None) -> DeviceWork:
         """This step's items (``block_tables [R, table_width]`` int32 and ``seq_lens [R]`` on the
         builder's device, R <= max_requests; a request of length 0 is padding and gets no output).
 
         ``shared=False``: the caller knows that no two requests share a block (an engine that
         keeps the tables on the host too can tell at no cost). The forest is then not looked for:
         every request is read whole, the work the full build writes when it chooses plain, for a
-        tenth of its kernels (a batch that shares nothing must not pay for FCA)."""
+        tenth of its kernels (a batch that shares nothing must not pay for FCA).
+
+        ``forest_key``: names this batch's requests, row by row (the engine's request identities);
+        the same key as the last full build's means the same requests, only longer, and their
+        forest is reused (see the module docstring)."""
         num_requests, width = block_tables.shape
         if num_requests > self.max_requests or width != self.width:
             raise ValueError(f"block_tables {tuple(block_tables.shape)} exceed the builder's capacity "
                              f"({self.max_requests} requests, width {self.width})")
         self.tables_in[:num_requests].copy_(block_tables)
         self.lens_in[:num_requests].copy_(seq_lens)
+        kind = self._choose(shared, None if forest_key is None else (forest_key, num_requests))
+        self.builds[kind] += 1
         if self.graphs is None:
-            self._build_now(num_requests, shared)
+            self._build_now(num_requests, kind)
             return self.work
         # Batch sizes round up to a power of two (rows of length 0 are padding, given no work), so
         # an engine that does not pad its batches still needs only ~log2(max_requests) graphs.
         bucket = min(self.max_requests, 1 << max(0, num_requests - 1).bit_length())
         self.lens_in[num_requests:bucket].zero_()
-        graph = self.graphs.get((bucket, shared))
+        graph = self.graphs.get((bucket, kind))
         if graph is None:
             try:
-                graph = self._capture(bucket, shared)
+                graph = self._capture(bucket, kind)
             except RuntimeError as error:  # e.g. a capture already running on this stream
                 logger.warning("FCA work builder: CUDA graph capture failed (%s); building eagerly from now on", error)
                 self.graphs = None
-                self._build_now(num_requests, shared)
+                self._build_now(num_requests, kind)
                 return self.work
         graph.replay()
         return self.work
 
-    def _capture(self, num_requests: int, shared: bool) -> torch.cuda.CUDAGraph:
+    def _choose(self, shared: bool, key: Hashable | None) -> Build:
+        """Which build this step needs (``key``: the caller's forest key and the batch size, or
+        None); what is kept for reuse follows from it."""
+        if not shared:
+            self.kept_key = None
+            return "plain"
+        if key is not None and key == self.kept_key and self.reuses < REFRESH_BUILDS:
+            self.reuses += 1
+            return "reuse"
+        self.kept_key, self.reuses = key, 0
+        return "forest"
+
+    def _capture(self, num_requests: int, kind: Build) -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream()  # warm up off the capturing stream, as torch.cuda.graph asks
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._build_now(num_requests, shared)  # compiles, if asked
+            self._build_now(num_requests, kind)  # compiles, if asked
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # One memory pool for every batch size: a build's temporaries die with it.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._run_build(num_requests, shared)
+            self._run_build(num_requests, kind)
         self._pool = graph.pool()
-        self.graphs[num_requests, shared] = graph
+        self.graphs[num_requests, kind] = graph
         return graph
 
-    def _build_now(self, num_requests: int, shared: bool) -> None:
+    def _build_now(self, num_requests: int, kind: Build) -> None:
         """Run the build; if the compiler fails on it, warn and run its ops one by one from now on
         (a slower step, not a dead engine)."""
         try:
-            self._run_build(num_requests, shared)
+            self._run_build(num_requests, kind)
         except Exception as error:  # noqa: BLE001 - any compiler failure; the plain ops then run
             if self._run_build == self._build:
                 raise
             logger.warning("FCA work builder: torch.compile failed (%s); building op by op", error)
             self._run_build = self._build
-            self._build(num_requests, shared)
+            self._build(num_requests, kind)
 
-    def _build(self, num_requests: int, shared: bool) -> None:
+    def _build(self, num_requests: int, kind: Build) -> None:
         """The work of the first ``num_requests`` rows of the input buffers."""
-        if not shared:
+        if kind == "plain":
             return self._build_plain(num_requests)
+        if kind == "reuse":
+            return self._build_reusing_forest(num_requests)
         tables, lens = self.tables_in[:num_requests].long(), self.lens_in[:num_requests].long()
         forest = _Forest(tables, lens, self.block_size, self.num_blocks)
         fca = forest.consistent & self._fca_pays(forest) & (forest.num_pairs <= forest.pair_slots)
@@ -169,8 +208,41 @@ class DeviceWorkBuilder:
         self.used_fca.copy_(fca)
         self.work.q_index[: forest.pair_slots].copy_(forest.pair_request)
         node_rows = self._node_items(forest)
-        self._single_items(forest.suffix_start, forest.suffix_len, node_rows)
+        pieces = self._single_items(forest.suffix_start, forest.suffix_len, node_rows)
         self._merge(forest, node_rows)
+        self._keep_forest(forest.suffix_start, pieces, node_rows)
+
+    def _keep_forest(self, suffix_start: torch.Tensor, pieces: torch.Tensor, node_rows: torch.Tensor) -> None:
+        """Keep what ``_build_reusing_forest`` needs. A request's merge entries are its node rows,
+        then its single rows (rows sort stably, and node rows come first)."""
+        num_requests, kept = suffix_start.numel(), self.kept
+        indptr = self.work.merge_indptr[: num_requests + 1].long()
+        node_count = indptr.diff() - pieces
+        slot, owner, j, _ = _expand(node_count, self.caps["node_rows"])
+        entry = (indptr[owner] + j).clamp(max=self.caps["rows"] - 1)  # slots past the total: unread
+        kept["node_merge_rows"].copy_(self.work.merge_rows[entry])
+        kept["node_count"][:num_requests].copy_(node_count)
+        kept["suffix_start"][:num_requests].copy_(suffix_start)
+        kept["node_rows"].copy_(node_rows.reshape(1))
+
+    def _build_reusing_forest(self, num_requests: int) -> None:
+        """The kept forest's node items and pairs stand; each request's suffix has grown, so its
+        single items and the merge are written anew. The merge needs no sort: request r's entries
+        are its kept node rows, then its new single rows, which ``_single_items`` numbers
+        consecutively from ``node_rows`` in request order."""
+        kept, lens = self.kept, self.lens_in[:num_requests].long()
+        suffix_start, node_count = kept["suffix_start"][:num_requests].long(), kept["node_count"][:num_requests].long()
+        node_rows = kept["node_rows"].long().reshape(())
+        suffix = (lens - suffix_start * self.block_size).clamp(min=0)
+        pieces = self._single_items(suffix_start, suffix, node_rows)
+        counts = node_count + pieces
+        slot, owner, j, total = _expand(counts, self.caps["rows"])
+        from_node = j < node_count[owner]
+        node_entry = (_indptr(node_count)[owner] + j).clamp(max=self.caps["node_rows"] - 1)
+        single_row = node_rows + (pieces.cumsum(0) - pieces)[owner] + j - node_count[owner]
+        rows = torch.where(from_node, kept["node_merge_rows"].long()[node_entry], single_row)
+        self.work.merge_rows.copy_(torch.where(slot < total, rows, 0))
+        self.work.merge_indptr[: num_requests + 1].copy_(_indptr(counts))
 
     def _build_plain(self, num_requests: int) -> None:
         """Every request read whole by the single launch: its rows are its items, in request order,
