@@ -9,6 +9,7 @@
 #   bash bench/vllm_h200.sh bf16         # default then FCA: throughput, greedy, weight sync (~7 min)
 #   bash bench/vllm_h200.sh fca-compiled # FCA with the work build fused by torch.compile (~3 min)
 #   bash bench/vllm_h200.sh gate         # the shape that shares nothing and 4x64@1024, default (with weight sync) then FCA (~6 min)
+#   bash bench/vllm_h200.sh spread       # 4x64@1024 three times per engine, default then FCA: the spread within and across engines (~6 min)
 #   bash bench/vllm_h200.sh fp32-fca     # greedy and weight sync without bf16 rounding (~5 min) ...
 #   bash bench/vllm_h200.sh fp32-default # ... and the default side of the fp32 greedy check, then --compare
 set -euo pipefail
@@ -22,7 +23,7 @@ run() {  # run SECONDS NAME ARGS...: one engine per process; its log and JSON la
   grep "^{" "$out/$name.log" | tail -1 | cut -c1-400 || true
 }
 
-case ${1:?usage: $0 install|kernels|bf16|fca-compiled|gate|gate-fca|fp32-fca|fp32-default} in
+case ${1:?usage: $0 install|kernels|bf16|fca-compiled|gate|gate-fca|spread|fp32-fca|fp32-default} in
   install)
     cat /tmp/vp/vllm.part* >/tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -45,6 +46,10 @@ case ${1:?usage: $0 install|kernels|bf16|fca-compiled|gate|gate-fca|fp32-fca|fp3
     run 250 default_gate --mode default --weight-sync --shapes 128x1@2048,4x64@1024
     run 200 fca_gate --mode fca --shapes 128x1@2048,4x64@1024
     python3 bench/vllm_fca.py --compare "$out/default_gate.json" "$out/fca_gate.json" | tail -1 ;;
+  spread)  # the shape whose speedup moved most between engines, repeated within each
+    run 200 default_spread --mode default --shapes 4x64@1024,4x64@1024,4x64@1024
+    run 200 fca_spread --mode fca --shapes 4x64@1024,4x64@1024,4x64@1024
+    python3 bench/vllm_fca.py --compare "$out/default_spread.json" "$out/fca_spread.json" | tail -1 ;;
   gate-fca)  # gate's FCA side alone (compare with a gate run's default_gate.json)
     run 150 fca_gate --mode fca --shapes 128x1@2048,4x64@1024 ;;
   fp32-fca)
