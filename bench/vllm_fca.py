@@ -83,8 +83,10 @@ def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int) -> dict:
         return time.perf_counter() - started, sum(len(s.token_ids) for o in outputs for s in o.outputs)
 
     prefill_seconds, _ = run(1, seed=prompt_len + prompts + 1)
+    started_at = time.strftime("%H:%M:%S")  # to find the run in a GPU trace (bench/vllm_h200.sh spread)
     seconds, tokens = run(512, seed=prompt_len + prompts)
-    return {"shape": f"{prompts}x{samples}@{prompt_len}", "tokens": tokens, "seconds": round(seconds, 2),
+    return {"shape": f"{prompts}x{samples}@{prompt_len}", "started_at": started_at, "tokens": tokens,
+            "seconds": round(seconds, 2),
             "tok_s": round(tokens / seconds), "prefill_s": round(prefill_seconds, 2)}
 
 

@@ -47,7 +47,8 @@ case ${1:?usage: $0 install|kernels|bf16|fca-compiled|gate|gate-fca|spread|fp32-
     run 200 fca_gate --mode fca --shapes 128x1@2048,4x64@1024
     python3 bench/vllm_fca.py --compare "$out/default_gate.json" "$out/fca_gate.json" | tail -1 ;;
   spread)  # the shape whose speedup moved most between engines, repeated within each (FCA_FIRST=1: FCA's engine first)
-    nvidia-smi --query-gpu=timestamp,temperature.gpu,clocks.sm,clocks.mem,power.draw --format=csv -l 5 >"$out/gpu.csv" &
+    # GPU busy share, clocks and power every 200 ms (a host-bound engine leaves the GPU idle between steps)
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,temperature.gpu,clocks.sm,power.draw --format=csv -lms 200 >"$out/gpu.csv" &
     modes=(default fca); [ -n "${FCA_FIRST:-}" ] && modes=(fca default)
     for mode in "${modes[@]}"; do run 200 "${mode}_spread" --mode "$mode" --shapes 4x64@1024,4x64@1024,4x64@1024; done
     kill %1 || true

@@ -1,10 +1,11 @@
 """FCA as a vLLM 0.24 attention backend (imported by vLLM only; registered by ``vllm_plugin``).
 
-The backend is one of vLLM's own backends with one path added: a batch of pure decode steps
-(every query one token) runs FCA. Everything else stays the base backend's, unchanged: the
-KV-cache layout ``[num_blocks, 2, block_size, kv_heads, head_dim]`` and its writes, prefill and
-mixed batches, and the layers FCA cannot run exactly (sliding window, ALiBi, soft-capped logits,
-sinks, encoder or cross attention, quantized KV or outputs). Two bases, both with that layout:
+The backend is one of vLLM's own backends with one path added: decode rows (one query token
+each; a batch of them, or the leading rows of a mixed batch) run FCA. Everything else stays the
+base backend's, unchanged: the KV-cache layout ``[num_blocks, 2, block_size, kv_heads, head_dim]``
+and its writes, prefill rows, and the layers FCA cannot run exactly (sliding window, ALiBi,
+soft-capped logits, sinks, encoder or cross attention, quantized KV or outputs). Two bases, both
+with that layout:
 
 - ``FCAAttentionBackend`` over FlashAttention (the default; bf16 / fp16);
 - ``FCATritonAttentionBackend`` over vLLM's Triton backend, which also runs fp32 (used to check
