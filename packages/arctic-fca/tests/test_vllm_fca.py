@@ -5,6 +5,7 @@ vLLM's output buffer exactly. (The kernels are replaced by the torch executor of
 
 from __future__ import annotations
 
+import enum
 import functools
 import types
 
@@ -22,8 +23,18 @@ from arctic_fca.vllm_plugin import COMPILE_ENV
 HEADS, KV_HEADS, HEAD_DIM, SCALE = 4, 2, 16, 0.3
 
 
+class CGSupport(enum.Enum):  # vLLM's AttentionCGSupport
+    ALWAYS, UNIFORM_BATCH, UNIFORM_SINGLE_TOKEN_DECODE, NEVER = 3, 2, 1, 0
+
+
 class BaseBuilder:
     """Stands in for a vLLM metadata builder: its metadata is a plain object."""
+
+    _cudagraph_support = CGSupport.ALWAYS  # FlashAttention 3's
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         pass
@@ -350,3 +361,11 @@ def test_the_worker_extension_reports_how_fcas_batches_went(step):
     step.builder.build(0, step.cam)
     step.builder.build(0, mixed_batch(step)[0])
     assert worker.arctic_fca_stats() == {"decode": 1, "mixed": 1, "base": 0, "forest": 2, "reuse": 0, "plain": 0}
+
+
+@pytest.mark.parametrize("base, ours", [("ALWAYS", "UNIFORM_BATCH"), ("UNIFORM_BATCH", "UNIFORM_BATCH"),
+                                        ("UNIFORM_SINGLE_TOKEN_DECODE", "UNIFORM_SINGLE_TOKEN_DECODE"), ("NEVER", "NEVER")])
+def test_mixed_batches_are_never_replayed_from_a_full_cuda_graph(base, ours, monkeypatch):
+    """A mixed batch's split is a host decision per step: vLLM must run such batches piecewise."""
+    monkeypatch.setattr(BaseBuilder, "_cudagraph_support", CGSupport[base])
+    assert Builder.get_cudagraph_support(None, None) is CGSupport[ours]

@@ -53,6 +53,15 @@ class FCABuilderMixin:
     # ``vllm_host_tables.attach_host_tables``); unknown: the device searches for a forest.
     host_step: Callable[[], HostStep | None] | None = None
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        """The base's level, at most UNIFORM_BATCH: how a mixed batch splits between FCA and the
+        base is decided per step on the host, which a full graph of a mixed batch would freeze at
+        capture (vLLM then runs mixed batches piecewise, attention outside the graph)."""
+        support = super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        cap = type(support)["UNIFORM_BATCH"]  # vLLM's AttentionCGSupport, by name (no vLLM import)
+        return support if support.value <= cap.value else cap
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         scheduler, compilation = vllm_config.scheduler_config, vllm_config.compilation_config
