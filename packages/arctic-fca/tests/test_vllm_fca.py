@@ -369,3 +369,18 @@ def test_mixed_batches_are_never_replayed_from_a_full_cuda_graph(base, ours, mon
     """A mixed batch's split is a host decision per step: vLLM must run such batches piecewise."""
     monkeypatch.setattr(BaseBuilder, "_cudagraph_support", CGSupport[base])
     assert Builder.get_cudagraph_support(None, None) is CGSupport[ours]
+
+
+def test_through_the_v2_view_decode_steps_reuse_the_forest_until_a_slot_takes_a_new_request(step):
+    tables = V2BlockTables(max_num_reqs=step.real)
+    runner = runner_holding([step.builder], block_tables=tables, prepare_attn=lambda batch: None,
+                            prepare_dummy_attn=lambda batch: None)
+    vllm_host_tables.attach_host_tables(runner)
+    for slot, row in enumerate(step.cam.block_table_tensor[: step.real].tolist()):
+        tables.append_block_ids(slot, (row,), overwrite=True)
+    runner.prepare_attn(types.SimpleNamespace(idx_mapping_np=np.arange(step.real)))
+    for _ in range(2):  # two decode steps of the same requests
+        assert_exact(step, run(step, step.builder.build(0, step.cam)))
+    tables.append_block_ids(0, (step.cam.block_table_tensor[0].tolist(),), overwrite=True)  # slot 0: a new request
+    assert_exact(step, run(step, step.builder.build(0, step.cam)))
+    assert step.builder.work_builder.builds == {"forest": 2, "reuse": 1, "plain": 0}
