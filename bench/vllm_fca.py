@@ -70,9 +70,10 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 150000) for _ in range(length)] for _ in range(count)]
 
 
-def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int) -> dict:
-    """Tokens/s of the whole run; and, as a breakdown, the seconds of the same shape with one new
-    token each (prefill and the first step, on other prompts: the prefix cache must not help)."""
+def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int, repeat: int = 1) -> dict:
+    """Tokens/s of the whole run (the median of ``repeat`` runs, each on prompts of its own); and,
+    as a breakdown, the seconds of the same shape with one new token each (prefill and the first
+    step, on other prompts: the prefix cache must not help)."""
 
     def run(max_tokens: int, seed: int) -> tuple[float, int]:
         params = vllm.SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
@@ -84,10 +85,11 @@ def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int) -> dict:
 
     prefill_seconds, _ = run(1, seed=prompt_len + prompts + 1)
     started_at = time.strftime("%H:%M:%S")  # to find the run in a GPU trace (bench/vllm_h200.sh spread)
-    seconds, tokens = run(512, seed=prompt_len + prompts)
+    runs = [run(512, seed=prompt_len + prompts + 1000 * attempt) for attempt in range(repeat)]
+    seconds, tokens = statistics.median(s for s, _ in runs), runs[0][1]
     return {"shape": f"{prompts}x{samples}@{prompt_len}", "started_at": started_at, "tokens": tokens,
-            "seconds": round(seconds, 2),
-            "tok_s": round(tokens / seconds), "prefill_s": round(prefill_seconds, 2)}
+            "seconds": round(seconds, 2), "tok_s": round(tokens / seconds), "prefill_s": round(prefill_seconds, 2),
+            "runs_tok_s": [round(t / s) for s, t in runs]}
 
 
 def greedy_with_gaps(llm, vllm, prompts: list[list[int]], tokens: int) -> list[dict]:
@@ -209,7 +211,7 @@ def run_mode(args) -> dict:
     save()
     for shape in [] if args.greedy_only else args.shapes:
         before = sampler.fca_stats()
-        result["throughput"].append(throughput(sampler.llm, sampler.vllm, *shape))
+        result["throughput"].append(throughput(sampler.llm, sampler.vllm, *shape, repeat=args.repeat))
         # FCA's batches (decode / mixed / base) and work builds (forest / reuse / plain) in this shape
         result["throughput"][-1]["fca"] = {k: v - before.get(k, 0) for k, v in sampler.fca_stats().items()}
         print(result["throughput"][-1], flush=True)
@@ -229,6 +231,7 @@ def compare(default_path: str, fca_path: str) -> dict:
     split_gaps = [max(d["gaps"][i], f["gaps"][i]) for d, f, i in zip(default["greedy"], fca["greedy"], common)
                   if i < len(d["tokens"])]
     rows = [{"shape": d["shape"], "default_tok_s": d["tok_s"], "fca_tok_s": f["tok_s"],
+             "runs_tok_s": [d.get("runs_tok_s"), f.get("runs_tok_s")],
              "speedup": round(f["tok_s"] / d["tok_s"], 2), "prefill_s": [d["prefill_s"], f["prefill_s"]],
              # the steps after the first: total time less that of the one-token run
              "decode_speedup": round((d["seconds"] - d["prefill_s"]) / (f["seconds"] - f["prefill_s"]), 2)}
@@ -252,6 +255,8 @@ def main() -> None:
     parser.add_argument("--greedy-only", action="store_true", help="skip the throughput runs")
     parser.add_argument("--shapes", type=shape_list, default=SHAPES,
                         help="throughput shapes, e.g. 128x1@2048,4x64@1024 (default: all five)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="timed runs per shape, each on prompts of its own; tok/s is their median")
     parser.add_argument("--compile-build", action="store_true",
                         help="fca mode: the per-step work build fused by torch.compile (fca_compile_build)")
     parser.add_argument("--compare", nargs=2, metavar=("DEFAULT_JSON", "FCA_JSON"))

@@ -7,6 +7,8 @@
 #   bash bench/vllm_h200.sh install      # carry .vllm/deps and .whl: joins the parts, installs all
 #   bash bench/vllm_h200.sh kernels      # the work builder (eager vs CUDA graph) and the FCA kernel table (no vLLM)
 #   bash bench/vllm_h200.sh bf16         # default then FCA: throughput, greedy, weight sync (~7 min)
+#   bash bench/vllm_h200.sh bf16-default # bf16's default side, every shape three times (median; ~5.5 min) ...
+#   bash bench/vllm_h200.sh bf16-fca     # ... and its FCA side with --weight-sync, then --compare (~5 min)
 #   bash bench/vllm_h200.sh fca-compiled # FCA with the work build fused by torch.compile (~3 min)
 #   bash bench/vllm_h200.sh gate         # the shape that shares nothing and 4x64@1024, default (with weight sync) then FCA (~6 min)
 #   bash bench/vllm_h200.sh spread       # 4x64@1024 three times per engine, default then FCA: the spread within and across engines (~6 min)
@@ -23,7 +25,7 @@ run() {  # run SECONDS NAME ARGS...: one engine per process; its log and JSON la
   grep "^{" "$out/$name.log" | tail -1 | cut -c1-400 || true
 }
 
-case ${1:?usage: $0 install|kernels|bf16|fca-compiled|gate|gate-fca|spread|fp32-fca|fp32-default} in
+case ${1:?usage: $0 install|kernels|bf16|bf16-default|bf16-fca|fca-compiled|gate|gate-fca|spread|fp32-fca|fp32-default} in
   install)
     cat /tmp/vp/vllm.part* >/tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -39,6 +41,12 @@ case ${1:?usage: $0 install|kernels|bf16|fca-compiled|gate|gate-fca|spread|fp32-
     cp "$out/default.json" /tmp/default.json || true  # for fca-compiled, while the machine stays warm
     run 310 fca --mode fca --weight-sync
     python3 bench/vllm_fca.py --compare "$out/default.json" "$out/fca.json" | tail -1 ;;
+  bf16-default)  # as bf16, three timed runs per shape (other prompts each time), in two calls
+    run 560 default --mode default --repeat 3
+    cp "$out/default.json" /tmp/default.json || true ;;  # for bf16-fca, while the machine stays warm
+  bf16-fca)
+    run 500 fca --mode fca --weight-sync --repeat 3
+    python3 bench/vllm_fca.py --compare "${DEFAULT:-/tmp/default.json}" "$out/fca.json" | tail -1 ;;
   fca-compiled)  # FCA with its work build fused by torch.compile, against bf16's default run
     run 300 fcac --mode fca --compile-build
     python3 bench/vllm_fca.py --compare "${DEFAULT:-/tmp/default.json}" "$out/fcac.json" | tail -1 ;;
