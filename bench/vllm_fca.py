@@ -196,7 +196,7 @@ def run_mode(args) -> dict:
             options["engine_args"] = {"attention_config": {"backend": "TRITON_ATTN"}}
     sampler, client = start_sampler(args, options)
     result = {"mode": args.mode, "dtype": args.dtype, "compile_build": args.compile_build,
-              "fca_host_views": getattr(sampler, "fca_host_views", None),
+              "fca_host_views": sampler.fca_host_views,
               "engine_start_s": round(time.perf_counter() - started, 1), "throughput": []}
     print(result, flush=True)
 

@@ -18,6 +18,7 @@ Decode attention is FCA (``arctic_fca.vllm_attention``, vLLM's CUSTOM backend) u
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any, Literal
 
 from pydantic import Field
@@ -68,8 +69,8 @@ class VllmSampler:
             enforce_eager=self.options.enforce_eager, enable_sleep_mode=True, logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION, **self._attention(), **self.options.engine_args,
         )
-        if self.options.fca:  # the builders and the runner's host tables exist once the engine is up
-            self.fca_host_views = self.llm.collective_rpc("arctic_fca_attach_host_tables")  # builders, per worker
+        # FCA builders given the host's block tables, per worker (they exist once the engine is up)
+        self.fca_host_views = self.llm.collective_rpc("arctic_fca_attach_host_tables") if self.options.fca else None
         self.policy_version = 0
         self.asleep = False
 
@@ -121,11 +122,10 @@ class VllmSampler:
     def fca_stats(self) -> dict[str, int]:
         """How FCA's batches and work builds went so far, summed over the workers (empty without
         FCA): see ``ArcticWorkerExtension.arctic_fca_stats``."""
-        totals: dict[str, int] = {}
+        totals: Counter[str] = Counter()
         for stats in self.llm.collective_rpc("arctic_fca_stats") if self.options.fca else []:
-            for name, count in stats.items():
-                totals[name] = totals.get(name, 0) + count
-        return totals
+            totals.update(stats)
+        return dict(totals)
 
     def sleep(self) -> None:
         self.llm.sleep(level=1)

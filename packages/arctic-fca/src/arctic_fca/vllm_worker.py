@@ -8,6 +8,7 @@ sampler replicas run.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -45,11 +46,10 @@ class ArcticWorkerExtension(WeightSyncActor):
         ``plain`` work builds (``DeviceWorkBuilder.builds``)."""
         from arctic_fca.vllm_fca import FCABuilderMixin
 
-        totals: dict[str, int] = {}
+        totals: Counter[str] = Counter()
         for groups in self.model_runner.attn_groups:
             for builder in (b for group in groups for b in group.metadata_builders):
                 if isinstance(builder, FCABuilderMixin):
-                    work = builder.work_builder.builds if builder.work_builder else {}
-                    for name, count in (builder.steps | work).items():
-                        totals[name] = totals.get(name, 0) + count
-        return totals
+                    totals.update(builder.steps)
+                    totals.update(builder.work_builder.builds if builder.work_builder else {})
+        return dict(totals)
