@@ -55,6 +55,20 @@ def execute(work, query, key_cache, value_cache, scale: float) -> torch.Tensor:
     return out.masked_fill(idle[:, None, None], 0.0)  # as the merge kernel: a request with no rows gets zeros
 
 
+def assert_decodes_exactly(work, query, key_cache, value_cache, tables, lens) -> None:
+    """The items' attention (``execute``) equals plain paged decode in fp32."""
+    expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
+    torch.testing.assert_close(execute(work, query, key_cache, value_cache, 0.3), expected, atol=1e-5, rtol=0)
+
+
+def same_work(a, b, requests: int) -> bool:
+    """Whether two builds wrote the same items and merge for ``requests`` rows."""
+    total = int(a.merge_indptr[requests])
+    return all(int(x.count) == int(y.count) and torch.equal(x.items[:, : int(x.count)], y.items[:, : int(y.count)])
+               for x, y in ((a.node, b.node), (a.single, b.single))) and torch.equal(
+        a.merge_indptr[: requests + 1], b.merge_indptr[: requests + 1]) and torch.equal(a.merge_rows[:total], b.merge_rows[:total])
+
+
 def forest_of_plan(plan) -> set:
     return {(tuple(plan.node_blocks(n)), tuple(plan.node_requests(n))) for n in range(plan.num_nodes)}
 
@@ -90,8 +104,7 @@ def test_device_work_gives_exact_attention(seed, heads, chunk_range):
     query, key_cache, value_cache, tables, lens = attention_args(batch)
     builder = builder_for(batch, chunk_range=chunk_range)
     work = builder.build(tables, lens)
-    expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
-    torch.testing.assert_close(execute(work, query, key_cache, value_cache, 0.3), expected, atol=1e-5, rtol=0)
+    assert_decodes_exactly(work, query, key_cache, value_cache, tables, lens)
     has_nodes = build_plan(tables, lens, 16).num_nodes > 0
     assert bool(builder.used_fca) == has_nodes == (int(work.node.count) > 0)
 
@@ -131,9 +144,7 @@ def test_a_build_rests_on_its_inputs_alone_not_on_what_its_buffers_held():
         buffer.fill_(7)
     work.partial.fill_(float("nan"))
     work.lse.fill_(float("nan"))
-    out = execute(builder.build(tables, lens), query, key_cache, value_cache, 0.3)
-    expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    assert_decodes_exactly(builder.build(tables, lens), query, key_cache, value_cache, tables, lens)
 
 
 def unshared_batch(seed: int, rows: int = 0) -> dict:
@@ -157,11 +168,7 @@ def test_a_build_told_nothing_is_shared_writes_what_the_full_build_writes(chunk_
     plain_builder = builder_for(batch, chunk_range=chunk_range)
     plain = plain_builder.build(tables, lens, shared=False)
     assert int(plain.node.count) == int(full.node.count) == 0 and not bool(plain_builder.used_fca)
-    count = int(full.single.count)
-    assert int(plain.single.count) == count and torch.equal(plain.single.items[:, :count], full.single.items[:, :count])
-    requests = tables.shape[0]
-    assert torch.equal(plain.merge_indptr[: requests + 1], full.merge_indptr[: requests + 1])
-    assert torch.equal(plain.merge_rows[:count], full.merge_rows[:count])
+    assert same_work(plain, full, tables.shape[0])
     out = execute(plain, query, key_cache, value_cache, 0.3)
     real = int((lens > 0).sum())
     expected = paged_decode_attention(query[:real], key_cache, value_cache, tables[:real], lens[:real], 0.3)
@@ -184,8 +191,7 @@ def test_shared_and_unshared_builds_take_turns_on_one_builder():
     builder = builder_for({**forest, "key_cache": cache[0]}, rows=rows)
     for batch, shared in ((forest, True), (alone, False), (forest, True), (alone, False)):
         query, _, _, tables, lens = attention_args(batch)
-        out = execute(builder.build(tables, lens, shared=shared), query, *cache, 0.3)
-        torch.testing.assert_close(out, paged_decode_attention(query, *cache, tables, lens, 0.3), atol=1e-5, rtol=0)
+        assert_decodes_exactly(builder.build(tables, lens, shared=shared), query, *cache, tables, lens)
         assert bool(builder.used_fca) == shared
 
 
@@ -221,9 +227,7 @@ def test_a_compiler_that_fails_leaves_the_build_unfused_and_working(caplog):
     batch = make_batch(segments, requests, 16, seed=1)
     query, key_cache, value_cache, tables, lens = attention_args(batch)
     builder = builder_for(batch, compile_backend=broken_backend)
-    out = execute(builder.build(tables, lens), query, key_cache, value_cache, 0.3)
-    torch.testing.assert_close(out, paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3),
-                               atol=1e-5, rtol=0)
+    assert_decodes_exactly(builder.build(tables, lens), query, key_cache, value_cache, tables, lens)
     assert "torch.compile failed" in caplog.text and "no kernels today" in caplog.text
     assert builder._run_build == builder._build
 
@@ -242,8 +246,7 @@ def test_tables_that_break_the_prefix_property_decode_plain_and_exact(breach):
     builder = builder_for(batch)
     work = builder.build(tables, lens)
     assert not bool(builder.used_fca) and int(work.node.count) == 0
-    expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
-    torch.testing.assert_close(execute(work, query, key_cache, value_cache, 0.3), expected, atol=1e-5, rtol=0)
+    assert_decodes_exactly(work, query, key_cache, value_cache, tables, lens)
 
 
 def test_a_node_shared_by_more_requests_than_a_tile_is_served_in_several_tiles():
@@ -253,8 +256,7 @@ def test_a_node_shared_by_more_requests_than_a_tile_is_served_in_several_tiles()
     builder = builder_for(batch, chunk_range=(16, 16))
     work = builder.build(tables, lens)
     assert builder.per_tile == 8 and int(work.node.items[3, : int(work.node.count)].max()) == 8
-    expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
-    torch.testing.assert_close(execute(work, query, key_cache, value_cache, 0.3), expected, atol=1e-5, rtol=0)
+    assert_decodes_exactly(work, query, key_cache, value_cache, tables, lens)
 
 
 def test_the_device_choice_is_the_host_cost_models():
@@ -298,13 +300,6 @@ def decode_steps(seed: int, growth: int) -> tuple[dict, list[torch.Tensor]]:
     return batch, [batch["seq_lens"] - growth + step for step in range(growth + 1)]
 
 
-def same_work(a, b, requests: int) -> bool:
-    total = int(a.merge_indptr[requests])
-    return all(int(x.count) == int(y.count) and torch.equal(x.items[:, : int(x.count)], y.items[:, : int(y.count)])
-               for x, y in ((a.node, b.node), (a.single, b.single))) and torch.equal(
-        a.merge_indptr[: requests + 1], b.merge_indptr[: requests + 1]) and torch.equal(a.merge_rows[:total], b.merge_rows[:total])
-
-
 @pytest.mark.parametrize("costs", [ALWAYS_FCA, CostConstants(min_speedup=1e9)], ids=["fca", "plain"])
 @pytest.mark.parametrize("seed", range(4))
 def test_decode_steps_of_the_same_requests_reuse_their_forest_and_write_the_full_builds_work(seed, costs):
@@ -316,9 +311,7 @@ def test_decode_steps_of_the_same_requests_reuse_their_forest_and_write_the_full
     for lens in steps:
         work = reusing.build(tables, lens, forest_key="these requests")
         assert same_work(work, searching.build(tables, lens), tables.shape[0])
-        out = execute(work, query, key_cache, value_cache, 0.3)
-        torch.testing.assert_close(out, paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3),
-                                   atol=1e-5, rtol=0)
+        assert_decodes_exactly(work, query, key_cache, value_cache, tables, lens)
     assert reusing.builds == {"forest": 1, "reuse": len(steps) - 1, "plain": 0}
     assert bool(reusing.used_fca) == bool(searching.used_fca)
 

@@ -52,9 +52,14 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_tokens: int, max_model_len: int) -> None:
-    """Refuse, naming the prompt, a token id past the vocabulary or a prompt with no room left for
-    ``max_tokens`` more (the protocol already refuses empty prompts and negative ids)."""
+    """Refuse, naming the prompt, an empty prompt, a token id outside the vocabulary or a prompt
+    with no room left for ``max_tokens`` more (samplers are called directly too, not only behind
+    the protocol's own checks)."""
     for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise RequestError(f"prompts[{i}] is empty")
+        if min(prompt) < 0:
+            raise RequestError(f"prompts[{i}] contain a negative token id {min(prompt)}")
         check_token_ids(torch.tensor(prompt), vocab_size, f"prompts[{i}]")
         if len(prompt) + max_tokens > max_model_len:
             raise RequestError(f"prompts[{i}] ({len(prompt)} tokens) + max_tokens={max_tokens} exceeds "

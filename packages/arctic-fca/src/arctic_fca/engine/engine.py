@@ -251,11 +251,6 @@ class EmbeddedEngine:
     def _check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if params.n > self.options.max_num_seqs:
             raise RequestError(f"n={params.n} exceeds the engine's max_num_seqs={self.options.max_num_seqs}")
-        for i, prompt in enumerate(prompts):  # called directly too, not only behind the protocol
-            if not prompt:
-                raise RequestError(f"prompts[{i}] is empty")
-            if min(prompt) < 0:
-                raise RequestError(f"prompts[{i}] contain a negative token id {min(prompt)}")
         check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, self.max_model_len)
         for i, prompt in enumerate(prompts):
             needed = self._group_blocks(len(prompt), 0, params)
