@@ -26,10 +26,13 @@ The last line is a JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import time
 
@@ -70,10 +73,38 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 150000) for _ in range(length)] for _ in range(count)]
 
 
-def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int, repeat: int = 1) -> dict:
+@contextlib.contextmanager
+def py_spy(folder: str | None, name: str):
+    """py-spy samples vLLM's engine-core process and this one (the frontend) while the block runs:
+    where each spends its time, waits included (``--idle``), as collapsed stacks per thread in
+    ``folder/name_{core,frontend}.txt``. A profiler that cannot attach only warns."""
+    if not folder:
+        yield
+        return
+    import psutil
+
+    os.makedirs(folder, exist_ok=True)
+    me = psutil.Process()
+    cores = [c.pid for c in me.children(recursive=True) if "EngineCore" in c.name() + " ".join(c.cmdline())]
+    profilers = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--idle", "--threads",
+                                   "--nonblocking", "--format", "raw", "-o", f"{folder}/{name}_{role}.txt"],
+                                  stdout=subprocess.DEVNULL, stderr=open(f"{folder}/{name}_{role}.err", "w"))
+                 for role, pid in [("frontend", me.pid)] + [("core", pid) for pid in cores]]
+    try:
+        yield
+    finally:
+        for profiler in profilers:
+            profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for profiler in profilers:
+            profiler.wait(timeout=60)
+
+
+def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int, repeat: int = 1,
+               profile_dir: str | None = None) -> dict:
     """Tokens/s of the whole run (the median of ``repeat`` runs, each on prompts of its own); and,
     as a breakdown, the seconds of the same shape with one new token each (prefill and the first
-    step, on other prompts: the prefix cache must not help)."""
+    step, on other prompts: the prefix cache must not help). ``profile_dir``: each timed run under
+    py-spy (its figures then include the profiler's cost)."""
 
     def run(max_tokens: int, seed: int) -> tuple[float, int]:
         params = vllm.SamplingParams(n=samples, temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
@@ -83,9 +114,13 @@ def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int, repeat: i
         outputs = llm.generate(batch, params, use_tqdm=False)
         return time.perf_counter() - started, sum(len(s.token_ids) for o in outputs for s in o.outputs)
 
+    def timed_run(attempt: int) -> tuple[float, int]:
+        with py_spy(profile_dir, f"{prompts}x{samples}@{prompt_len}_{attempt}"):
+            return run(512, seed=prompt_len + prompts + 1000 * attempt)
+
     prefill_seconds, _ = run(1, seed=prompt_len + prompts + 1)
     started_at = time.strftime("%H:%M:%S")  # to find the run in a GPU trace (bench/vllm_h200.sh spread)
-    runs = [run(512, seed=prompt_len + prompts + 1000 * attempt) for attempt in range(repeat)]
+    runs = [timed_run(attempt) for attempt in range(repeat)]
     seconds, tokens = statistics.median(s for s, _ in runs), runs[0][1]
     return {"shape": f"{prompts}x{samples}@{prompt_len}", "started_at": started_at, "tokens": tokens,
             "seconds": round(seconds, 2), "tok_s": round(tokens / seconds), "prefill_s": round(prefill_seconds, 2),
@@ -211,7 +246,8 @@ def run_mode(args) -> dict:
     save()
     for shape in [] if args.greedy_only else args.shapes:
         before = sampler.fca_stats()
-        result["throughput"].append(throughput(sampler.llm, sampler.vllm, *shape, repeat=args.repeat))
+        result["throughput"].append(throughput(sampler.llm, sampler.vllm, *shape, repeat=args.repeat,
+                                               profile_dir=args.py_spy))
         # FCA's batches (decode / mixed / base) and work builds (forest / reuse / plain) in this shape
         result["throughput"][-1]["fca"] = {k: v - before.get(k, 0) for k, v in sampler.fca_stats().items()}
         print(result["throughput"][-1], flush=True)
@@ -259,6 +295,7 @@ def main() -> None:
                         help="timed runs per shape, each on prompts of its own; tok/s is their median")
     parser.add_argument("--compile-build", action="store_true",
                         help="fca mode: the per-step work build fused by torch.compile (fca_compile_build)")
+    parser.add_argument("--py-spy", metavar="DIR", help="each timed run under py-spy, its stacks into DIR")
     parser.add_argument("--compare", nargs=2, metavar=("DEFAULT_JSON", "FCA_JSON"))
     args = parser.parse_args()
     if args.compare:

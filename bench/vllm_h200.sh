@@ -11,13 +11,13 @@
 #   bash bench/vllm_h200.sh bf16-fca     # ... and its FCA side with --weight-sync, then --compare (~5 min)
 #   bash bench/vllm_h200.sh fca-compiled # FCA with the work build fused by torch.compile (~3 min)
 #   bash bench/vllm_h200.sh gate         # the shape that shares nothing and 4x64@1024, default (with weight sync) then FCA (~6 min)
-#   bash bench/vllm_h200.sh spread       # 4x64@1024 three times per engine, default then FCA: the spread within and across engines (~6 min)
+#   bash bench/vllm_h200.sh spread       # 4x64@1024 three times per engine under py-spy, GPU traced: the spread within and across engines (~5 min)
 #   bash bench/vllm_h200.sh fp32-fca     # greedy and weight sync without bf16 rounding (~5 min) ...
 #   bash bench/vllm_h200.sh fp32-default # ... and the default side of the fp32 greedy check, then --compare
 set -euo pipefail
 out=${OUT:-vllm-results}
 mkdir -p "$out"
-export PYTHONPATH=/tmp/site:bench PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:bench PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH  # py-spy's binary (its wheel in .whl)
 
 run() {  # run SECONDS NAME ARGS...: one engine per process; its log and JSON land in $out
   local seconds=$1 name=$2; shift 2
@@ -25,12 +25,19 @@ run() {  # run SECONDS NAME ARGS...: one engine per process; its log and JSON la
   grep "^{" "$out/$name.log" | tail -1 | cut -c1-400 || true
 }
 
+trace_gpu() {  # GPU busy share, clocks and power every 100 ms into $out/gpu_NAME.csv, in the background
+  # (an engine bound by its host leaves the GPU idle between steps)
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,clocks.sm,power.draw --format=csv,noheader,nounits -lms 100 \
+    >"$out/gpu_$1.csv" 2>&1 &
+}
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # the trace stops with the step
+
 case ${1:?usage: $0 install|kernels|bf16|bf16-default|bf16-fca|fca-compiled|gate|gate-fca|spread|fp32-fca|fp32-default} in
   install)
     cat /tmp/vp/vllm.part* >/tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       /tmp/vllm-0.24.0-*.whl .vllm/deps/*.whl .whl/*.whl
-    python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
+    python3 -c "import vllm; print('vllm', vllm.__version__)"; py-spy --version ;;
   kernels)  # also the FCA kernel table of issue 4 (Qwen3-8B heads)
     timeout 300 python3 bench/fca_decode.py --device-work >"$out/device_work.log" 2>&1 || echo "device-work: rc=$?"
     grep "^{'shape'\|failed" "$out/device_work.log" | cut -c1-500 || true
@@ -42,9 +49,11 @@ case ${1:?usage: $0 install|kernels|bf16|bf16-default|bf16-fca|fca-compiled|gate
     run 310 fca --mode fca --weight-sync
     python3 bench/vllm_fca.py --compare "$out/default.json" "$out/fca.json" | tail -1 ;;
   bf16-default)  # as bf16, three timed runs per shape (other prompts each time), in two calls
+    trace_gpu default
     run 560 default --mode default --repeat 3
     cp "$out/default.json" /tmp/default.json || true ;;  # for bf16-fca, while the machine stays warm
   bf16-fca)
+    trace_gpu fca
     run 500 fca --mode fca --weight-sync --repeat 3
     python3 bench/vllm_fca.py --compare "${DEFAULT:-/tmp/default.json}" "$out/fca.json" | tail -1 ;;
   fca-compiled)  # FCA with its work build fused by torch.compile, against bf16's default run
@@ -54,12 +63,13 @@ case ${1:?usage: $0 install|kernels|bf16|bf16-default|bf16-fca|fca-compiled|gate
     run 250 default_gate --mode default --weight-sync --shapes 128x1@2048,4x64@1024
     run 200 fca_gate --mode fca --shapes 128x1@2048,4x64@1024
     python3 bench/vllm_fca.py --compare "$out/default_gate.json" "$out/fca_gate.json" | tail -1 ;;
-  spread)  # the shape whose speedup moved most between engines, repeated within each (FCA_FIRST=1: FCA's engine first)
-    # GPU busy share, clocks and power every 200 ms (a host-bound engine leaves the GPU idle between steps)
-    nvidia-smi --query-gpu=timestamp,utilization.gpu,temperature.gpu,clocks.sm,power.draw --format=csv -lms 200 >"$out/gpu.csv" &
+  spread)  # the shape whose speedup moved most between engines, three runs in each (FCA_FIRST=1: FCA's engine first),
+    # with the GPU traced and each timed run under py-spy (engine core and frontend: where the host's time goes)
+    trace_gpu spread
     modes=(default fca); [ -n "${FCA_FIRST:-}" ] && modes=(fca default)
-    for mode in "${modes[@]}"; do run 200 "${mode}_spread" --mode "$mode" --shapes 4x64@1024,4x64@1024,4x64@1024; done
-    kill %1 || true
+    for mode in "${modes[@]}"; do
+      run 200 "${mode}_spread" --mode "$mode" --shapes 4x64@1024 --repeat 3 --py-spy "$out/py-spy-$mode"
+    done
     python3 bench/vllm_fca.py --compare "$out/default_spread.json" "$out/fca_spread.json" | tail -1 ;;
   gate-fca)  # gate's FCA side alone (compare with a gate run's default_gate.json)
     run 150 fca_gate --mode fca --shapes 128x1@2048,4x64@1024 ;;
