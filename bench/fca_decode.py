@@ -366,6 +366,37 @@ def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
     return {"device_work": rows}
 
 
+def plain_cost(shape=(128, 1, 2048), width: int = 512) -> dict:
+    """What FCA's engine pays per step where nothing is shared (the vLLM bench's 128 x 1 @ 2048,
+    Qwen3-1.7B heads): the plain build (``shared=False``, replayed graph), and per layer the
+    attention over its work (the node launch runs empty) against the same work without a node
+    launch and against the host-built plain work (unsplit requests write their output directly)."""
+    from dataclasses import replace
+
+    from arctic_fca.fca.device_work import DeviceWorkBuilder
+    from arctic_fca.fca.triton_decode import triton_decode_attention
+
+    heads = QWEN3_1_7B_HEADS
+    scale = 1 / math.sqrt(heads["head_dim"])
+    query, key_cache, value_cache, tables, lens = vllm_step(*shape, width)
+    builder = DeviceWorkBuilder(1024, width, key_cache.shape[0], 16, kv_dtype=query.dtype, device="cuda", **heads)
+    work = builder.build(tables, lens, shared=False)
+    host = prepare_decode(tables.cpu(), lens.cpu(), 16, mode="plain", dtype=query.dtype, device="cuda", **heads)
+    runs = {"device_plain": lambda: triton_decode_attention(query, key_cache, value_cache, work, scale),
+            "without_node_launch": lambda: triton_decode_attention(query, key_cache, value_cache,
+                                                                   replace(work, node=None), scale),
+            "host_plain": lambda: host(query, key_cache, value_cache, scale)}
+    compiled = DeviceWorkBuilder(1024, width, key_cache.shape[0], 16, kv_dtype=query.dtype, device="cuda",
+                                 compile_backend="inductor", **heads)
+    compiled.build(tables, lens, shared=False)
+    row = {"shape": "{}x{}@{}".format(*shape),
+           **{f"{name}_build_us": round(time_us(lambda b=b: b.build(tables, lens, shared=False)), 1)
+              for name, b in (("plain", builder), ("compiled_plain", compiled))},
+           **{f"{k}_us": round(time_us(graphed(v)), 1) for k, v in runs.items()}}
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU exactness check (< 1 min)")
@@ -375,8 +406,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="with --sweep: the defaults and COMBOS only")
     parser.add_argument("--profile-build", action="store_true", help="GPU: the device work build's kernels")
     parser.add_argument("--device-work", action="store_true", help="GPU: the vLLM path's device-built work, timed")
+    parser.add_argument("--plain-cost", action="store_true", help="GPU: what a step that shares nothing pays")
     args = parser.parse_args()
-    if args.device_work:
+    if args.plain_cost:
+        print(json.dumps(plain_cost()))
+    elif args.device_work:
         print(json.dumps(device_work()))
     elif args.smoke:
         print(json.dumps(smoke()))

@@ -242,14 +242,15 @@ def run_mode(args) -> dict:
 
     # Eight requests per prompt (vLLM refuses n > 1 for greedy): they share the prompt's KV blocks.
     prompts = [p for p in random_prompts(64, 2048, seed=1) for _ in range(8)]
+    before = sampler.fca_stats()
     result["greedy"] = greedy_with_gaps(sampler.llm, sampler.vllm, prompts, 128)
+    result["greedy_fca"] = fca_counts_since(sampler, before)  # were mixed batches split in the check?
     save()
     for shape in [] if args.greedy_only else args.shapes:
         before = sampler.fca_stats()
         result["throughput"].append(throughput(sampler.llm, sampler.vllm, *shape, repeat=args.repeat,
                                                profile_dir=args.py_spy))
-        # FCA's batches (decode / mixed / base) and work builds (forest / reuse / plain) in this shape
-        result["throughput"][-1]["fca"] = {k: v - before.get(k, 0) for k, v in sampler.fca_stats().items()}
+        result["throughput"][-1]["fca"] = fca_counts_since(sampler, before)
         print(result["throughput"][-1], flush=True)
         save()
     if client is not None:
@@ -257,6 +258,12 @@ def run_mode(args) -> dict:
         print(result["weight_sync"], flush=True)
         save()
     return result
+
+
+def fca_counts_since(sampler, before: dict) -> dict:
+    """FCA's batches (decode / mixed / base) and work builds (forest / reuse / plain) since
+    ``before`` (an earlier ``fca_stats()``)."""
+    return {k: v - before.get(k, 0) for k, v in sampler.fca_stats().items()}
 
 
 def compare(default_path: str, fca_path: str) -> dict:
