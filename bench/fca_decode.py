@@ -368,9 +368,10 @@ def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
 
 def plain_cost(shape=(128, 1, 2048), width: int = 512) -> dict:
     """What FCA's engine pays per step where nothing is shared (the vLLM bench's 128 x 1 @ 2048,
-    Qwen3-1.7B heads): the plain build (``shared=False``, replayed graph), and per layer the
-    attention over its work (the node launch runs empty) against the same work without a node
-    launch and against the host-built plain work (unsplit requests write their output directly)."""
+    Qwen3-1.7B heads): the plain build (``shared=False``, replayed graph) as one Triton program,
+    as torch ops and as torch ops compiled; and per layer the attention over its work (the node
+    launch runs empty) against the same work without a node launch and against the host-built
+    plain work."""
     from dataclasses import replace
 
     from arctic_fca.fca.device_work import DeviceWorkBuilder
@@ -379,19 +380,22 @@ def plain_cost(shape=(128, 1, 2048), width: int = 512) -> dict:
     heads = QWEN3_1_7B_HEADS
     scale = 1 / math.sqrt(heads["head_dim"])
     query, key_cache, value_cache, tables, lens = vllm_step(*shape, width)
-    builder = DeviceWorkBuilder(1024, width, key_cache.shape[0], 16, kv_dtype=query.dtype, device="cuda", **heads)
-    work = builder.build(tables, lens, shared=False)
+    builders = {name: DeviceWorkBuilder(1024, width, key_cache.shape[0], 16, kv_dtype=query.dtype, device="cuda",
+                                        **options, **heads)
+                for name, options in (("kernel", {"plain_kernel": True}), ("torch", {}),
+                                      ("compiled", {"compile_backend": "inductor"}))}
+    works = {name: builder.build(tables, lens, shared=False) for name, builder in builders.items()}
+    outs = {name: triton_decode_attention(query, key_cache, value_cache, work, scale) for name, work in works.items()}
+    work = works["kernel"]
     host = prepare_decode(tables.cpu(), lens.cpu(), 16, mode="plain", dtype=query.dtype, device="cuda", **heads)
     runs = {"device_plain": lambda: triton_decode_attention(query, key_cache, value_cache, work, scale),
             "without_node_launch": lambda: triton_decode_attention(query, key_cache, value_cache,
                                                                    replace(work, node=None), scale),
             "host_plain": lambda: host(query, key_cache, value_cache, scale)}
-    compiled = DeviceWorkBuilder(1024, width, key_cache.shape[0], 16, kv_dtype=query.dtype, device="cuda",
-                                 compile_backend="inductor", **heads)
-    compiled.build(tables, lens, shared=False)
     row = {"shape": "{}x{}@{}".format(*shape),
            **{f"{name}_build_us": round(time_us(lambda b=b: b.build(tables, lens, shared=False)), 1)
-              for name, b in (("plain", builder), ("compiled_plain", compiled))},
+              for name, b in builders.items()},
+           "kernel_equals_torch_build": all(torch.equal(outs["kernel"], outs[n]) for n in ("torch", "compiled")),
            **{f"{k}_us": round(time_us(graphed(v)), 1) for k, v in runs.items()}}
     print(row, flush=True)
     return row

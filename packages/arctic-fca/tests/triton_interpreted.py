@@ -99,6 +99,51 @@ def device_work_cases() -> tuple[float, int]:
     return worst, cases
 
 
+def plain_work_cases() -> tuple[float, int, bool]:
+    """The plain build as one Triton program (``plain_work``) against the torch build: the same
+    items and merge, bit for bit, over batch sizes, padding rows and split lengths; and decoding
+    through it equals plain paged decode."""
+    from test_device_work import same_work
+
+    from arctic_fca.fca.device_work import DeviceWorkBuilder
+
+    worst, cases, same = 0.0, 0, True
+    for seed, chunk_range in ((9, (16, 32)), (10, (16, 64)), (11, (32, 1024))):
+        segments, requests = random_forest(seed, 16)
+        batch = make_batch(segments, requests, 16, num_q_heads=4, num_kv_heads=2, head_dim=16, seed=seed)
+        query, key_cache, value_cache, tables, lens = attention_args(batch)
+        rows = len(requests) + 3  # padding rows of length 0, as a CUDA graph's batch bucket has
+        tables = torch.cat([tables, tables.new_zeros(3, tables.shape[1])])
+        lens = torch.cat([lens, lens.new_zeros(3)])
+        builders = [DeviceWorkBuilder(rows + 2, tables.shape[1], key_cache.shape[0], 16, num_q_heads=4, num_kv_heads=2,
+                                      head_dim=16, kv_dtype=key_cache.dtype, device="cpu", num_sms=8,
+                                      chunk_range=chunk_range, plain_kernel=kernel) for kernel in (False, True)]
+        for builder in builders:  # what an earlier step left must not leak into the plain build
+            builder.build(tables, lens)
+        torch_work, kernel_work = (b.build(tables, lens, shared=False) for b in builders)
+        pairs = builders[0].max_pairs
+        same &= same_work(torch_work, kernel_work, rows) and torch.equal(
+            torch_work.q_index[pairs : pairs + rows], kernel_work.q_index[pairs : pairs + rows]) and int(
+            kernel_work.node.count) == 0 and not bool(builders[1].used_fca)
+        out = triton_decode_attention(torch.cat([query, query.new_zeros(3, *query.shape[1:])]), key_cache, value_cache,
+                                      kernel_work, 0.3)[: len(requests)]
+        expected = paged_decode_attention(query, key_cache, value_cache, tables[: len(requests)].clamp(min=0),
+                                          lens[: len(requests)], 0.3)
+        worst = max(worst, (out - expected).abs().max().item())
+        cases += 1
+    # Split lengths at their boundaries: 8 items wanted (8 nominal SMs x 2 / 2 KV heads), so 256
+    # tokens split in 32s and 257 in 64s.
+    for total in (255, 256, 257):
+        lens = torch.tensor([total - 3 * (total // 4)] + [total // 4] * 3, dtype=torch.int32)
+        tables = torch.arange(4 * 24, dtype=torch.int32).view(4, 24)
+        works = [DeviceWorkBuilder(4, 24, 96, 16, num_q_heads=4, num_kv_heads=2, head_dim=16, kv_dtype=torch.float32,
+                                   device="cpu", num_sms=8, chunk_range=(16, 1024), plain_kernel=kernel).build(
+            tables, lens, shared=False) for kernel in (False, True)]
+        chunk = 64 if total > 256 else 32
+        same &= same_work(*works, 4) and int(works[1].single.count) == sum(-(-int(n) // chunk) for n in lens)
+    return worst, cases, same
+
+
 def engine_matches_generate() -> bool:
     import copy
 
@@ -126,5 +171,7 @@ if __name__ == "__main__":
     worst, cases = kernel_cases()
     static_worst, static_cases = static_work_cases()
     device_worst, device_cases = device_work_cases()
-    print(json.dumps({"max_abs_diff": max(worst, static_worst, device_worst), "cases": cases + static_cases + device_cases,
-                      "engine_greedy_matches": engine_matches_generate()}))
+    plain_worst, plain_cases, plain_same = plain_work_cases()
+    print(json.dumps({"max_abs_diff": max(worst, static_worst, device_worst, plain_worst),
+                      "cases": cases + static_cases + device_cases + plain_cases,
+                      "plain_kernel_equals_torch_build": plain_same, "engine_greedy_matches": engine_matches_generate()}))

@@ -32,7 +32,8 @@ they still cost ~0.8 ms of GPU time (one small kernel after another); ``compile_
 ("inductor") fuses them with ``torch.compile`` before the capture (0.45 ms; in the vLLM engine no
 faster overall, so an option). Two cheaper builds serve callers that know more than the tables:
 
-- ``build(shared=False)``: no block is shared; the plain work from ~30 ops.
+- ``build(shared=False)``: no block is shared; the plain work from ~55 torch ops (or, with
+  ``plain_kernel``, one Triton program: ``plain_work``).
 - ``build(forest_key=k)`` a second time with the same ``k``: the same requests in the same rows,
   grown by decode steps only. Their forest cannot have changed (blocks a request fills while it
   decodes are its own), so the last full build's nodes, pairs and suffix starts are kept and only
@@ -51,6 +52,7 @@ from typing import Literal
 import torch
 
 from arctic_fca.fca.cost_model import DEFAULT_COSTS, CostConstants, price, token_bytes
+from arctic_fca.fca.plain_work import write_plain_work
 from arctic_fca.fca.triton_decode import DeviceLaunch, DeviceWork
 from arctic_fca.fca.work import ITEMS_PER_SM, MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS, NODE_TILE_ROWS, device_sms
 
@@ -68,8 +70,11 @@ class DeviceWorkBuilder:
                  num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, device: torch.device | str,
                  costs: CostConstants = DEFAULT_COSTS, num_sms: int | None = None,
                  chunk_range: tuple[int, int] = (MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS), graphs: bool = True,
-                 compile_backend: str | Callable | None = None) -> None:
+                 compile_backend: str | Callable | None = None, plain_kernel: bool = False) -> None:
         device = torch.device(device)
+        # The plain build as one Triton program (``plain_work``) instead of torch ops: exact under
+        # Triton's interpreter, off until it has run on a GPU (``bench/fca_decode.py --plain-cost``).
+        self.plain_kernel = plain_kernel
         # One traced program for every batch size (dynamic); CUDA graphs then capture its kernels.
         self._run_build = (torch.compile(self._build, backend=compile_backend, dynamic=True, fullgraph=True)
                            if compile_backend else self._build)
@@ -247,8 +252,12 @@ class DeviceWorkBuilder:
     def _build_plain(self, num_requests: int) -> None:
         """Every request read whole by the single launch: its rows are its items, in request order,
         so the merge needs no sort."""
-        lens = self.lens_in[:num_requests].long()
         self.used_fca.zero_()
+        if self.plain_kernel:
+            return write_plain_work(self.work, self.lens_in, num_requests=num_requests, width=self.width,
+                                    block_size=self.block_size, target=self.target, max_pairs=self.max_pairs,
+                                    chunk_range=self.chunk_range, max_requests=self.max_requests)
+        lens = self.lens_in[:num_requests].long()
         self.work.node.count.zero_()
         pieces = self._single_items(torch.zeros_like(lens), lens, lens.new_zeros(()))
         self.work.merge_rows.copy_(torch.arange(self.caps["rows"], device=lens.device))
