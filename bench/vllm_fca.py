@@ -77,7 +77,8 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
 def py_spy(folder: str | None, name: str):
     """py-spy samples vLLM's engine-core process and this one (the frontend) while the block runs:
     where each spends its time, waits included (``--idle``), as collapsed stacks per thread in
-    ``folder/name_{core,frontend}.txt``. A profiler that cannot attach only warns."""
+    ``folder/name_{core,frontend}.txt``. A profiler that cannot attach leaves its error in the
+    ``.err`` file next to it; the run goes on."""
     if not folder:
         yield
         return
@@ -86,17 +87,19 @@ def py_spy(folder: str | None, name: str):
     os.makedirs(folder, exist_ok=True)
     me = psutil.Process()
     cores = [c.pid for c in me.children(recursive=True) if "EngineCore" in c.name() + " ".join(c.cmdline())]
-    profilers = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--idle", "--threads",
-                                   "--nonblocking", "--format", "raw", "-o", f"{folder}/{name}_{role}.txt"],
-                                  stdout=subprocess.DEVNULL, stderr=open(f"{folder}/{name}_{role}.err", "w"))
-                 for role, pid in [("frontend", me.pid)] + [("core", pid) for pid in cores]]
-    try:
-        yield
-    finally:
-        for profiler in profilers:
-            profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-        for profiler in profilers:
-            profiler.wait(timeout=60)
+    with contextlib.ExitStack() as files:
+        profilers = [subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--idle", "--threads",
+                                       "--nonblocking", "--format", "raw", "-o", f"{folder}/{name}_{role}.txt"],
+                                      stdout=subprocess.DEVNULL,
+                                      stderr=files.enter_context(open(f"{folder}/{name}_{role}.err", "w")))
+                     for role, pid in [("frontend", me.pid)] + [("core", pid) for pid in cores]]
+        try:
+            yield
+        finally:
+            for profiler in profilers:
+                profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            for profiler in profilers:
+                profiler.wait(timeout=60)
 
 
 def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int, repeat: int = 1,
@@ -115,7 +118,8 @@ def throughput(llm, vllm, prompts: int, samples: int, prompt_len: int, repeat: i
         return time.perf_counter() - started, sum(len(s.token_ids) for o in outputs for s in o.outputs)
 
     def timed_run(attempt: int) -> tuple[float, int]:
-        with py_spy(profile_dir, f"{prompts}x{samples}@{prompt_len}_{attempt}"):
+        # no "@" in the name: the device tool does not bring such files back
+        with py_spy(profile_dir, f"{prompts}x{samples}at{prompt_len}_{attempt}"):
             return run(512, seed=prompt_len + prompts + 1000 * attempt)
 
     prefill_seconds, _ = run(1, seed=prompt_len + prompts + 1)

@@ -5,7 +5,7 @@
 # wheel in parts of 58 MB, each carried in its own call (`cp .vllm/vllm.partNN /tmp/vp/`).
 #
 #   bash bench/vllm_h200.sh install      # carry .vllm/deps and .whl: joins the parts, installs all
-#   bash bench/vllm_h200.sh kernels      # the work builder (eager vs CUDA graph) and the FCA kernel table (no vLLM)
+#   bash bench/vllm_h200.sh kernels      # the plain build's cost, the work builder (eager vs CUDA graph), the FCA kernel table (no vLLM)
 #   bash bench/vllm_h200.sh bf16         # default then FCA: throughput, greedy, weight sync (~7 min)
 #   bash bench/vllm_h200.sh bf16-default # bf16's default side, every shape three times (median; ~5.5 min) ...
 #   bash bench/vllm_h200.sh bf16-fca     # ... and its FCA side with --weight-sync, then --compare (~5 min)
@@ -39,6 +39,7 @@ case ${1:?usage: $0 install|kernels|bf16|bf16-default|bf16-fca|fca-compiled|gate
       /tmp/vllm-0.24.0-*.whl .vllm/deps/*.whl .whl/*.whl
     python3 -c "import vllm; print('vllm', vllm.__version__)"; py-spy --version ;;
   kernels)  # also the FCA kernel table of issue 4 (Qwen3-8B heads)
+    timeout 120 python3 bench/fca_decode.py --plain-cost 2>&1 | tail -1 || echo "plain-cost: failed"
     timeout 300 python3 bench/fca_decode.py --device-work >"$out/device_work.log" 2>&1 || echo "device-work: rc=$?"
     grep "^{'shape'\|failed" "$out/device_work.log" | cut -c1-500 || true
     timeout 300 python3 bench/fca_decode.py >"$out/fca_decode.log" 2>&1 || echo "fca_decode: rc=$?"
