@@ -146,6 +146,13 @@ class FCABuilderMixin:
         return self.work_builder
 
 
+def fca_builders(runner) -> list[tuple[int, FCABuilderMixin]]:
+    """The FCA metadata builders of a vLLM model runner, each with its KV-cache group's index."""
+    return [(group_id, builder) for group_id, groups in enumerate(runner.attn_groups)
+            for builder in (b for group in groups for b in group.metadata_builders)
+            if isinstance(builder, FCABuilderMixin)]
+
+
 def _rows_after(cam, rows: int):
     """``cam`` (vLLM's CommonAttentionMetadata) for its requests from ``rows`` on, whose tokens
     follow the first ``rows`` single-token queries (a copy; the runner's own stays whole)."""

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from arctic_fca.vllm_fca import FCABuilderMixin, HostStep
+from arctic_fca.vllm_fca import HostStep, fca_builders
 
 logger = logging.getLogger(__name__)
 HostView = Callable[[], "HostStep | None"]  # this step's requests as the host knows them, or None: unknown
@@ -41,9 +41,7 @@ HostView = Callable[[], "HostStep | None"]  # this step's requests as the host k
 def attach_host_tables(runner: Any) -> int:
     """Set ``host_step`` on each FCA metadata builder of ``runner`` (once its KV cache is set up);
     returns the number of builders that got one."""
-    builders = [(group_id, builder) for group_id, groups in enumerate(runner.attn_groups)
-                for builder in (b for group in groups for b in group.metadata_builders)
-                if isinstance(builder, FCABuilderMixin)]
+    builders = fca_builders(runner)
     if not builders:
         return 0
     if hasattr(runner, "input_batch") and hasattr(runner.input_batch, "block_table"):

@@ -44,12 +44,10 @@ class ArcticWorkerExtension(WeightSyncActor):
         """How this worker's batches went since it started, summed over FCA's builders: ``decode``,
         ``mixed`` (split between FCA and the base) and ``base`` batches; ``forest``, ``reuse`` and
         ``plain`` work builds (``DeviceWorkBuilder.builds``)."""
-        from arctic_fca.vllm_fca import FCABuilderMixin
+        from arctic_fca.vllm_fca import fca_builders
 
         totals: Counter[str] = Counter()
-        for groups in self.model_runner.attn_groups:
-            for builder in (b for group in groups for b in group.metadata_builders):
-                if isinstance(builder, FCABuilderMixin):
-                    totals.update(builder.steps)
-                    totals.update(builder.work_builder.builds if builder.work_builder else {})
+        for _, builder in fca_builders(self.model_runner):
+            totals.update(builder.steps)
+            totals.update(builder.work_builder.builds if builder.work_builder else {})
         return dict(totals)
