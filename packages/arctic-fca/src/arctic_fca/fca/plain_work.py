@@ -53,14 +53,15 @@ def _plain_work(
         tl.store(slot + 2 * stride_items, max_pairs + request, mask=has)  # q_start: the request's row
         tl.store(slot + 3 * stride_items, tl.full([BLOCK_R], 1, tl.int32), mask=has)  # q_count
         tl.store(slot + 4 * stride_items, starts + piece, mask=has)  # out_row: items in request order
-    tl.store(count_ptr, tl.sum(pieces, axis=0))
+    num_items = tl.sum(pieces, axis=0)
+    tl.store(count_ptr, num_items)
     tl.store(node_count_ptr, 0)
     tl.store(q_index_ptr + max_pairs + request, request, mask=live)
     tl.store(merge_indptr_ptr + 1 + request, ends, mask=live)
     tl.store(merge_indptr_ptr, 0)  # every step: a woken engine's memory may hold anything
-    for first in range(0, tl.sum(pieces, axis=0), BLOCK_ROWS):  # each request's rows are its items
+    for first in range(0, num_items, BLOCK_ROWS):  # each request's rows are its items
         row = first + tl.arange(0, BLOCK_ROWS)
-        tl.store(merge_rows_ptr + row, row, mask=row < tl.sum(pieces, axis=0))
+        tl.store(merge_rows_ptr + row, row, mask=row < num_items)
 
 
 def write_plain_work(work: DeviceWork, lens: torch.Tensor, *, num_requests: int, width: int, block_size: int,
