@@ -8,9 +8,10 @@ GPU (no flag): Qwen3-8B attention shape (32 q heads, 8 KV heads, head_dim 128, b
 groups x samples = 1x64, 8x16, 32x8, 128x1, prefix 1024 / 4096 / 16384, suffix 256. Times, in the
 same process: the Triton FCA kernels, the same Triton kernel as a plain FlashDecoding-style paged
 decode (every request reads its whole KV, split-K), the cost model's pick between them ("auto"),
-and torch SDPA over KV already gathered per request, each replayed from a CUDA graph as the engine
-runs them (no host launch cost); and the exact torch FCA path, eagerly. Reports the
-bandwidth FCA achieves on the unique KV bytes against the copy bandwidth measured in the process.
+and torch SDPA over KV already gathered per request, each replayed from a CUDA graph as an engine's
+decode step runs them: layer after layer, each layer with KV of its own (``per_layer_us``); and the
+exact torch FCA path, eagerly. Reports the bandwidth FCA achieves on the unique KV bytes against
+the copy bandwidth measured in the process.
 
 The last line printed is a JSON object of all results.
 """
@@ -144,6 +145,25 @@ def graphed(fn):
     return graph.replay
 
 
+TIMED_LAYERS = 3  # KV caches of their own, replayed in turn: no call finds its KV left in L2 by the last
+TIMED_ROUNDS = 4  # passes over the layers in one graph: its launch latency is spread over 12 calls
+
+
+def layer_copies(*tensors: torch.Tensor, layers: int = TIMED_LAYERS) -> list[tuple[torch.Tensor, ...]]:
+    """``layers`` sets of the given tensors (the first the originals, then copies): one per layer."""
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(layers - 1)]
+
+
+def per_layer_us(fn, layers: int = TIMED_LAYERS, rounds: int = TIMED_ROUNDS) -> float:
+    """Microseconds per call of ``fn(layer)`` as an engine's decode step runs it: one CUDA graph
+    calls it for each layer in turn (each layer reads KV of its own, so L2 carries nothing from
+    one call to the next, as the weights in between would flush it), ``rounds`` times over. A graph
+    of one call would charge that call the graph's whole launch latency (5-10 us on the H200),
+    which a step of many layers pays once."""
+    replay = graphed(lambda: [fn(layer) for _ in range(rounds) for layer in range(layers)])
+    return time_us(replay) / (layers * rounds)
+
+
 def copy_bandwidth_bytes_per_s() -> float:
     """Device-to-device copy bandwidth, measured here (bytes read + written per second)."""
     src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
@@ -169,15 +189,16 @@ def gpu_case(groups: int, samples: int, prefix: int, copy_bw: float) -> dict:
     # Dense per-request KV for SDPA, gathered outside the timing: [requests, kv_heads, seq, head_dim].
     dense_k, dense_v = (gather_paged_kv(cache, block_tables, torch.zeros_like(lens_host), lens_host).transpose(1, 2)
                         .contiguous() for cache in (key_cache, value_cache))
-    runs = {mode: (lambda p=p: p(query, key_cache, value_cache, scale)) for mode, p in prepared.items()}
-    runs["torch_fca"] = lambda: fca_attention_with_lse(query, key_cache, value_cache, block_tables, scale, info["plan"])[0]
-    runs["sdpa"] = lambda: F.scaled_dot_product_attention(query[:, :, None], dense_k, dense_v, scale=scale,
-                                                          enable_gqa=True)[:, :, 0]
+    caches, dense = layer_copies(key_cache, value_cache), layer_copies(dense_k, dense_v)
+    runs = {mode: (lambda layer=0, p=p: p(query, *caches[layer], scale)) for mode, p in prepared.items()}
+    runs["sdpa"] = lambda layer=0: F.scaled_dot_product_attention(query[:, :, None], *dense[layer], scale=scale,
+                                                                  enable_gqa=True)[:, :, 0]
     reference = runs["sdpa"]().float()
-    max_diff = max((runs[m]().float() - reference).abs().max().item() for m in ("fca", "plain", "torch_fca"))
-    # An engine replays decode attention inside a CUDA graph (no host launch cost): time it so.
-    runs.update({name: graphed(runs[name]) for name in ("fca", "plain", "auto", "sdpa")})
-    us = {name: time_us(run) for name, run in runs.items()}
+    torch_fca = lambda: fca_attention_with_lse(query, key_cache, value_cache, block_tables, scale, info["plan"])[0]  # noqa: E731
+    max_diff = max((out.float() - reference).abs().max().item() for out in (runs["fca"](), runs["plain"](), torch_fca()))
+    # An engine replays decode attention inside a CUDA graph, layer after layer: time it so.
+    us = {name: per_layer_us(run) for name, run in runs.items()}
+    us["torch_fca"] = time_us(torch_fca)  # eager, once
     estimate = info["bytes"]
     return {
         "groups": groups, "samples": samples, "prefix": prefix, "suffix": GPU_SUFFIX, "nodes": info["nodes"],
@@ -223,7 +244,7 @@ COMBOS = [  # settings the single-knob sweep liked, together (--sweep --quick)
 ]
 
 
-def sweep(heads: dict, shapes, quick: bool = False) -> dict:
+def sweep(heads: dict, shapes, quick: bool = False, match: list[str] | None = None) -> dict:
     """Time FCA and plain over launch settings (one knob group at a time, the others at their
     defaults); prints one line per setting. Used to pick the defaults in triton_decode / work."""
     from arctic_fca.fca import triton_decode, work
@@ -235,18 +256,22 @@ def sweep(heads: dict, shapes, quick: bool = False) -> dict:
         times = {}
         for (g, s, p), batch in zip(shapes, batches, strict=True):
             query, key_cache, value_cache, block_tables, seq_lens = attention_args(batch)
+            caches = layer_copies(key_cache, value_cache)
             for mode in ("fca", "plain"):
                 prepared = prepare_decode(block_tables.cpu(), seq_lens.cpu(), key_cache.shape[1], mode=mode,
                                           num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2],
                                           head_dim=query.shape[2], dtype=query.dtype, device="cuda")
-                run = graphed(functools.partial(prepared, query, key_cache, value_cache, scale))
-                times[f"{g}x{s}@{p} {mode}"] = round(time_us(run), 1)
+                run = functools.partial(lambda layer, p: p(query, *caches[layer], scale), p=prepared)
+                times[f"{g}x{s}@{p} {mode}"] = round(per_layer_us(run), 1)
         return times
 
     defaults = (dict(triton_decode.NODE_CONFIG), dict(triton_decode.SINGLE_CONFIG), work.ITEMS_PER_SM,
                 triton_decode.PROGRAMS_PER_SM, work.NODE_TILE_ROWS)
     settings = [("default", {}), ("default, sequential launches", {"sequential": True})] + COMBOS
     settings += [] if quick else [(f"node rows {rows}", {"rows": rows}) for rows in (16, 32, 128)]
+    # Taller node tiles want more warps (a 128-row tile over 4 warps spills).
+    settings += [] if quick else [(f"node rows 128 bn{bn} w8 s{st}", {"rows": 128, "node": {"block_n": bn, "num_warps": 8, "num_stages": st}})
+                                  for bn, st in ((64, 2), (64, 3), (32, 4), (128, 2))]
     settings += [] if quick else [(f"node bn{bn} w{w} s{st}", {"node": {"block_n": bn, "num_warps": w, "num_stages": st}})
                  for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
     # Deeper pipelines (more KV bytes in flight per SM; shared memory allows them at one program per SM).
@@ -255,6 +280,8 @@ def sweep(heads: dict, shapes, quick: bool = False) -> dict:
     settings += [] if quick else [(f"single bn{bn} w{w} s{st}", {"single": {"block_n": bn, "num_warps": w, "num_stages": st}})
                  for bn in (64, 128) for w in (2, 4) for st in (2, 3)]
     settings += [] if quick else [(f"items/SM {i} programs/SM {pr}", {"items": i, "programs": pr}) for i in (2, 4, 8, 16) for pr in (16, 32)]
+    if match:
+        settings = [(name, change) for name, change in settings if name == "default" or any(m in name for m in match)]
     results = {}
     for name, change in settings:
         triton_decode.NODE_CONFIG = change.get("node", defaults[0])
@@ -401,6 +428,51 @@ def plain_cost(shape=(128, 1, 2048), width: int = 512) -> dict:
     return row
 
 
+def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096))) -> dict:
+    """Where an FCA step's time goes (Qwen3-8B heads): the node launch alone, the single-request
+    launch alone, both side by side, the merge alone, and the whole step, each from a CUDA graph;
+    with the unique-byte bandwidth of the whole step and the node launch's tensor-core rate."""
+    from arctic_fca.fca import triton_decode as td
+
+    copy_bw = copy_bandwidth_bytes_per_s()
+    rows = []
+    for groups, samples, prefix in shapes:
+        batch = build_batch(groups, samples, prefix, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **QWEN3_8B_HEADS)
+        query, key_cache, value_cache, block_tables, seq_lens = attention_args(batch)
+        scale = 1 / math.sqrt(QWEN3_8B_HEADS["head_dim"])
+        prepared = prepare_decode(block_tables.cpu(), seq_lens.cpu(), key_cache.shape[1], mode="fca",
+                                  num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=query.dtype, device="cuda")
+        work = prepared.work
+        out = torch.empty_like(query)
+        caches = layer_copies(key_cache, value_cache)
+
+        def launch(which):
+            return lambda layer: td._launch(getattr(work, which), work, query, *caches[layer], work.partial,
+                                            work.lse, scale)
+
+        def merge(layer):
+            td._merge_partials[(query.shape[0], query.shape[1])](
+                work.partial, work.lse, work.merge_indptr, work.merge_rows, out, work.partial.stride(0),
+                work.partial.stride(1), work.lse.stride(0), out.stride(0), out.stride(1),
+                HEAD_DIM=128, DIM_P2=128, ROWS=td.MERGE_ROWS, num_warps=2)
+
+        runs = {"node": launch("node"), "single": launch("single"),
+                "both": lambda layer: td._launch_partials(work, query, *caches[layer], scale), "merge": merge,
+                "step": lambda layer: prepared(query, *caches[layer], scale)}
+        us = {name: per_layer_us(run) for name, run in runs.items()}
+        info = describe(batch)
+        node_items = int(work.node.count.item())
+        node_flops = 4 * 128 * 32 * samples * groups * prefix  # QK and PV over each request's shared tokens
+        row = {"shape": f"{groups}x{samples}@{prefix}", "node_items": node_items,
+               "single_items": int(work.single.count.item()), "partial_rows": int(work.merge_rows.numel()),
+               **{f"{k}_us": round(v, 1) for k, v in us.items()},
+               "step_unique_bw": round(info["bytes"].unique_kv / (us["step"] * 1e-6) / copy_bw, 3),
+               "node_tflops": round(node_flops / (us["node"] * 1e-6) / 1e12, 1)}
+        print(row, flush=True)
+        rows.append(row)
+    return {"copy_tb_s": round(copy_bw / 1e12, 3), "breakdown": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU exactness check (< 1 min)")
@@ -411,8 +483,14 @@ def main() -> None:
     parser.add_argument("--profile-build", action="store_true", help="GPU: the device work build's kernels")
     parser.add_argument("--device-work", action="store_true", help="GPU: the vLLM path's device-built work, timed")
     parser.add_argument("--plain-cost", action="store_true", help="GPU: what a step that shares nothing pays")
+    parser.add_argument("--breakdown", action="store_true", help="GPU: an FCA step's launches timed one by one")
+    parser.add_argument("--shapes", type=lambda s: [tuple(map(int, x.split("/"))) for x in s.split(",")],
+                        help="G/S/P,...: groups/samples/prefix for --sweep or --breakdown")
+    parser.add_argument("--match", type=lambda s: s.split(","), help="with --sweep: only settings naming one of these")
     args = parser.parse_args()
-    if args.plain_cost:
+    if args.breakdown:
+        print(json.dumps(breakdown(*[args.shapes] if args.shapes else [])))
+    elif args.plain_cost:
         print(json.dumps(plain_cost()))
     elif args.device_work:
         print(json.dumps(device_work()))
@@ -420,7 +498,7 @@ def main() -> None:
         print(json.dumps(smoke()))
     elif args.sweep:
         heads, shapes = (QWEN3_1_7B_HEADS, VLLM_SHAPES) if args.vllm_shapes else (QWEN3_8B_HEADS, SWEEP_SHAPES)
-        print(json.dumps(sweep(heads, shapes, args.quick)))
+        print(json.dumps(sweep(heads, args.shapes or shapes, args.quick, args.match)))
     elif args.profile_build:
         profile_build()
     elif torch.cuda.is_available():
