@@ -244,3 +244,32 @@ def test_a_plan_for_another_batch_is_refused():
     other = make_batch({}, [((), 3)] * 3, 16, with_cache=False)
     with pytest.raises(ValueError, match="plan was built for 3 requests"):
         fca_decode_attention(*attention_args(batch), 0.25, plan=build_plan(other["block_tables"], other["seq_lens"], 16))
+
+
+def test_a_gpu_with_less_shared_memory_gets_fewer_pipeline_stages(monkeypatch):
+    """The node launch asks for 5 pipeline stages (the H200's 227 KiB of shared memory per block
+    hold them); where Triton cannot fit them it raises OutOfResources when compiling, and the
+    launch steps down to what fits, remembered for the next call."""
+    from triton.runtime.errors import OutOfResources
+
+    from arctic_fca.fca import triton_decode
+    from arctic_fca.fca.triton_decode import plan_work
+
+    tried = []
+
+    class SmallGpuKernel:  # stands in for the Triton kernel: compiles with at most 3 stages
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **kwargs):
+                tried.append(num_stages)
+                if num_stages > 3:
+                    raise OutOfResources(num_stages * 32768, 3 * 32768, "shared memory")
+            return launch
+
+    monkeypatch.setattr(triton_decode, "_partial_attention", SmallGpuKernel())
+    monkeypatch.setattr(triton_decode, "_fitted_stages", {})
+    batch = make_batch({"p": 2}, [(("p",), 3)] * 4, 16)
+    query, key_cache, value_cache, tables, lens = attention_args(batch)
+    work = plan_work(build_plan(tables, lens, 16), tables, lens, 16, 4, 2, 16)
+    for _ in range(2):
+        triton_decode._launch(work.node, work, query, key_cache, value_cache, work.partial, work.lse, 0.25)
+    assert triton_decode.NODE_CONFIG["num_stages"] == 5 and tried == [5, 4, 3, 3]

@@ -32,8 +32,8 @@ they still cost ~0.8 ms of GPU time (one small kernel after another); ``compile_
 ("inductor") fuses them with ``torch.compile`` before the capture (0.45 ms; in the vLLM engine no
 faster overall, so an option). Two cheaper builds serve callers that know more than the tables:
 
-- ``build(shared=False)``: no block is shared; the plain work from ~55 torch ops (or, with
-  ``plain_kernel``, one Triton program: ``plain_work``).
+- ``build(shared=False)``: no block is shared; the plain work from one Triton program on CUDA
+  (``plain_work``; ``plain_kernel=False``: ~55 torch ops, as on the CPU).
 - ``build(forest_key=k)`` a second time with the same ``k``: the same requests in the same rows,
   grown by decode steps only. Their forest cannot have changed (blocks a request fills while it
   decodes are its own), so the last full build's nodes, pairs and suffix starts are kept and only
@@ -70,11 +70,12 @@ class DeviceWorkBuilder:
                  num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, device: torch.device | str,
                  costs: CostConstants = DEFAULT_COSTS, num_sms: int | None = None,
                  chunk_range: tuple[int, int] = (MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS), graphs: bool = True,
-                 compile_backend: str | Callable | None = None, plain_kernel: bool = False) -> None:
+                 compile_backend: str | Callable | None = None, plain_kernel: bool | None = None) -> None:
         device = torch.device(device)
-        # The plain build as one Triton program (``plain_work``) instead of torch ops: exact under
-        # Triton's interpreter, off until it has run on a GPU (``bench/fca_decode.py --plain-cost``).
-        self.plain_kernel = plain_kernel
+        # The plain build as one Triton program (``plain_work``) instead of ~55 torch ops: on CUDA
+        # by default (72 against 151 us per replayed build on the H200, bit-equal work:
+        # ``bench/fca_decode.py --plain-cost``); elsewhere Triton runs only under its interpreter.
+        self.plain_kernel = device.type == "cuda" if plain_kernel is None else plain_kernel
         # One traced program for every batch size (dynamic); CUDA graphs then capture its kernels.
         self._run_build = (torch.compile(self._build, backend=compile_backend, dynamic=True, fullgraph=True)
                            if compile_backend else self._build)
@@ -121,6 +122,10 @@ class DeviceWorkBuilder:
         self.kept_key: Hashable | None = None  # the forest_key of the kept forest; None: none kept
         self.reuses = 0  # builds since the kept forest was searched
         self.builds = {"forest": 0, "reuse": 0, "plain": 0}  # host-side counts, for metrics
+        if self.plain_kernel and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            # Compile the Triton program now, with the engine: its first JIT (~1 s) inside the first
+            # step that shares nothing cost vLLM 12% of a 65k-token run's throughput on the H200.
+            self._build_plain(1)
 
     def build(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, *, shared: bool = True,
               forest_key: Hashable | None = None) -> DeviceWork:

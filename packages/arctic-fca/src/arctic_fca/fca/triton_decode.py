@@ -28,13 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.runtime.errors import OutOfResources
+
 from arctic_fca.fca.plan import FCAPlan
 from arctic_fca.fca.work import DecodeWork, Launch, build_work, device_sms
 
 LOG2E = 1.4426950408889634
-# Launch settings per kind of item, tuned on the H200 (bench/fca_decode.py --sweep): KV tokens per
-# inner step (a gather of block_n / block_size pages), warps, software-pipeline stages.
-NODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 4}
+# Launch settings per kind of item, tuned on the H200 (bench/fca_decode.py --sweep, each layer's KV
+# cold in L2 as in a model): KV tokens per inner step (a gather of block_n / block_size pages),
+# warps, software-pipeline stages.
+NODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 5}
 SINGLE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
 PROGRAMS_PER_SM = 32  # persistent programs (x KV heads) per streaming multiprocessor
 MERGE_ROWS = 16  # partial rows a merge program reads at once
@@ -42,6 +45,9 @@ MERGE_ROWS = 16  # partial rows a merge program reads at once
 # write disjoint partial rows, and side by side neither one's tail leaves the GPU idle.
 OVERLAP_LAUNCHES = True
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
+# Pipeline stages that fit each (device, tile) where the configured ones do not: a GPU with less
+# shared memory per block than the H200's 227 KiB (an A100's 163 KiB) gets fewer, not an error.
+_fitted_stages: dict[tuple, int] = {}
 
 
 @triton.jit
@@ -228,17 +234,26 @@ def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cach
     block_q = max(16, triton.next_power_of_2(launch.requests_per_tile * group))
     config = NODE_CONFIG if launch.requests_per_tile > 1 else SINGLE_CONFIG
     programs = max(1, min(launch.items.shape[1], PROGRAMS_PER_SM * device_sms(query.device) // num_kv_heads))
-    _partial_attention[(programs, num_kv_heads)](
-        query, key_cache, value_cache, work.kv_index, work.q_index, launch.items, launch.count,
-        out, lse,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        out.stride(0), out.stride(1), lse.stride(0), launch.items.stride(0),
-        scale * LOG2E,
-        GROUP=group, PAGE=page, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
-        BLOCK_N=config["block_n"], DIRECT=work.direct, IEEE=query.dtype == torch.float32,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
-    )
+    fit_key = (query.device, query.dtype, head_dim, block_q, config["block_n"], config["num_stages"])
+    stages = _fitted_stages.get(fit_key, config["num_stages"])
+    while True:
+        try:
+            _partial_attention[(programs, num_kv_heads)](
+                query, key_cache, value_cache, work.kv_index, work.q_index, launch.items, launch.count,
+                out, lse,
+                query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+                out.stride(0), out.stride(1), lse.stride(0), launch.items.stride(0),
+                scale * LOG2E,
+                GROUP=group, PAGE=page, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
+                BLOCK_N=config["block_n"], DIRECT=work.direct, IEEE=query.dtype == torch.float32,
+                num_warps=config["num_warps"], num_stages=stages,
+            )
+            return
+        except OutOfResources:  # raised when compiling, before anything runs
+            if stages == 1:
+                raise
+            stages = _fitted_stages[fit_key] = stages - 1
 
 
 def triton_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
