@@ -24,7 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AttentionInterface
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.hf import set_attention_implementation
+from arctic_core.hf import enable_gradient_checkpointing, set_attention_implementation
 from arctic_core.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest
 from arctic_zorro.forward import response_outputs, scatter_values
@@ -195,9 +195,29 @@ def extra_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
     try:
         nockpt_ms, nockpt_peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
     finally:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_gradient_checkpointing(model)
     return {"baseline_full_head_ms": round(full_ms, 1), "baseline_full_head_peak_gib": round(full_peak, 2),
             "zorro_no_ckpt_ms": round(nockpt_ms, 1), "zorro_no_ckpt_peak_gib": round(nockpt_peak, 2)}
+
+
+def partial_checkpointing(model, batch: RolloutBatch, iters: int, layer_counts: list[int], budget_gib: float,
+                          all_layers: tuple[int, float, float]) -> dict:
+    """ZoRRo with only its first K decoder layers checkpointed (``checkpoint_layers: K``), for each
+    K: the time that deduplication's memory saving buys back. ``iso_memory_layers``: the fastest
+    setting whose peak stays within ``budget_gib`` (the baseline's), among these and ``all_layers``
+    (the layer count, ms and peak GiB of the run that checkpoints every layer)."""
+    enable_forest_attention(model)
+    timed = {all_layers[0]: (round(all_layers[1], 1), round(all_layers[2], 2))}
+    try:
+        for layers in layer_counts:
+            enable_gradient_checkpointing(model, layers)
+            ms, peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
+            timed[layers] = (round(ms, 1), round(peak, 2))
+    finally:
+        enable_gradient_checkpointing(model)
+    return {"zorro_partial_ckpt": {str(k): {"ms": ms, "peak_gib": peak} for k, (ms, peak) in timed.items()},
+            "iso_memory_layers": min((k for k, (_, peak) in timed.items() if peak <= budget_gib),
+                                     key=lambda k: timed[k][0], default=None)}
 
 
 def gpu(args) -> dict[str, object]:
@@ -205,7 +225,7 @@ def gpu(args) -> dict[str, object]:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_gradient_checkpointing(model)
     model.train()
     rows = []
     for shape in args.shapes:
@@ -222,6 +242,12 @@ def gpu(args) -> dict[str, object]:
                "baseline_step_gib": round(b_extra, 2), "zorro_step_gib": round(z_extra, 2)}
         if args.extra_variants:
             row.update(extra_variants(model, batch, args.iters))
+        if args.checkpoint_layers:
+            row.update(partial_checkpointing(model, batch, args.iters, args.checkpoint_layers, b_peak,
+                                             (args.layers, z_ms, z_peak)))
+            best = row["iso_memory_layers"]
+            if best is not None:
+                row["iso_memory_speedup"] = round(b_ms / row["zorro_partial_ckpt"][str(best)]["ms"], 2)
         print(json.dumps(row), flush=True)
         rows.append(row)
     result = {"device": torch.cuda.get_device_name(), "layers": args.layers, "torch": torch.__version__, "rows": rows}
@@ -242,6 +268,8 @@ def main() -> None:
     parser.add_argument("--no-bf16-check", dest="bf16_check", action="store_false")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels at the first shape")
     parser.add_argument("--extra-variants", action="store_true", help="also time the full-head baseline and ZoRRo without checkpointing")
+    parser.add_argument("--checkpoint-layers", type=lambda s: [int(k) for k in s.split(",")], default=[],
+                        help="K,K,...: also time ZoRRo with only its first K layers checkpointed")
     parser.add_argument("--head-chunk", type=int, default=packed_forward.HEAD_CHUNK_TOKENS,
                         help="response tokens per LM-head chunk, in both runs (smaller: lower peak memory)")
     parser.add_argument("--device", default="cpu", help="device of the --smoke models (cuda exercises FlexAttention)")

@@ -59,7 +59,16 @@ class TrainerConfig(StrictModel):
         16384, description="Token budget of one micro-batch inside a fwd_bwd or log_probs call."
     )
     gradient_checkpointing: bool = False
+    checkpoint_layers: Annotated[int, Field(ge=0)] | None = Field(None, description=(
+        "With gradient_checkpointing: checkpoint only the first N decoder layers; the others keep "
+        "their activations (less recompute, more memory). None: every layer."))
     options: dict[str, Any] = Field(default_factory=dict, description="Backend-specific settings.")
+
+    @model_validator(mode="after")
+    def _layers_need_checkpointing(self) -> TrainerConfig:
+        if self.checkpoint_layers is not None and not self.gradient_checkpointing:
+            raise ValueError("checkpoint_layers needs gradient_checkpointing: true")
+        return self
 
 
 class LogProbConfig(StrictModel):

@@ -74,6 +74,28 @@ def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
             config._attn_implementation = name
 
 
+def enable_gradient_checkpointing(model: PreTrainedModel, layers: int | None = None) -> None:
+    """Recompute decoder layers' activations in the backward pass instead of keeping them: every
+    layer (``layers`` None) or only the first ``layers``. The first ones, because the backward pass
+    runs the last layers first: their kept activations are freed before any layer is recomputed,
+    so the peak stays at the forward's end (the checkpointed layers' inputs plus the others'
+    activations). Takes effect in training mode only (transformers' rule)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    kwargs = {"use_reentrant": False}  # a reentrant checkpoint drops the gradients of keyword inputs
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.24
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if layers is None:
+        return
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if layers > len(blocks):
+        raise ConfigError(f"checkpoint_layers ({layers}) exceeds the model's {len(blocks)} decoder layers")
+    for index, block in enumerate(blocks):
+        block.gradient_checkpointing = index < layers
+
+
 def default_stop_tokens(model: PreTrainedModel) -> list[int]:
     """The model's end-of-sequence ids (generation config first), as a list."""
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None

@@ -24,7 +24,7 @@ from pydantic import model_validator
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate
 from arctic_core.errors import ConfigError, RequestError
-from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
+from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.lr_schedule import lr_factor, set_lr
 from arctic_zorro.micro_batches import Align, micro_forward_backward, micro_log_probs
@@ -254,7 +254,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
 
     def _initialize(self, module: torch.nn.Module, config: Any, model: ModelConfig) -> Any:
         if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            enable_gradient_checkpointing(self.model, config.checkpoint_layers)
         factor = lr_factor(config.scheduler)
         engine, *_ = deepspeed.initialize(
             model=module,

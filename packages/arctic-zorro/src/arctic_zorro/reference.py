@@ -13,7 +13,7 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate
 from arctic_core.errors import RequestError
-from arctic_core.hf import check_token_ids, copy_weights_, load_causal_lm
+from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
 from arctic_zorro.lr_schedule import lr_factor, set_lr
@@ -83,7 +83,7 @@ class ReferenceTrainer(ReferenceLogProbEngine):
         super().__init__(config, model, seed=seed)
         self.config = config
         if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            enable_gradient_checkpointing(self.model, config.checkpoint_layers)
             self.model.train()  # transformers only checkpoints in training mode
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
