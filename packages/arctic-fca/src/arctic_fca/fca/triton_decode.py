@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-
 from triton.runtime.errors import OutOfResources
 
 from arctic_fca.fca.plan import FCAPlan
