@@ -435,13 +435,13 @@ def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096
     from arctic_fca.fca import triton_decode as td
 
     copy_bw = copy_bandwidth_bytes_per_s()
+    scale = 1 / math.sqrt(QWEN3_8B_HEADS["head_dim"])
     rows = []
     for groups, samples, prefix in shapes:
         batch = build_batch(groups, samples, prefix, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **QWEN3_8B_HEADS)
         query, key_cache, value_cache, block_tables, seq_lens = attention_args(batch)
-        scale = 1 / math.sqrt(QWEN3_8B_HEADS["head_dim"])
         prepared = prepare_decode(block_tables.cpu(), seq_lens.cpu(), key_cache.shape[1], mode="fca",
-                                  num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=query.dtype, device="cuda")
+                                  dtype=query.dtype, device="cuda", **QWEN3_8B_HEADS)
         work = prepared.work
         out = torch.empty_like(query)
         caches = layer_copies(key_cache, value_cache)
@@ -450,14 +450,9 @@ def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096
             return lambda layer: td._launch(getattr(work, which), work, query, *caches[layer], work.partial,
                                             work.lse, scale)
 
-        def merge(layer):
-            td._merge_partials[(query.shape[0], query.shape[1])](
-                work.partial, work.lse, work.merge_indptr, work.merge_rows, out, work.partial.stride(0),
-                work.partial.stride(1), work.lse.stride(0), out.stride(0), out.stride(1),
-                HEAD_DIM=128, DIM_P2=128, ROWS=td.MERGE_ROWS, num_warps=2)
-
         runs = {"node": launch("node"), "single": launch("single"),
-                "both": lambda layer: td._launch_partials(work, query, *caches[layer], scale), "merge": merge,
+                "both": lambda layer: td._launch_partials(work, query, *caches[layer], scale),
+                "merge": lambda layer: td._merge(work, out),
                 "step": lambda layer: prepared(query, *caches[layer], scale)}
         us = {name: per_layer_us(run) for name, run in runs.items()}
         info = describe(batch)

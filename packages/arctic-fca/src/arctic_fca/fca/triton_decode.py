@@ -271,12 +271,18 @@ def triton_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         _launch(work.single, work, query, key_cache, value_cache, out, out, scale)
         return out
     _launch_partials(work, query, key_cache, value_cache, scale)
+    _merge(work, out)
+    return out
+
+
+def _merge(work: DeviceWork, out: torch.Tensor) -> None:
+    """Each request's partial rows into its output row (``out``: [requests, q_heads, head_dim])."""
+    num_requests, num_q_heads, head_dim = out.shape
     _merge_partials[(num_requests, num_q_heads)](
         work.partial, work.lse, work.merge_indptr, work.merge_rows, out,
         work.partial.stride(0), work.partial.stride(1), work.lse.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), ROWS=MERGE_ROWS, num_warps=2,
     )
-    return out
 
 
 def _launch_partials(work: DeviceWork, query, key_cache, value_cache, scale: float) -> None:
