@@ -228,7 +228,7 @@ class DeviceWorkBuilder:
         num_requests, kept = suffix_start.numel(), self.kept
         indptr = self.work.merge_indptr[: num_requests + 1].long()
         node_count = indptr.diff() - pieces
-        slot, owner, j, _ = _expand(node_count, self.caps["node_rows"])
+        _, owner, j, _ = _expand(node_count, self.caps["node_rows"])
         entry = (indptr[owner] + j).clamp(max=self.caps["rows"] - 1)  # slots past the total: unread
         kept["node_merge_rows"].copy_(self.work.merge_rows[entry])
         kept["node_count"][:num_requests].copy_(node_count)
