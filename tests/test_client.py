@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient, AsyncArcticClient
@@ -150,6 +150,28 @@ def test_checkpoint_resume_reproduces_the_next_step(arctic_config, tmp_path):
         metrics = resumed.step().metrics
         assert metrics["lr"] == pytest.approx(lr_next) and metrics["step"] == 2
         assert_same_weights(weights(resumed), after, rtol=1e-6)
+
+
+def test_the_hf_export_holds_the_tokenizer_and_generates_what_the_server_does(arctic_config, tiny_policy, tmp_path):
+    """``export_hf`` writes a folder transformers loads whole: model, tokenizer with its chat
+    template, generation config; greedy decoding there gives the server's tokens."""
+    with ArcticClient.in_process(arctic_config(trainer={"optimizer": {"lr": 1e-2}})) as client:
+        client.fwd_bwd(rollout(client), "ppo")
+        client.step()
+        client.sync_weights()
+        client.save_checkpoint(str(tmp_path / "ckpt"), export_hf=True)
+        served = client.generate(PROMPTS, n=1, temperature=0.0, max_tokens=8).batch
+    export = tmp_path / "ckpt" / "hf"
+    tokenizer, original = AutoTokenizer.from_pretrained(export), AutoTokenizer.from_pretrained(tiny_policy)
+    assert len(tokenizer) == len(original) > 100
+    assert tokenizer.chat_template == original.chat_template and tokenizer.eos_token == original.eos_token
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "count up from 7"}], tokenize=False)
+    assert tokenizer.encode(text) == original.encode(text)
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    assert model.generation_config.eos_token_id == original.eos_token_id
+    for i, prompt in enumerate(PROMPTS):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+        assert out[0, len(prompt):].tolist() == served.response(i)
 
 
 def test_sleep_refuses_work_until_wake(arctic_config):

@@ -4,6 +4,7 @@ the update of one rank on the same global batch; a dead worker is reported by ra
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from arctic_core.config import ArcticConfig, TrainerConfig
 from arctic_core.http_server import _health
 from arctic_core.ray_actors import ray_environment
 from arctic_core.ray_trainer import ray_trainer_config, split_by_groups
+from helpers import random_grpo_batch, weights
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
@@ -106,25 +108,64 @@ def test_zero3_ranks_with_unequal_micro_batch_counts_run_in_step(tiny_policy):
         assert torch.allclose(two_weights[name], weight, atol=1e-6, rtol=1e-5), name
 
 
-def test_a_dead_worker_is_named_and_a_checkpoint_restarts_the_workers(tiny_policy, tmp_path):
+def test_a_worker_killed_mid_fwd_bwd_is_named_and_a_checkpoint_restores_every_rank(tiny_policy, tmp_path):
     config = {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
-              "trainer": {"backend": "ray", "optimizer": OPTIMIZER, "options": {"workers": 2, "backend": "deepspeed"}}}
+              "trainer": {"backend": "ray", "optimizer": OPTIMIZER, "micro_batch_tokens": 48,
+                          "options": {"workers": 2, "backend": "deepspeed"}}}
     with ArcticClient.in_process(config) as client:
         server = client.transport.server
-        batch = grpo_batch(server.sampler.model.config.vocab_size)
+        vocab = server.sampler.model.config.vocab_size
+        batch = grpo_batch(vocab)
         client.fwd_bwd(batch, PPO)
         client.step()
         client.save_checkpoint(str(tmp_path / "ckpt"))
         expected_loss = client.fwd_bwd(batch, PPO).metrics["loss"]  # the next step's loss, from the checkpoint
         client.step()
-        ray.kill(server.trainer.workers[1])
-        assert "training worker rank 1 died during fwd_bwd" in str(_first_worker_error(lambda: client.fwd_bwd(batch, PPO)))
+        long_call = random_grpo_batch(vocab, groups=(24,) * 48, samples=4)  # many micro-batches per rank
+        killer = threading.Timer(1.0, ray.kill, [server.trainer.workers[1]])
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="training worker rank 1 died during fwd_bwd") as info:
+            client.fwd_bwd(long_call, PPO)
+        assert time.monotonic() - started > 1.0  # the call was under way when the rank died
+        assert "load_checkpoint restarts the workers" in str(info.value)
         assert client.status().step == 2  # still answering
         health = _health(server, busy=False)
         assert health["status"] == "degraded" and health["engines"]["trainer"]["dead_ranks"] == [1]
         client.load_checkpoint(str(tmp_path / "ckpt"))  # restarts both ranks and restores them
         assert _health(server, busy=False)["status"] == "ok" and client.status().step == 1
         assert client.fwd_bwd(batch, PPO).metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
+        assert client.step().metrics["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fewer_prompt_groups_than_ranks_give_the_update_of_one(tiny_policy, stage):
+    """A rank with no prompt group joins the collectives with a zero-weighted pass: it adds no
+    gradient, and DeepSpeed's step (and ZeRO-3's gathers) see every rank."""
+    base = {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0}
+    updates = []
+    for trainer in ({"backend": "deepspeed", "optimizer": OPTIMIZER, "options": {"zero_stage": stage}},
+                    {"backend": "ray", "optimizer": OPTIMIZER,
+                     "options": {"workers": 2, "backend": "deepspeed", "options": {"zero_stage": stage}}}):
+        with ArcticClient.in_process({**base, "trainer": trainer}) as client:
+            one_group = random_grpo_batch(client.transport.server.sampler.model.config.vocab_size, groups=(9,))
+            loss = client.fwd_bwd(one_group, PPO).metrics["loss"]
+            client.step()
+            updates.append((loss, weights(client)))
+    (one_loss, one), (two_loss, two) = updates
+    assert two_loss == pytest.approx(one_loss, abs=1e-6)
+    for name, weight in one.items():
+        assert torch.allclose(two[name], weight, atol=1e-6, rtol=1e-5), name
+
+
+def test_random_call_sequences_leave_the_next_update_exact_on_ray_ranks(tiny_policy, tmp_path):
+    from test_robustness import OPS, TRAINER, assert_sequence_leaves_the_update_exact
+
+    ops = {name: op for name, op in OPS.items() if name != "failing_fwd_bwd"}  # its loss exists in this process only
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0, "trainer": {
+        **TRAINER, "backend": "ray", "options": {"workers": 2, "backend": "deepspeed", "options": {"zero_stage": 2}}}})
+    assert_sequence_leaves_the_update_exact(config, tmp_path, seed=5, calls=25, make_client=ArcticClient.in_process,
+                                            ops=ops)
 
 
 def test_serve_ray_wraps_the_configured_engines():

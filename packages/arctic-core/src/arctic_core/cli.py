@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -19,6 +22,13 @@ if TYPE_CHECKING:
     from arctic_core.config import ArcticConfig
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, help="Arctic RL: one GPU backend for RL post-training of LLMs.")
+_debug = False
+
+
+@app.callback()
+def _options(debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error.")] = False) -> None:
+    global _debug
+    _debug = debug
 
 
 @app.command()
@@ -28,12 +38,36 @@ def demo(
     seed: Annotated[int, typer.Option(help="Seed of the model, the task and sampling.")] = 0,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Short SFT on task demonstrations before GRPO (0 skips it).")] = 30,
 ) -> None:
-    """GRPO on a tiny Qwen3 built in code, on the CPU, through the in-process client."""
-    from arctic_core.demo.grpo import DemoSettings, run_demo
+    """GRPO on a tiny Qwen3 built in code, on the CPU, through the in-process client.
 
-    summary = run_demo(out, DemoSettings(steps=steps, seed=seed, warmup_steps=warmup_steps))
+    Progress and every library's messages go to stderr; stdout is one JSON line, the summary."""
+    with stdout_to_stderr():
+        from arctic_core.demo.grpo import DemoSettings, run_demo
+
+        _quiet_model_loading()
+        summary = run_demo(out, DemoSettings(steps=steps, seed=seed, warmup_steps=warmup_steps))
     typer.echo(f"reward curve: {out / 'reward_curve.png'}; TensorBoard: {out / 'tensorboard'}", err=True)
     typer.echo(json.dumps(summary))
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out: Annotated[Path, typer.Argument(help="Folder to write (created; must be empty or absent).")],
+    family: Annotated[str, typer.Option(help="Architecture: qwen3, qwen2, llama or mistral.")] = "qwen3",
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+) -> None:
+    """Write a tiny random model and its tokenizer (the demo's, 512 positions) as a Hugging Face
+    folder: a model path to try the client and the server with, on the CPU, in seconds."""
+    from arctic_core.demo.task import CountingTask
+    from arctic_core.demo.tiny_model import TINY_SHAPES, save_tiny_policy
+    from arctic_core.errors import ConfigError
+
+    if family not in TINY_SHAPES:
+        raise ConfigError(f"unknown family {family!r}; choose one of {sorted(TINY_SHAPES)}")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty")
+    save_tiny_policy(out, CountingTask().corpus(), family=family, seed=seed)
+    typer.echo(str(out))
 
 
 @app.command()
@@ -50,11 +84,7 @@ def serve(
     address: Annotated[str | None, typer.Option(help="Ray cluster to join with --ray (default: start a local one).")] = None,
 ) -> None:
     """Serve every client call over HTTP (FastAPI + uvicorn); calls on the model are serialised."""
-    import uvicorn
-
-    from arctic_core.config import ArcticConfig  # heavy imports wait until a command needs them
-    from arctic_core.http_server import create_app
-    from arctic_core.server import ArcticServer
+    from arctic_core.config import ArcticConfig  # torch and the engines wait until the config is sound
 
     token = token or None  # an empty ARCTIC_RL_TOKEN means none
     if not token and not _is_loopback(host) and not allow_public_without_token:
@@ -66,7 +96,16 @@ def serve(
     arctic_config = ArcticConfig.from_yaml(config) if config else embedded_default_config()
     if ray:
         arctic_config = ray_config(arctic_config, ray_workers, ray_samplers, address)
-    app_ = create_app(ArcticServer(arctic_config), token=token, max_body_bytes=int(max_body_mb * 2**20))
+    with config_errors_from(config):
+        arctic_config.check_model_folders()
+        import uvicorn
+
+        from arctic_core.http_server import create_app
+        from arctic_core.server import ArcticServer
+
+        _quiet_model_loading()
+        server = ArcticServer(arctic_config)
+    app_ = create_app(server, token=token, max_body_bytes=int(max_body_mb * 2**20))
     typer.echo(f"Arctic RL serving on http://{host}:{port} (API: /openapi.json, /docs; token {'required' if token else 'off'})", err=True)
     uvicorn.run(app_, host=host, port=port, log_level="info")
 
@@ -126,9 +165,54 @@ def plugins() -> None:
     Console(width=160).print(table)
 
 
+@contextlib.contextmanager
+def config_errors_from(path: Path | None) -> Iterator[None]:
+    """A config error raised inside (e.g. a backend refusing its ``options``) names the file."""
+    from arctic_core.errors import ConfigError
+
+    try:
+        yield
+    except ConfigError as exc:
+        if path is None:
+            raise
+        raise ConfigError(f"config {path}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to file descriptor 1 inside the block to stderr: print(), logging
+    handlers that hold sys.stdout, and C extensions alike (DeepSpeed's banners, compiler output)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _quiet_model_loading() -> None:
+    """No "Loading weights" bar for each engine that loads the model (several per server)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def main() -> None:
+    """The console script: an Arctic error (bad config, bad input) is one line on stderr and exit
+    status 2; ``--debug`` shows its traceback. Anything else is a bug and keeps its traceback."""
+    from arctic_core.errors import ArcticError
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    app()
+    try:
+        app()
+    except ArcticError as exc:
+        if _debug:
+            raise
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ backend's own model (see e.g. ``arctic_zorro.reference.ReferenceTrainerOptions``
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -28,6 +29,15 @@ class ModelConfig(StrictModel):
     path: str = Field(description="Folder with config.json, weights and tokenizer files.")
     dtype: Dtype = "float32"
     device: str = Field("auto", description="'auto' picks cuda when available, else cpu.")
+
+    def check_folder(self, where: str = "model") -> None:
+        """Refuse, naming the setting, a path that is no local model folder (before any engine starts)."""
+        folder = Path(self.path)
+        if not (folder / "config.json").is_file():
+            why = "does not exist" if not folder.exists() else "has no config.json"
+            raise ConfigError(
+                f"{where}.path: {self.path!r} {why}; it must be a local Hugging Face model folder "
+                "(the save_pretrained layout; `arctic-rl tiny-model DIR` writes a tiny one to try things with)")
 
 
 class OptimizerConfig(StrictModel):
@@ -51,7 +61,17 @@ class SchedulerConfig(StrictModel):
         return self
 
 
-class TrainerConfig(StrictModel):
+class EngineSection(StrictModel):
+    """A config section that selects a backend by name and passes it ``options``."""
+
+    SECTION: ClassVar[str]
+    """Where the section sits in :class:`ArcticConfig` (for error messages)."""
+    backend: str
+    options: dict[str, Any]
+
+
+class TrainerConfig(EngineSection):
+    SECTION = "trainer"
     backend: str = "deepspeed"
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -71,8 +91,10 @@ class TrainerConfig(StrictModel):
         return self
 
 
-class LogProbConfig(StrictModel):
+class LogProbConfig(EngineSection):
     """A forward-only engine, e.g. the frozen reference model for a KL penalty."""
+
+    SECTION = "reference"
 
     backend: str = "deepspeed"
     model: ModelConfig | None = Field(None, description="Defaults to the policy's initial weights.")
@@ -80,7 +102,8 @@ class LogProbConfig(StrictModel):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
-class SamplerConfig(StrictModel):
+class SamplerConfig(EngineSection):
+    SECTION = "sampler"
     backend: str = "embedded"
     max_batch_size: Annotated[int, Field(gt=0)] = 256
     options: dict[str, Any] = Field(default_factory=dict)
@@ -104,6 +127,12 @@ class ArcticConfig(StrictModel):
         "Engines share one device: before each call the server puts to sleep the engines it does not "
         "need and wakes those it does, so one engine's memory is resident at a time (weight sync wakes both)."))
     seed: int = 0
+
+    def check_model_folders(self) -> None:
+        """Every model path names a local model folder (see :meth:`ModelConfig.check_folder`)."""
+        self.model.check_folder("model")
+        if self.reference is not None and self.reference.model is not None:
+            self.reference.model.check_folder("reference.model")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ArcticConfig:
@@ -141,20 +170,66 @@ class LossTermConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
-def format_validation_error(exc: ValidationError, what: str) -> str:
+def format_validation_error(exc: ValidationError, what: str, model: type[BaseModel] | None = None,
+                            prefix: str = "") -> str:
+    """One line per problem, each naming its full path (``prefix`` + the field's location); an
+    unknown key also lists the valid keys there, with the closest one as a suggestion."""
     lines = [f"invalid {what}:"]
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(root)"
-        lines.append(f"  {where}: {err['msg']}")
+        where = prefix + ".".join(str(p) for p in err["loc"]) if err["loc"] else prefix.rstrip(".") or "(root)"
+        message = err["msg"]
+        if err["type"] == "extra_forbidden" and model is not None:
+            message = _unknown_key(model, err["loc"])
+        lines.append(f"  {where}: {message}")
     return "\n".join(lines)
 
 
-def validate[M: BaseModel](model: type[M], data: Any, what: str | None = None) -> M:
-    """``model.model_validate(data)`` with a readable :class:`ConfigError` on failure."""
+def _unknown_key(model: type[BaseModel], loc: tuple[str | int, ...]) -> str:
+    parent = _model_at(model, loc[:-1])
+    if parent is None:
+        return "unknown key"
+    valid = sorted(parent.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key{hint}; valid keys: {', '.join(valid)}"
+
+
+def _model_at(model: type[BaseModel] | None, loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The pydantic model that validates the mapping at ``loc`` under ``model`` (None if not a model)."""
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int):  # an item of a list or tuple: the same annotation holds it
+            continue
+        field = model.model_fields.get(part)
+        model = _model_in(field.annotation) if field is not None else None
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):  # Optional[M], list[M], Annotated[M, ...]
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def validate[M: BaseModel](model: type[M], data: Any, what: str | None = None, prefix: str = "") -> M:
+    """``model.model_validate(data)`` with a readable :class:`ConfigError` on failure; ``prefix``
+    is where ``data`` sits in a larger config (``"trainer.options."``)."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, what or model.__name__)) from None
+        raise ConfigError(format_validation_error(exc, what or model.__name__, model, prefix)) from None
+
+
+def validate_options[M: BaseModel](model: type[M], section: EngineSection, backend: str) -> M:
+    """A backend's ``options`` checked by the backend's own model; errors name the full path
+    (``trainer.options.zero_stage``) and the backend."""
+    path = f"{section.SECTION}.options"
+    return validate(model, section.options, f"{path} of backend {backend!r}", prefix=f"{path}.")
 
 
 def load_yaml[M: BaseModel](model: type[M], path: str | Path) -> M:

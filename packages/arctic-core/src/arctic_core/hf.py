@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -94,6 +96,28 @@ def enable_gradient_checkpointing(model: PreTrainedModel, layers: int | None = N
         raise ConfigError(f"checkpoint_layers ({layers}) exceeds the model's {len(blocks)} decoder layers")
     for index, block in enumerate(blocks):
         block.gradient_checkpointing = index < layers
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt",
+    "tokenizer.model", "spiece.model", "generation_config.json",
+)
+"""What a Hugging Face folder holds beside the weights that a user of an export needs: the
+tokenizer (every format transformers saves), its chat template, and the generation defaults."""
+
+
+def copy_tokenizer_files(source: str | Path, target: Path) -> list[str]:
+    """Copy the tokenizer, chat template and generation config of the model folder ``source``
+    into the export ``target`` (files the export already has are kept); returns the names copied.
+    Without them ``AutoTokenizer.from_pretrained(target)`` would not find the policy's tokenizer."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        src, dst = Path(source) / name, target / name
+        if src.is_file() and not dst.exists():
+            shutil.copyfile(src, dst)
+            copied.append(name)
+    return copied
 
 
 def default_stop_tokens(model: PreTrainedModel) -> list[int]:

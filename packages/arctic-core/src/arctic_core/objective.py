@@ -36,6 +36,14 @@ class WeightedObjective:
         metrics["loss"] = float(total.detach())
         return total, metrics
 
+    @torch.no_grad()
+    def check(self, batch: RolloutBatch, ctx: LossContext) -> None:
+        """Raise what the terms would raise on ``batch`` (a missing field, a wrong shape) before
+        any engine computes: a dry run on zero placeholders of every output the terms read.
+        A call refused here has touched no gradient."""
+        placeholders = {name: torch.zeros(batch.response_ids.shape) for name in self.processors}
+        self(placeholders, batch, ctx)
+
 
 class ProcessorSet(dict):
     """Processors keyed by each output they produce, remembering the plugin names and temperature

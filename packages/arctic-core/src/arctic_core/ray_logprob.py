@@ -13,7 +13,7 @@ import torch
 from pydantic import Field
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import LogProbConfig, ModelConfig, validate
+from arctic_core.config import LogProbConfig, ModelConfig, validate_options
 from arctic_core.interfaces import NamedTensors, Processor
 from arctic_core.ray_actors import (InnerBackendOptions, build_inner, ensure_ray, get_one, log_probs_request,
                                     named_tensors, run_log_probs, weights_blob)
@@ -43,7 +43,7 @@ class LogProbWorker:
 
 class RayLogProbEngine:
     def __init__(self, config: LogProbConfig, model: ModelConfig, *, seed: int) -> None:
-        self.options = validate(RayLogProbOptions, config.options, "LogProbConfig.options (ray)")
+        self.options = validate_options(RayLogProbOptions, config, "ray")
         inner = self.options.inner(config, "log-prob backend")
         ray = ensure_ray(self.options.address)
         actor = ray.remote(num_cpus=self.options.cpus, num_gpus=self.options.gpus)(LogProbWorker)

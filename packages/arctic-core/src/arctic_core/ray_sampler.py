@@ -18,7 +18,7 @@ from pydantic import Field
 
 from arctic_core import wire
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate
+from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate_options
 from arctic_core.interfaces import NamedTensors
 from arctic_core.protocol import GenerateRequest, GenerateResult
 from arctic_core.ray_actors import InnerBackendOptions, build_inner, ensure_ray, get_one, named_tensors, weights_blob
@@ -54,7 +54,7 @@ class SamplerWorker(WeightSyncActor):
 
 class RaySampler:
     def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
-        self.options = validate(RaySamplerOptions, config.options, "SamplerConfig.options (ray)")
+        self.options = validate_options(RaySamplerOptions, config, "ray")
         inner = self.options.inner(config, "sampler")
         ray = ensure_ray(self.options.address)
         actor = ray.remote(num_cpus=self.options.cpus_per_replica, num_gpus=self.options.gpus_per_replica)(SamplerWorker)

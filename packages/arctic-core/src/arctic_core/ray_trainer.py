@@ -30,7 +30,7 @@ from pydantic import Field
 
 from arctic_core import wire
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import ModelConfig, TrainerConfig, validate
+from arctic_core.config import ModelConfig, TrainerConfig, validate_options
 from arctic_core.errors import RequestError, WorkerError
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_core.protocol import FwdBwdRequest
@@ -56,11 +56,9 @@ class TrainerWorker(WeightSyncActor):
                           MASTER_PORT=str(port))
         self.registry, self.trainer = build_inner("training_backend", backend, TrainerConfig, config_json, model_json, seed)
 
-    def forward_backward(self, request: bytes | None, ctx: dict[str, int]) -> dict[str, float]:
+    def forward_backward(self, request: bytes, ctx: dict[str, int]) -> dict[str, float]:
         from arctic_core.objective import build_objective
 
-        if request is None:  # no prompt group landed on this rank this time
-            return {}
         req = wire.decode(request, FwdBwdRequest)
         objective = build_objective(self.registry, req.loss, req.temperature)
         return self.trainer.forward_backward(req.batch, objective, LossContext(**ctx), req.scale)
@@ -92,7 +90,7 @@ class TrainerWorker(WeightSyncActor):
 
 class RayDataParallelTrainer:
     def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
-        self.options = validate(RayTrainerOptions, config.options, "TrainerConfig.options (ray)")
+        self.options = validate_options(RayTrainerOptions, config, "ray")
         inner = self.options.inner(config, "trainer")
         ensure_ray(self.options.address, num_cpus=max(os.cpu_count() or 1, self.options.workers))
         self._spawn_args = (inner.model_dump_json(), model.model_dump_json(), seed)
@@ -123,18 +121,22 @@ class RayDataParallelTrainer:
         terms, temperature = spec
         world = len(self.workers)
         shards = split_by_groups(batch, world)
-        if self._zero3 and None in shards:
-            # Under ZeRO-3 every forward gathers parameters with all ranks: an idle rank would hang the others.
-            raise RequestError(f"fwd_bwd with ZeRO-3 over {world} ranks needs at least {world} prompt groups; "
-                               f"this batch has {batch.num_prompts}")
-        requests = [None if rows is None else wire.encode(FwdBwdRequest(
-            batch=batch.select(rows), loss=terms, temperature=temperature, scale=scale * world,
+        # A rank with no prompt group of its own runs the first group with its loss times zero:
+        # it adds no gradient but joins every collective (ZeRO-3's gathers, the step's reduction,
+        # which DeepSpeed cannot run on a rank that saw no backward). Its metrics are dropped.
+        idle = [rows is None for rows in shards]
+        requests = [wire.encode(FwdBwdRequest(
+            batch=batch.select(batch.groups()[int(batch.prompt_index[0])] if rows is None else rows), loss=terms,
+            temperature=temperature, scale=0.0 if rows is None else scale * world,
             max_response_len=ctx.max_response_len)) for rows in shards]
         context = {"num_tokens": ctx.num_tokens, "num_sequences": ctx.num_sequences,
                    "max_response_len": ctx.max_response_len}
         results = self._gather([w.forward_backward.remote(r, context) for w, r in zip(self.workers, requests,
                                                                                           strict=True)], "fwd_bwd")
-        return _sum_metrics(results)
+        return _sum_metrics([metrics for metrics, skip in zip(results, idle, strict=True) if not skip])
+
+    def discard_gradients(self) -> None:
+        self._on_all("discard_gradients")
 
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         return self._on_all("optimizer_step", lr=lr)[0]

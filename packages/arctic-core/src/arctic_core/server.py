@@ -7,6 +7,7 @@ can share one server without interleaving a ``fwd_bwd`` with a ``step``.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -20,7 +21,8 @@ from typing import Any
 import torch
 
 from arctic_core.config import ArcticConfig
-from arctic_core.errors import RequestError
+from arctic_core.errors import ArcticError, RequestError
+from arctic_core.hf import copy_tokenizer_files
 from arctic_core.interfaces import LossContext, LogProbBackend, SamplingBackend, TrainingBackend
 from arctic_core.objective import build_objective, build_processors
 from arctic_core.protocol import (
@@ -51,10 +53,12 @@ class ArcticServer:
     """Engines behind the five calls (plus lifecycle); transports call :meth:`handle`."""
 
     def __init__(self, config: ArcticConfig, registry: Registry | None = None) -> None:
+        config.check_model_folders()  # before any engine spends seconds starting
         self.config = config
         self.registry = registry or default_registry()
         self.policy_version = 0
         self.step_count = 0
+        self.gradients_pending = False  # a fwd_bwd has accumulated gradients since the last step
         self._lock = threading.Lock()
         self._closed = False
         self.trainer: TrainingBackend = self._build("training_backend", config.trainer.backend, config.trainer, config.model)
@@ -113,14 +117,28 @@ class ArcticServer:
     def _op_fwd_bwd(self, req: FwdBwdRequest) -> Result:
         objective = build_objective(self.registry, req.loss, req.temperature)
         ctx = LossContext.of(req.batch, req.max_response_len)
-        metrics = self.trainer.forward_backward(req.batch, objective, ctx, req.scale)
+        objective.check(req.batch, ctx)  # bad input is refused before any gradient is touched
+        try:
+            metrics = self.trainer.forward_backward(req.batch, objective, ctx, req.scale)
+        except ArcticError:
+            raise  # a refusal (engine asleep, bad token id) added nothing; a dead worker needs load_checkpoint
+        except Exception:
+            # Part of this call's gradient may have been added: the sum would be silently wrong.
+            self._discard_gradients()
+            raise
+        self.gradients_pending = True
         metrics["tokens"] = float(req.batch.total_tokens())
         return Result(metrics=metrics)
 
     def _op_step(self, req: StepRequest) -> Result:
+        if not self.gradients_pending:
+            # Nothing to apply: a no-op, so the weights, optimizer state, LR schedule and step
+            # count stay as they are (an engine stepped with no gradient can be left broken).
+            return Result(metrics={"grad_norm": 0.0, "skipped": 1.0, "step": float(self.step_count)})
         metrics = self.trainer.optimizer_step(lr=req.lr)
+        self.gradients_pending = False
         self.step_count += 1
-        return Result(metrics={**metrics, "step": float(self.step_count)})
+        return Result(metrics={**metrics, "skipped": 0.0, "step": float(self.step_count)})
 
     def _op_sync_weights(self, req: Empty) -> SyncWeightsResult:
         self.policy_version += 1
@@ -129,24 +147,32 @@ class ArcticServer:
 
     def _op_save_checkpoint(self, req: CheckpointRequest) -> StatusResult:
         target = Path(req.path)
-        staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        self.trainer.save_checkpoint(staging / "trainer")
-        if req.export_hf:
-            self.trainer.export_hf(staging / HF_EXPORT)
-        (staging / STATE_FILE).write_text(json.dumps(self._state()))
-        _replace_dir(staging, target)  # readers never see a half-written checkpoint
+        staging = _sibling(target, "tmp", os.getpid())
+        _remove_stale_siblings(target)
+        try:
+            staging.mkdir(parents=True)
+            self.trainer.save_checkpoint(staging / "trainer")
+            if req.export_hf:
+                self.trainer.export_hf(staging / HF_EXPORT)
+                copy_tokenizer_files(self.config.model.path, staging / HF_EXPORT)
+            (staging / STATE_FILE).write_text(json.dumps(self._state()))
+            _replace_dir(staging, target)  # readers never see a half-written checkpoint
+        except OSError as exc:
+            raise RequestError(f"cannot save a checkpoint at {target}: {exc}") from exc
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         if req.keep_last is not None:
             _prune_checkpoints(target.parent, req.keep_last)
         return self._status()
 
     def _op_load_checkpoint(self, req: CheckpointRequest) -> StatusResult:
         path = Path(req.path)
+        _recover_interrupted_replace(path)
         if not (path / STATE_FILE).is_file():
             raise RequestError(f"{path} is not an Arctic checkpoint (no {STATE_FILE})")
         state = json.loads((path / STATE_FILE).read_text())
         self.trainer.load_checkpoint(path / "trainer")
+        self.gradients_pending = False  # the engines drop gradients accumulated before the load
         self.step_count = int(state["step"])
         # The sampler must serve the restored weights; the version moves forward so that
         # results from before the load are never mistaken for results of the restored policy.
@@ -189,6 +215,9 @@ class ArcticServer:
         return chosen
 
     def _set_awake(self, name: str, awake: bool) -> None:
+        """Sleep or wake one engine; idempotent (a second sleep or a wake of an awake engine is a no-op)."""
+        if awake == (name not in self.asleep):
+            return
         engine = self._engine_map()[name]
         if awake:
             engine.wake()
@@ -210,6 +239,14 @@ class ArcticServer:
             self._set_awake(name, False)
         for name in sorted(needed & configured & self.asleep):
             self._set_awake(name, True)
+
+    def _discard_gradients(self) -> None:
+        """Drop every gradient accumulated since the last step, so the next step starts clean."""
+        self.gradients_pending = False
+        try:
+            self.trainer.discard_gradients()
+        except Exception:  # the engine may be what failed (e.g. a dead worker); its restart clears it
+            log.exception("discarding gradients after a failed fwd_bwd failed too")
 
     def _state(self) -> dict[str, int]:
         return {"policy_version": self.policy_version, "step": self.step_count}
@@ -245,9 +282,55 @@ def _prune_checkpoints(folder: Path, keep: int) -> None:
 
 
 def _replace_dir(staging: Path, target: Path) -> None:
-    """Move ``staging`` to ``target``, replacing an existing checkpoint with two renames."""
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    """Move ``staging`` to ``target``, replacing an existing checkpoint with two renames. A process
+    killed between them leaves the previous checkpoint complete at ``.{name}.old-{pid}``, which
+    :func:`_recover_interrupted_replace` moves back."""
+    old = _sibling(target, "old", os.getpid())
     if target.exists():
         os.replace(target, old)
     os.replace(staging, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _sibling(target: Path, kind: str, pid: int) -> Path:
+    """A hidden folder beside ``target``: ``tmp`` (being written) or ``old`` (being replaced)."""
+    return target.with_name(f".{target.name}.{kind}-{pid}")
+
+
+def _siblings(target: Path, kind: str) -> list[Path]:
+    if not target.parent.is_dir():
+        return []
+    return sorted(target.parent.glob(f".{glob.escape(target.name)}.{kind}-*"))
+
+
+def _recover_interrupted_replace(target: Path) -> None:
+    """Put back the previous checkpoint when a save died between its two renames (``target``
+    gone, its old copy complete). A staging folder is never taken: it may be half-written."""
+    if target.exists():
+        return
+    complete = [old for old in _siblings(target, "old") if (old / STATE_FILE).is_file()]
+    if complete:
+        log.warning("restoring %s from %s: a save was interrupted while replacing it", target, complete[-1])
+        os.replace(complete[-1], target)
+
+
+def _remove_stale_siblings(target: Path) -> None:
+    """Delete what saves that died left beside ``target``: staging folders of dead processes, and
+    old copies once ``target`` itself is complete."""
+    _recover_interrupted_replace(target)
+    for folder in _siblings(target, "tmp"):
+        if not _process_alive(int(folder.name.rsplit("-", 1)[1])):
+            shutil.rmtree(folder, ignore_errors=True)
+    if (target / STATE_FILE).is_file():
+        for folder in _siblings(target, "old"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True

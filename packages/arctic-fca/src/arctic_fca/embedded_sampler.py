@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate
+from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate_options
 from arctic_core.hf import load_causal_lm
 from arctic_core.interfaces import NamedTensors
 from arctic_fca.engine import EmbeddedEngine, EngineOptions
@@ -14,8 +14,8 @@ class EmbeddedSampler:
     """Continuous batching + prefix sharing + FCA decode; options are :class:`EngineOptions`."""
 
     def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
-        options = validate(EngineOptions, {"max_num_seqs": config.max_batch_size, **config.options},
-                           "SamplerConfig.options")
+        config = config.model_copy(update={"options": {"max_num_seqs": config.max_batch_size, **config.options}})
+        options = validate_options(EngineOptions, config, "embedded")
         self.engine = EmbeddedEngine(load_causal_lm(model), options, seed=seed)
 
     @property

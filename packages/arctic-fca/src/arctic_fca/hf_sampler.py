@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate
+from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate_options
 from arctic_core.errors import RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, default_stop_tokens, load_causal_lm
 from arctic_core.interfaces import NamedTensors
@@ -23,7 +23,7 @@ class HFGenerateSampler:
     """Samples with ``transformers.GenerationMixin.generate``; weights are updated in place."""
 
     def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
-        validate(HFSamplerOptions, config.options, "SamplerConfig.options")
+        validate_options(HFSamplerOptions, config, "hf-generate")
         self.config = config
         self.seed = seed
         self.model = load_causal_lm(model)

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate
+from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate_options
 from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_prompts
 from arctic_core.interfaces import NamedTensors
@@ -60,7 +60,7 @@ def import_vllm() -> Any:
 
 class VllmSampler:
     def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
-        self.options = validate(VllmOptions, config.options, "SamplerConfig.options (vllm)")
+        self.options = validate_options(VllmOptions, config, "vllm")
         self.vllm = import_vllm()
         dtype = "auto" if model.dtype == "auto" else model.dtype
         self.llm = self.vllm.LLM(

@@ -22,7 +22,7 @@ import torch
 from pydantic import model_validator
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate
+from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate_options
 from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
@@ -170,7 +170,7 @@ class DeepSpeedLogProbEngine:
     options_model: type[DeepSpeedLogProbOptions] = DeepSpeedLogProbOptions
 
     def __init__(self, config: LogProbConfig | TrainerConfig, model: ModelConfig, *, seed: int) -> None:
-        self.options = validate(self.options_model, config.options, f"{type(config).__name__}.options")
+        self.options = validate_options(self.options_model, config, "deepspeed")
         torch.manual_seed(seed)
         init_distributed()
         self.micro_batch_tokens = config.micro_batch_tokens
@@ -195,9 +195,11 @@ class DeepSpeedLogProbEngine:
     def zero_3(self) -> bool:
         return self.engine.zero_optimization_stage() == ZeroStageEnum.weights
 
-    def _align(self) -> Align | None:
-        """Under ZeRO-3 with several ranks, every rank runs the busiest rank's micro-batch count."""
-        if not self.zero_3 or deepspeed.comm.get_world_size() == 1:
+    def _align(self, backward: bool = False) -> Align | None:
+        """With several ranks, every rank runs the busiest rank's micro-batch count wherever each
+        pass is a collective: every forward under ZeRO-3 (parameter gathers), every backward at
+        any stage (ZeRO-1/2 reduce gradient buckets as each backward ends)."""
+        if deepspeed.comm.get_world_size() == 1 or not (self.zero_3 or backward):
             return None
 
         def busiest(count: int) -> int:
@@ -251,6 +253,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         if config.gradient_checkpointing:
             self.engine.train()  # transformers only checkpoints in training mode
         self.steps = 0
+        self.has_gradients = False  # a backward ran since the last step (DeepSpeed cannot step without one)
 
     def _initialize(self, module: torch.nn.Module, config: Any, model: ModelConfig) -> Any:
         if config.gradient_checkpointing:
@@ -268,15 +271,20 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         self, batch: RolloutBatch, objective: Objective, ctx: LossContext, scale: float = 1.0
     ) -> dict[str, float]:
         self._check(batch)
+        self.has_gradients = True  # even a failure part-way may have added some: discard_gradients() clears them
         # engine.backward only accumulates here: step() is the one accumulation boundary.
         return micro_forward_backward(
             self.engine, self.engine.backward, batch, objective, ctx, scale,
-            self.micro_batch_tokens, self.options.zorro.enable, self.device, self._align(),
+            self.micro_batch_tokens, self.options.zorro.enable, self.device, self._align(backward=True),
         )
 
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         if self.asleep:
             raise RequestError("DeepSpeedTrainer is asleep; call wake() first")
+        if not self.has_gradients:
+            # DeepSpeed's ZeRO 1/2 step fails on an empty accumulation and stays broken after it:
+            # no gradient means no update, and the schedule does not advance.
+            return {"grad_norm": 0.0, "lr": self.engine.get_lr()[0], "skipped": 1.0}
         set_lr(self.engine.optimizer, lr)
         # A plain (non-ZeRO, fp32) optimizer clips without reporting the norm: measure it first.
         norm_before = self._local_grad_norm() if self._grads_in_params() else None
@@ -284,6 +292,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         self.engine.step()  # reduce, clip, update, zero the gradients, step the LR schedule
         reported = self.engine.get_global_grad_norm()
         self.steps += 1
+        self.has_gradients = False
         grad_norm = norm_before if reported is None else reported
         return {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "lr": lr}
 
@@ -349,7 +358,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
             raise RequestError(f"DeepSpeed could not load the checkpoint in {path}")
         self.steps = int(client_state["arctic"]["steps"])
         torch.set_rng_state(client_state["arctic"]["rng"])
-        self._drop_gradients()  # gradients accumulated before the load belong to another state
+        self.discard_gradients()  # gradients accumulated before the load belong to another state
 
     def sleep(self) -> None:
         # On GPU, ZeRO 1-3 can move their optimizer states and buffers out of GPU memory.
@@ -369,7 +378,19 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
-    def _drop_gradients(self) -> None:
-        if self.options.zero_stage > 0 or self.engine.bfloat16_enabled():
-            self.engine.optimizer.zero_grad(set_to_none=True)
+    def discard_gradients(self) -> None:
+        """Forget every gradient accumulated since the last step, wherever this ZeRO stage keeps
+        it (as DeepSpeed's own overflow clean-up does): the next backward starts from zero."""
+        self.has_gradients = False
         self.engine.zero_grad()
+        optimizer = self.engine.optimizer
+        if self.options.zero_stage == 0 and not self.engine.bfloat16_enabled():
+            return  # torch's optimizer: the gradients live in param.grad only
+        optimizer.zero_grad(set_to_none=True)  # param.grad (and ZeRO-3's accumulation counter)
+        if self.options.offload_optimizer:
+            optimizer.reset_cpu_buffers()
+        elif self.options.zero_stage == 3:
+            optimizer.averaged_gradients = {}
+        for store in (getattr(optimizer, "all_grad_tensors", None), getattr(optimizer, "averaged_gradients", None)):
+            for key in list(store or {}):  # ZeRO 1/2: per parameter group
+                store[key] = None

@@ -76,7 +76,11 @@ def packed_response_outputs(
     ).last_hidden_state[0]
     rows, cols, nodes = response_gather_index(forest, batch)
     targets = batch.response_ids[rows, cols].to(device)
-    values = head_outputs(model.get_output_embeddings(), hidden[nodes.to(device)], targets, processors, head_chunk_tokens)
+    # A prompt's last node predicts the first token of each of its responses: ``nodes`` repeats it.
+    # index_select's backward adds those rows in order (index_add); ``hidden[nodes]`` would add
+    # them with parallel atomics on the CPU, in an order that changes from run to run.
+    picked = hidden.index_select(0, nodes.to(device))
+    values = head_outputs(model.get_output_embeddings(), picked, targets, processors, head_chunk_tokens)
     return scatter_values(values, batch, rows, cols)
 
 

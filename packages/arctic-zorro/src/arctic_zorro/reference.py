@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate
+from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate_options
 from arctic_core.errors import RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
@@ -32,7 +32,7 @@ class ReferenceLogProbEngine:
     """Forward-only engine over a transformers model."""
 
     def __init__(self, config: LogProbConfig | TrainerConfig, model: ModelConfig, *, seed: int) -> None:
-        options = validate(ReferenceOptions, config.options, f"{type(config).__name__}.options")
+        options = validate_options(ReferenceOptions, config, "reference")
         torch.manual_seed(seed)
         self.micro_batch_tokens = config.micro_batch_tokens
         self.model = load_causal_lm(model)
@@ -115,6 +115,10 @@ class ReferenceTrainer(ReferenceLogProbEngine):
         self.steps += 1
         return {"grad_norm": float(grad_norm), "lr": lr}
 
+    def discard_gradients(self) -> None:
+        """Forget every gradient accumulated since the last step."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated gradient of every parameter that has one (for checks and tests)."""
         return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
@@ -147,7 +151,7 @@ class ReferenceTrainer(ReferenceLogProbEngine):
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
         torch.set_rng_state(state["rng"])
-        self.optimizer.zero_grad(set_to_none=True)
+        self.discard_gradients()
 
     def _move(self, device: torch.device | str) -> None:
         super()._move(device)

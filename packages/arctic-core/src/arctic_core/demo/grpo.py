@@ -87,7 +87,7 @@ class GRPODemo:
         policy = self.policy_dir
         if self.s.warmup_steps:
             with self._client(policy, self.s.sft_lr, reference=False) as sft:
-                for step in range(self.s.warmup_steps):
+                for step in tqdm(range(self.s.warmup_steps), desc="SFT warm-up", unit="step", dynamic_ncols=True):
                     problems = self.task.sample(self.rng, self.s.prompts_per_step)
                     prompts = [chat_prompt_ids(self.tokenizer, p) for p in problems]
                     answers = [self._encode_answer(self.task.answer(p)) for p in problems]

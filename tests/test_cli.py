@@ -1,0 +1,90 @@
+"""The ``arctic-rl`` command as a user meets it: one-line errors, quiet stdout, a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+
+def arctic_rl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "arctic_core.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def config_file(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "arctic.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *expected: str) -> list[str]:
+    """Exit status 2 and the error (no traceback) as the first line of stderr."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("error: "))
+    message = "\n".join(lines[start:])
+    for text in expected:
+        assert text in message, message
+    return lines[start:]
+
+
+def test_a_typo_in_the_config_file_is_one_line_with_the_valid_keys(tmp_path, tiny_policy):
+    path = config_file(tmp_path, {"model": {"path": str(tiny_policy)}, "trainer": {"optimiser": {"lr": 1e-5}}})
+    lines = assert_one_line_error(arctic_rl("serve", "--config", str(path)), f"invalid config {path}",
+                                  "trainer.optimiser: unknown key (did you mean 'optimizer'?); valid keys: backend,")
+    assert len(lines) <= 3, lines
+
+
+def test_a_missing_model_path_is_named_before_any_engine_starts(tmp_path):
+    path = config_file(tmp_path, {"model": {"path": str(tmp_path / "no-such-model")}})
+    proc = arctic_rl("serve", "--config", str(path))
+    assert_one_line_error(proc, f"config {path}: model.path: '{tmp_path / 'no-such-model'}' does not exist",
+                          "arctic-rl tiny-model DIR")
+    assert "Repo id" not in proc.stderr and "deepspeed" not in proc.stderr.lower()
+
+
+@pytest.mark.slow
+def test_a_typo_inside_backend_options_names_path_file_keys_and_suggestion(tmp_path, tiny_policy):
+    path = config_file(tmp_path, {"model": {"path": str(tiny_policy), "device": "cpu"},
+                                  "trainer": {"backend": "deepspeed", "options": {"zero_stag": 2}}})
+    assert_one_line_error(
+        arctic_rl("serve", "--config", str(path)),
+        f"config {path}: invalid trainer.options of backend 'deepspeed'",
+        "trainer.options.zero_stag: unknown key (did you mean 'zero_stage'?); valid keys: offload_optimizer, "
+        "offload_param, zero_stage, zorro",
+    )
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    path = config_file(tmp_path, {"model": {"path": str(tmp_path / "nothing")}})
+    proc = arctic_rl("--debug", "serve", "--config", str(path))
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+def test_tiny_model_writes_a_folder_transformers_loads(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    proc = arctic_rl("tiny-model", str(tmp_path / "tiny"), "--family", "llama")
+    assert proc.returncode == 0, proc.stderr
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "tiny").config.model_type == "llama"
+    assert AutoTokenizer.from_pretrained(tmp_path / "tiny").apply_chat_template(
+        [{"role": "user", "content": "repeat 3"}], tokenize=False).startswith("<|im_start|>user")
+    assert_one_line_error(arctic_rl("tiny-model", str(tmp_path / "tiny")), "exists and is not empty")
+    assert_one_line_error(arctic_rl("tiny-model", str(tmp_path / "x"), "--family", "gpt9"), "unknown family 'gpt9'")
+
+
+@pytest.mark.slow
+def test_demo_stdout_is_one_json_line_and_progress_goes_to_stderr(tmp_path):
+    proc = arctic_rl("demo", "--out", str(tmp_path / "demo"), "--steps", "2", "--warmup-steps", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout[:3000]  # `arctic-rl demo | jq` works
+    assert json.loads(lines[0])["steps"] == 2
+    assert "SFT warm-up" in proc.stderr and "GRPO" in proc.stderr  # both phases show progress bars
+    assert "Loading weights" not in proc.stderr

@@ -1,0 +1,217 @@
+"""Any sequence of calls, in any order, leaves the server usable and its next update exact.
+
+Random sequences of the client's calls (valid ones, refused ones, a fwd_bwd that fails half-way,
+a step with nothing to apply, sleep/wake in any order, loads of missing checkpoints, ...) run
+against each training backend. Afterwards the next normal update must equal the update of a fresh
+server that loads the same state: no call left hidden state (a partial gradient, a broken
+optimizer, an engine asleep) behind.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from arctic_core.client import ArcticClient
+from arctic_core.config import ArcticConfig
+from arctic_core.errors import ArcticError, BatchError, ConfigError, PluginNotFoundError, RequestError
+from arctic_core.hookspecs import hookimpl
+from arctic_core.losses.policy import PPOLoss
+from arctic_core.registry import build_registry
+from arctic_core.server import ArcticServer
+from arctic_core.transports.inprocess import InProcessTransport
+from helpers import PROMPTS, random_grpo_batch, server_of, weights
+
+LOSS = [{"name": "ppo", "clip_low": 0.2, "clip_high": 0.28}, {"name": "entropy", "weight": 0.01}]
+# Adam with a large eps moves each weight in proportion to its gradient, so equal updates mean
+# equal gradients (with the default eps the first step is ~lr * sign(grad)).
+TRAINER = {"micro_batch_tokens": 40, "optimizer": {"lr": 1e-2, "eps": 1.0}}
+BACKENDS = {
+    "reference": {"backend": "reference"},
+    "deepspeed-zero0": {"backend": "deepspeed", "options": {"zero_stage": 0}},
+    "deepspeed-zero2": {"backend": "deepspeed", "options": {"zero_stage": 2}},
+    "deepspeed-zero3": {"backend": "deepspeed", "options": {"zero_stage": 3}},
+}
+
+
+class FailsMidway(PPOLoss):
+    """PPO that raises on the second micro-batch that carries gradients: the first one's gradient
+    has been added by then, as when an engine fails part-way through a call."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.graded_calls = 0
+
+    def __call__(self, outputs, batch, ctx):
+        if outputs["logprobs"].requires_grad:
+            self.graded_calls += 1
+            if self.graded_calls == 2:
+                raise RuntimeError("the engine failed half-way through fwd_bwd")
+        return super().__call__(outputs, batch, ctx)
+
+
+class FaultPlugin:
+    @hookimpl
+    def arctic_losses(self):
+        return {"fails_midway": FailsMidway}
+
+
+def build_client(config: ArcticConfig) -> ArcticClient:
+    return ArcticClient(InProcessTransport(ArcticServer(config, build_registry({"faults": FaultPlugin()}))))
+
+
+@dataclass
+class Session:
+    client: ArcticClient
+    tmp: Path
+    rng: random.Random
+    saved: list[str] = field(default_factory=list)
+
+    @property
+    def batch(self):
+        return random_grpo_batch(server_of(self.client).sampler.model.config.vocab_size)
+
+
+def bad_fwd_bwd(s: Session) -> None:
+    """A call the server must refuse before touching a gradient."""
+    batch = s.batch
+    call = s.rng.choice([
+        lambda: s.client.fwd_bwd(batch.replace(old_logprobs=None), "ppo"),  # missing field
+        lambda: s.client.fwd_bwd(batch, "pp0"),  # unknown loss
+        lambda: s.client.fwd_bwd(batch, {"name": "ppo", "clip_lo": 0.2}),  # bad option
+        lambda: s.client.fwd_bwd(batch.replace(advantages=torch.ones(2)), "ppo"),  # wrong shape
+    ])
+    with pytest.raises((BatchError, PluginNotFoundError, ConfigError)):
+        call()
+
+
+def failing_fwd_bwd(s: Session) -> None:
+    with pytest.raises((RuntimeError, RequestError), match="half-way|asleep"):
+        s.client.fwd_bwd(s.batch, "fails_midway")
+
+
+def save(s: Session) -> None:
+    path = str(s.tmp / f"ckpt-{len(s.saved)}")
+    s.client.save_checkpoint(path)
+    s.saved.append(path)
+
+
+def load_missing(s: Session) -> None:
+    with pytest.raises(RequestError, match="not an Arctic checkpoint"):
+        s.client.load_checkpoint(str(s.tmp / "missing"))
+
+
+def engines(s: Session) -> list[str] | None:
+    return s.rng.choice([["trainer"], ["sampler"], ["trainer", "sampler"], None])
+
+
+OPS: dict[str, Callable[[Session], Any]] = {
+    "fwd_bwd": lambda s: s.client.fwd_bwd(s.batch, LOSS, scale=s.rng.choice([1.0, 0.5])),
+    "bad_fwd_bwd": bad_fwd_bwd,
+    "failing_fwd_bwd": failing_fwd_bwd,
+    "step": lambda s: s.client.step(),
+    "sleep": lambda s: s.client.sleep(engines(s)),
+    "wake": lambda s: s.client.wake(engines(s)),
+    "sync_weights": lambda s: s.client.sync_weights(),
+    "save_checkpoint": save,
+    "load_checkpoint": lambda s: s.client.load_checkpoint(s.rng.choice(s.saved)) if s.saved else None,
+    "load_missing": load_missing,
+    "log_probs": lambda s: s.client.log_probs(s.batch),
+    "generate": lambda s: s.client.generate(PROMPTS, n=2, max_tokens=3),
+    "status": lambda s: s.client.status(),
+}
+
+
+def run_random_calls(client: ArcticClient, tmp: Path, seed: int, calls: int, ops: dict[str, Callable] = OPS) -> list[str]:
+    """``calls`` random operations; a refusal (an Arctic error, e.g. an engine asleep) is a valid
+    answer, any other exception fails the test. Returns the sequence, for the failure message."""
+    session = Session(client, tmp, random.Random(seed))
+    names = list(ops)
+    done = []
+    for _ in range(calls):
+        name = session.rng.choice(names)
+        done.append(name)
+        try:
+            ops[name](session)
+        except ArcticError:
+            pass
+    return done
+
+
+def next_update(client: ArcticClient, tmp: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    """Wake everything, apply what is pending, save, then one normal update: (checkpoint, weights)."""
+    client.wake()
+    client.step()
+    checkpoint = str(tmp / "before-update")
+    client.save_checkpoint(checkpoint)
+    batch = random_grpo_batch(server_of(client).sampler.model.config.vocab_size, seed=1)
+    client.fwd_bwd(batch, LOSS)
+    assert client.step().metrics["grad_norm"] > 0
+    return checkpoint, weights(client)
+
+
+def assert_sequence_leaves_the_update_exact(config: ArcticConfig, tmp: Path, seed: int, calls: int,
+                                            make_client=build_client, ops: dict[str, Callable] = OPS) -> None:
+    with make_client(config) as client:
+        sequence = run_random_calls(client, tmp, seed, calls, ops)
+        checkpoint, updated = next_update(client, tmp)
+    with make_client(config) as fresh:
+        fresh.load_checkpoint(checkpoint)
+        batch = random_grpo_batch(server_of(fresh).sampler.model.config.vocab_size, seed=1)
+        fresh.fwd_bwd(batch, LOSS)
+        fresh.step()
+        expected = weights(fresh)
+    for name, tensor in expected.items():
+        assert torch.equal(updated[name], tensor), f"{name} differs after {sequence}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_random_call_sequences_leave_the_next_update_exact(backend, tiny_policy, tmp_path):
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
+                                     "trainer": {**TRAINER, **BACKENDS[backend]}})
+    assert_sequence_leaves_the_update_exact(config, tmp_path, seed=list(BACKENDS).index(backend), calls=40)
+
+
+@pytest.mark.parametrize("backend", ["reference", "deepspeed-zero2"])
+def test_step_without_gradients_is_a_no_op(backend, tiny_policy):
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
+                                     "trainer": {**TRAINER, **BACKENDS[backend],
+                                                 "scheduler": {"name": "linear", "warmup_steps": 2, "total_steps": 9}}})
+    with build_client(config) as client:
+        before = weights(client)
+        for _ in range(2):
+            metrics = client.step().metrics
+            assert metrics["skipped"] == 1.0 and metrics["grad_norm"] == 0.0 and metrics["step"] == 0.0
+        assert all(torch.equal(before[k], v) for k, v in weights(client).items())
+        client.fwd_bwd(random_grpo_batch(server_of(client).sampler.model.config.vocab_size), LOSS)
+        metrics = client.step().metrics
+        # The schedule did not move: the first real step runs at the first warm-up LR.
+        assert metrics["skipped"] == 0.0 and metrics["step"] == 1.0 and metrics["lr"] == pytest.approx(0.5e-2)
+
+
+def test_a_failed_fwd_bwd_discards_the_step_and_a_refused_one_changes_nothing(tiny_policy):
+    """A call that fails part-way has added part of its gradient: it is discarded, with what the
+    step had before it. A refused call touched nothing: what came before it stays."""
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
+                                     "trainer": {**TRAINER, "backend": "deepspeed"}})
+    with build_client(config) as client, build_client(config) as clean:
+        batch = random_grpo_batch(server_of(client).sampler.model.config.vocab_size)
+        client.fwd_bwd(batch, LOSS)
+        with pytest.raises(RuntimeError, match="half-way"):
+            client.fwd_bwd(batch, "fails_midway")
+        client.fwd_bwd(batch, LOSS)
+        with pytest.raises(BatchError, match="old_logprobs"):
+            client.fwd_bwd(batch.replace(old_logprobs=None), "ppo")
+        client.fwd_bwd(batch, LOSS, scale=0.5)
+        client.step()
+        clean.fwd_bwd(batch, LOSS)
+        clean.fwd_bwd(batch, LOSS, scale=0.5)
+        clean.step()
+        assert all(torch.equal(weights(clean)[k], v) for k, v in weights(client).items())
