@@ -30,7 +30,11 @@ def test_yaml_round_trip(tmp_path):
     ("data", "expected"),
     [
         ({}, "model: Field required"),
-        ({"model": {"path": "/m"}, "trainer": {"optimiser": {}}}, "trainer.optimiser: Extra inputs are not permitted"),
+        ({"model": {"path": "/m"}, "trainer": {"optimiser": {}}},
+         "trainer.optimiser: unknown key (did you mean 'optimizer'?); valid keys: backend, checkpoint_layers,"),
+        ({"model": {"path": "/m"}, "trainer": {"optimizer": {"betas": [0.9, 0.99], "epss": 1e-8}}},
+         "trainer.optimizer.epss: unknown key (did you mean 'eps'?); valid keys: betas, eps, lr, max_grad_norm"),
+        ({"model": {"path": "/m"}, "reference": {"modle": {}}}, "reference.modle: unknown key (did you mean 'model'?)"),
         ({"model": {"path": "/m", "dtype": "fp8"}}, "model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
         ({"model": {"path": "/m"}, "trainer": {"optimizer": {"lr": -1}}}, "trainer.optimizer.lr: Input should be greater than 0"),
         ({"model": {"path": "/m"}, "trainer": {"scheduler": {"name": "linear"}}}, "needs total_steps"),
@@ -41,6 +45,31 @@ def test_validation_errors_name_the_field(data, expected):
         ArcticConfig.from_dict(data)
     assert expected in str(info.value)
     assert str(info.value).startswith("invalid ArcticConfig:")
+
+
+def test_backend_options_are_checked_by_the_backend_with_their_full_path():
+    from arctic_core.config import StrictModel, TrainerConfig, validate_options
+
+    class Options(StrictModel):
+        zero_stage: int = 2
+        offload: bool = False
+
+    trainer = TrainerConfig(options={"zero_stag": 3})
+    with pytest.raises(ConfigError) as info:
+        validate_options(Options, trainer, "deepspeed")
+    assert str(info.value) == ("invalid trainer.options of backend 'deepspeed':\n  trainer.options.zero_stag: unknown "
+                               "key (did you mean 'zero_stage'?); valid keys: offload, zero_stage")
+    assert validate_options(Options, TrainerConfig(options={"offload": True}), "deepspeed").offload
+
+
+def test_model_folders_are_checked_before_any_engine_starts(tmp_path, tiny_policy):
+    (tmp_path / "empty").mkdir()
+    for path, why in ((tmp_path / "absent", "does not exist"), (tmp_path / "empty", "has no config.json")):
+        with pytest.raises(ConfigError, match=f"model.path: '{path}' {why}; it must be a local Hugging Face"):
+            ArcticConfig.from_dict({"model": {"path": str(path)}}).check_model_folders()
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy)}, "reference": {"model": {"path": str(path)}}})
+    with pytest.raises(ConfigError, match="reference.model.path: "):
+        config.check_model_folders()
 
 
 def test_bad_yaml_file_is_reported_with_its_path(tmp_path):

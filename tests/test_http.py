@@ -300,6 +300,88 @@ def test_hundreds_of_concurrent_generate_calls_lose_and_duplicate_nothing(shared
             assert torch.equal(alone.response_ids, results[i].batch.response_ids)
 
 
+@pytest.mark.timeout(180)
+def test_256_mixed_calls_from_64_clients_are_all_answered_and_counted(shared):
+    """64 clients, each with its own connections, send 4 calls at once: generate, log_probs and
+    status, some of them invalid. Each gets its result or a clean error; /metrics counts all 256."""
+    server, live = shared
+    batch = ArcticClient.http(live.url).generate(PROMPTS, n=2, max_tokens=4, seed=3).batch
+    plan = [(c, k) for c in range(64) for k in range(4)]
+
+    def kind(c: int, k: int) -> str:
+        return ["generate", "log_probs", "status", "bad_generate"][(c + k) % 4]
+
+    async def one(client, c: int, k: int):
+        call = kind(c, k)
+        try:
+            if call == "generate":
+                return await client.generate([load_prompt(4 * c + k)], n=2, max_tokens=2, seed=c)
+            if call == "log_probs":
+                return await client.log_probs(batch)
+            if call == "status":
+                return await client.status()
+            return await client.generate([[1, 100_000 + c]], n=1)
+        except RequestError as error:
+            return error
+
+    async def main():
+        clients = [AsyncArcticClient.http(live.url, timeout=120) for _ in range(64)]
+        try:
+            return await asyncio.gather(*(one(clients[c], c, k) for c, k in plan))
+        finally:
+            await asyncio.gather(*(client.aclose() for client in clients))
+
+    expected_logprobs = ArcticClient.http(live.url).log_probs(batch).outputs["logprobs"]
+    before = counts(live.url)
+    results = asyncio.run(main())
+    for (c, k), result in zip(plan, results, strict=True):
+        call = kind(c, k)
+        if call == "bad_generate":
+            assert isinstance(result, RequestError) and f"token id {100_000 + c} >= vocab size" in str(result)
+        elif call == "generate":
+            assert result.batch.prompt(0) == load_prompt(4 * c + k) and result.batch.num_responses == 2
+        elif call == "log_probs":
+            assert torch.equal(result.outputs["logprobs"], expected_logprobs)
+        else:
+            assert result.policy_version == server.policy_version
+    after = counts(live.url)
+    sent = {}
+    for c, k in plan:
+        key = ("generate", "RequestError") if kind(c, k) == "bad_generate" else (kind(c, k), "ok")
+        sent[key] = sent.get(key, 0) + 1
+    assert {key: after.get(key, 0) - before.get(key, 0) for key in sent} == sent
+    assert sum(after.values()) - sum(before.values()) == 256
+    assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
+
+
+def test_clients_that_disconnect_mid_request_leave_the_server_serving_others(shared):
+    """A body cut off half-way is dropped (nothing runs; counted as ClientDisconnect); a call
+    whose client leaves without reading the answer runs to its end. Others are served throughout."""
+    server, live = shared
+    host, port = live.url.removeprefix("http://").split(":")
+    body = wire.encode(GenerateRequest(prompts=[[1, 2, 3]], params={"max_tokens": 4, "n": 2}))
+    head = (f"POST /v1/generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: {wire.CONTENT_TYPE}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+
+    def wait_for(key: tuple[str, str], more_than: float) -> None:
+        deadline = time.monotonic() + 30
+        while counts(live.url).get(key, 0) <= more_than:
+            assert time.monotonic() < deadline, f"{key} was never counted"
+            time.sleep(0.05)
+
+    before = counts(live.url)
+    with socket.create_connection((host, int(port))) as half:
+        half.sendall(head + body[: len(body) // 2])
+    wait_for(("generate", "ClientDisconnect"), before.get(("generate", "ClientDisconnect"), 0))
+    with ArcticClient.http(live.url) as client:
+        with socket.create_connection((host, int(port))) as unread:
+            unread.sendall(head + body)
+            assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3  # served meanwhile
+            wait_for(("generate", "ok"), before.get(("generate", "ok"), 0) + 1)  # ours and the unread one
+        assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3  # and afterwards
+    assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
+
+
 # ----------------------------------------------------------------- (e) metrics, (f) openapi
 def counts(url: str, headers: dict | None = None) -> dict[tuple[str, str], float]:
     text = httpx.get(f"{url}/metrics", headers=headers).text

@@ -66,6 +66,7 @@ def tiny_model(
         raise ConfigError(f"unknown family {family!r}; choose one of {sorted(TINY_SHAPES)}")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty")
+    _quiet_model_loading()
     save_tiny_policy(out, CountingTask().corpus(), family=family, seed=seed)
     typer.echo(str(out))
 

@@ -36,6 +36,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.requests import ClientDisconnect
 
 from arctic_core import wire
 from arctic_core.errors import error_answer
@@ -129,6 +130,9 @@ def _op_endpoint(
         except ApiError as exc:
             metrics.record_error(op, exc.error)
             return error_response(exc.status, exc.error, exc.message)
+        except ClientDisconnect:  # the body never arrived whole: nothing ran, nobody waits for an answer
+            metrics.record_error(op, "ClientDisconnect")
+            return error_response(400, "ClientDisconnect", "the client disconnected before sending the whole body")
         except Exception as exc:  # bad input, or a bug / engine failure: answer it, keep serving
             status, error, message = error_answer(op, exc)
             if status == 500:

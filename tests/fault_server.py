@@ -1,0 +1,75 @@
+"""An ``arctic-rl serve``-like HTTP server process that kills itself (SIGKILL) in the middle of its
+second ``save_checkpoint``, at a chosen point; run by tests/test_faults.py.
+
+usage: python fault_server.py CONFIG_JSON KILL_POINT   (prints the server's URL on one line)
+
+Kill points:
+- ``trainer-files``: the trainer has written one file of its checkpoint into the staging folder;
+- ``between-renames``: the previous checkpoint has been moved aside, the new one not yet moved in.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+import torch
+import uvicorn
+
+from arctic_core.config import ArcticConfig
+from arctic_core.http_server import create_app
+from arctic_core.server import ArcticServer
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(server: ArcticServer, point: str) -> None:
+    """Make the second save_checkpoint of ``server`` die at ``point``."""
+    saves = 0
+    save_op = server._op_save_checkpoint
+
+    def counting_save(request):
+        nonlocal saves
+        saves += 1
+        return save_op(request)
+
+    server._op_save_checkpoint = counting_save
+    if point == "trainer-files":
+        torch_save = torch.save
+
+        def save_then_die(obj, f, *args, **kwargs):
+            torch_save(obj, f, *args, **kwargs)
+            if saves == 2:
+                die()
+
+        torch.save = save_then_die
+    elif point == "between-renames":
+        os_replace = os.replace
+
+        def replace(src, dst, *args, **kwargs):
+            if saves == 2 and ".tmp-" in os.fspath(src):  # the old copy was moved aside just before
+                die()
+            return os_replace(src, dst, *args, **kwargs)
+
+        os.replace = replace
+    else:
+        raise SystemExit(f"unknown kill point {point!r}")
+
+
+def main() -> None:
+    config_json, point = sys.argv[1:]
+    server = ArcticServer(ArcticConfig.model_validate_json(config_json))
+    arm(server, point)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)  # connections wait in the backlog until uvicorn accepts them
+    print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning")).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()
