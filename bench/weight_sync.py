@@ -25,8 +25,8 @@ import torch
 import torch.multiprocessing as mp
 
 from arctic_core.hf import copy_weights_
-from arctic_core.weight_actor import WeightSyncActor
-from arctic_core.weight_broadcast import WeightGroup
+from arctic_core.weights.actor import WeightSyncActor
+from arctic_core.weights.broadcast import WeightGroup
 from shapes import QWEN3_1_7B
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AttentionInterface
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.hf import enable_gradient_checkpointing, set_attention_implementation
-from arctic_core.processors import Entropy, LogProbs
+from arctic_core.losses.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest
 from arctic_zorro.forward import response_outputs, scatter_values
 from arctic_zorro import packed_forward

@@ -19,8 +19,8 @@ import torch
 import uvicorn
 
 from arctic_core.config import ArcticConfig
-from arctic_core.http_server import create_app
-from arctic_core.server import ArcticServer
+from arctic_core.serving.http import create_app
+from arctic_core.serving.server import ArcticServer
 
 
 def die() -> None:

@@ -190,7 +190,7 @@ def test_colocated_engines_sleep_between_calls_and_give_the_same_results(arctic_
     GRPO loop gives exactly the numbers of a server whose engines never sleep."""
     from test_http import assert_same_loop, grpo_loop
 
-    engines = {"trainer": {"backend": "reference"}, "reference": {"backend": "reference"}}
+    engines = {"trainer": {"backend": "torch"}, "reference": {"backend": "torch"}}
     with ArcticClient.in_process(arctic_config(**engines)) as plain:
         expected = grpo_loop(plain)
     with ArcticClient.in_process(arctic_config(**engines, colocate=True)) as client:
@@ -245,7 +245,7 @@ def test_async_client_runs_calls_concurrently_and_serialises_them(arctic_config)
 
 def test_keep_last_prunes_older_checkpoints_only(arctic_config, tmp_path):
     (tmp_path / "notes").mkdir()  # not a checkpoint: must survive
-    with ArcticClient.in_process(arctic_config(trainer={"backend": "reference"})) as client:
+    with ArcticClient.in_process(arctic_config(trainer={"backend": "torch"})) as client:
         batch = rollout(client)
         for step in range(4):
             client.fwd_bwd(batch, "ppo")

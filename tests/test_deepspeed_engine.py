@@ -85,7 +85,7 @@ def reference_grads(client: ArcticClient) -> dict[str, torch.Tensor]:
     return trainer_of(client).full_gradients()
 
 
-REFERENCE = {"backend": "reference"}
+REFERENCE = {"backend": "torch"}
 
 
 @pytest.fixture(scope="module")

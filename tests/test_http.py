@@ -26,15 +26,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save as st_save
 from typer.testing import CliRunner
 
-from arctic_core import wire
+from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.cli import app as cli_app
 from arctic_core.client import ArcticClient, AsyncArcticClient
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import BatchError, PluginNotFoundError, RequestError
-from arctic_core.http_server import create_app
+from arctic_core.serving.http import create_app
 from arctic_core.protocol import OPS, GenerateRequest
-from arctic_core.server import ArcticServer
+from arctic_core.serving.server import ArcticServer
 from arctic_core.errors import RemoteError
 
 HOST = "127.0.0.1"
@@ -70,7 +70,7 @@ class LiveServer:
 @pytest.fixture(scope="module")
 def config(tiny_policy: Path) -> ArcticConfig:
     return ArcticConfig.from_dict(
-        {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0, "trainer": {"backend": "reference"}, "reference": {"backend": "reference"}}
+        {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0, "trainer": {"backend": "torch"}, "reference": {"backend": "torch"}}
     )
 
 

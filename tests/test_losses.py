@@ -18,12 +18,12 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LossTermConfig
 from arctic_core.errors import BatchError, ConfigError, PluginNotFoundError
-from arctic_core.interfaces import LossContext
+from arctic_core.plugins.interfaces import LossContext
 from arctic_core.losses.policy import GSPOLoss, PPOLoss
 from arctic_core.losses.regularizers import EntropyBonus, KLLoss, SFTLoss
-from arctic_core.objective import build_objective
-from arctic_core.processors import Entropy, LogProbs
-from arctic_core.registry import default_registry
+from arctic_core.losses.objective import build_objective
+from arctic_core.losses.processors import Entropy, LogProbs
+from arctic_core.plugins.registry import default_registry
 
 F64 = torch.float64
 TOL = 1e-9

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.ray_trainer import split_by_groups
+from arctic_core.ray.trainer import split_by_groups
 from arctic_zorro.micro_batches import forest_cost, plan_micro_batches
 
 

@@ -9,8 +9,8 @@ import types
 import pytest
 
 from arctic_core.errors import PluginConflictError, PluginNotFoundError
-from arctic_core.hookspecs import hookimpl
-from arctic_core.registry import build_registry, default_registry, installed_entry_points
+from arctic_core.plugins.hookspecs import hookimpl
+from arctic_core.plugins.registry import build_registry, default_registry, installed_entry_points
 
 
 def test_installed_entry_points_include_builtins_and_the_example_plugin():
@@ -23,14 +23,14 @@ def test_registry_indexes_every_kind_with_its_provider():
     registry = default_registry()
     assert {"ppo", "gspo", "kl", "entropy", "sft", "reinforce"} <= set(registry.names("loss"))
     assert {"logprobs", "entropy", "top1_match"} <= set(registry.names("processor"))
-    assert registry.names("training_backend") == ["deepspeed", "ray", "reference"]
+    assert registry.names("training_backend") == ["deepspeed", "ray", "torch"]
     assert registry.names("sampling_backend") == ["embedded", "hf-generate", "ray", "vllm"]
-    assert registry.names("logprob_backend") == ["deepspeed", "ray", "reference"]
+    assert registry.names("logprob_backend") == ["deepspeed", "ray", "torch"]
     assert registry.names("weight_transport") == ["cuda-ipc", "inprocess", "safetensors-files", "torch-broadcast"]
     providers = {(p.kind, p.name): p.plugin for p in registry.all()}
     assert providers[("loss", "reinforce")] == "example"
     assert providers[("processor", "top1_match")] == "example"
-    assert providers[("training_backend", "reference")] == "zorro"
+    assert providers[("training_backend", "torch")] == "zorro"
     assert providers[("training_backend", "ray")] == "core"
     assert providers[("sampling_backend", "embedded")] == "fca"
     assert providers[("sampling_backend", "ray")] == providers[("weight_transport", "torch-broadcast")] == "core"
@@ -45,6 +45,37 @@ def test_unknown_name_lists_the_registered_ones():
         default_registry().get("optimizer", "adam")
 
 
+def test_kinds_are_the_documented_provider_hooks():
+    from arctic_core.plugins import hookspecs
+    from arctic_core.plugins.registry import KINDS
+
+    assert KINDS == {"training_backend": "arctic_training_backends", "logprob_backend": "arctic_logprob_backends",
+                     "sampling_backend": "arctic_sampling_backends", "processor": "arctic_processors",
+                     "loss": "arctic_losses", "weight_transport": "arctic_weight_transports"}
+    for hook in KINDS.values():
+        spec = getattr(hookspecs, hook)
+        assert ":return: ``{name: factory}``" in spec.__doc__, hook
+        assert "Factory" in str(spec.__annotations__["return"]), hook  # a typed factory protocol
+
+
+def test_a_missing_default_backend_names_the_package_that_provides_it():
+    from arctic_core.plugins.registry import Registry
+
+    empty = Registry(manager=None)  # as if only arctic-core were installed
+    with pytest.raises(PluginNotFoundError, match="no training backend named 'deepspeed'.*pip install arctic-zorro"):
+        empty.get("training_backend", "deepspeed")
+    with pytest.raises(PluginNotFoundError, match="no sampling backend named 'embedded'.*pip install arctic-fca"):
+        empty.get("sampling_backend", "embedded")
+
+
+def test_the_public_names_import_from_the_package_root_without_torch():
+    code = ("import sys, arctic_core; assert 'torch' not in sys.modules; "
+            "from arctic_core import ArcticClient, ArcticConfig, RolloutBatch, hookimpl, TrainingBackend, Lazy; "
+            "print(ArcticClient.__module__, RolloutBatch.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["arctic_core.client", "arctic_core.batch"]
+
+
 def test_two_plugins_claiming_one_name_conflict():
     clash = types.ModuleType("clash")
     clash.arctic_losses = hookimpl(lambda: {"ppo": object})
@@ -56,7 +87,7 @@ def test_example_plugin_loss_and_processor_run():
     import torch
 
     from arctic_core.batch import RolloutBatch
-    from arctic_core.interfaces import LossContext
+    from arctic_core.plugins.interfaces import LossContext
 
     registry = default_registry()
     processor = registry.get("processor", "top1_match")()
@@ -72,15 +103,15 @@ def test_cli_lists_builtins_and_the_example_plugin():
     out = subprocess.run(
         [sys.executable, "-m", "arctic_core.cli", "plugins"], capture_output=True, text=True, check=True
     ).stdout
-    for expected in ("core", "example", "reinforce", "top1_match", "hf-generate", "reference", "inprocess"):
+    for expected in ("core", "example", "reinforce", "top1_match", "hf-generate", "torch", "inprocess"):
         assert expected in out
 
 
 def test_resolving_plugins_imports_no_engine():
     """Engines are Lazy factories: listing plugins or resolving a loss never imports transformers."""
     code = (
-        "import sys; from arctic_core.registry import default_registry; r = default_registry(); "
-        "r.get('loss', 'ppo'); r.get('training_backend', 'reference'); print('transformers' in sys.modules)"
+        "import sys; from arctic_core.plugins.registry import default_registry; r = default_registry(); "
+        "r.get('loss', 'ppo'); r.get('training_backend', 'torch'); print('transformers' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

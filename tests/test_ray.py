@@ -14,9 +14,9 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient, AsyncArcticClient
 from arctic_core.errors import ConfigError, PluginNotFoundError, WorkerError
 from arctic_core.config import ArcticConfig, TrainerConfig
-from arctic_core.http_server import _health
-from arctic_core.ray_actors import ray_environment
-from arctic_core.ray_trainer import ray_trainer_config, split_by_groups
+from arctic_core.serving.http import _health
+from arctic_core.ray.actors import ray_environment
+from arctic_core.ray.trainer import ray_trainer_config, split_by_groups
 from helpers import random_grpo_batch, weights
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def config(tiny_policy):
     return ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
-                                   "trainer": {"backend": "reference"}, "reference": {"backend": "reference"}})
+                                   "trainer": {"backend": "torch"}, "reference": {"backend": "torch"}})
 
 
 def grpo_batch(vocab: int) -> RolloutBatch:
@@ -257,7 +257,7 @@ def test_sampler_replicas_follow_the_trainer_through_each_weight_transport(tiny_
     """A Ray trainer rank and two Ray sampler replicas: after a step and a sync, every replica's
     greedy output is transformers' greedy output with the trainer's new weights."""
     config = {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
-              "trainer": ray_trainer_config(TrainerConfig(backend="reference", optimizer={"lr": 0.05}), workers=1).model_dump(),
+              "trainer": ray_trainer_config(TrainerConfig(backend="torch", optimizer={"lr": 0.05}), workers=1).model_dump(),
               "sampler": {"backend": "ray", "options": {"replicas": 2, "backend": "embedded"}},
               "weight_sync": {"transport": transport}}
     with ArcticClient.in_process(config) as client:
@@ -283,7 +283,7 @@ def test_sampler_replicas_follow_the_trainer_through_each_weight_transport(tiny_
 
 
 def test_split_prompts_balances_tokens_over_replicas():
-    from arctic_core.ray_sampler import split_prompts
+    from arctic_core.ray.sampler import split_prompts
 
     assert split_prompts([[1] * 10] * 4, 2, new_tokens=10) == [(0, 2), (2, 4)]
     assert split_prompts([[1] * 100, [1], [1], [1]], 2, new_tokens=1) == [(0, 1), (1, 4)]
@@ -293,7 +293,7 @@ def test_split_prompts_balances_tokens_over_replicas():
 def test_a_reference_engine_in_its_own_actor_answers_like_the_in_process_one(config):
     """``reference: {backend: ray}``: the frozen reference model runs in an actor of its own."""
     remote = config.model_copy(update={"reference": config.reference.model_copy(
-        update={"backend": "ray", "options": {"backend": "reference"}})})
+        update={"backend": "ray", "options": {"backend": "torch"}})})
     local = ArcticClient.in_process(config)
     with ArcticClient.in_process(remote) as client:
         batch = local.generate(PROMPTS, n=2, max_tokens=5).batch
@@ -312,7 +312,7 @@ def test_a_reference_engine_in_its_own_actor_answers_like_the_in_process_one(con
 def test_actor_weight_transports_refuse_engines_they_cannot_serve(tiny_policy):
     """cuda-ipc needs the trainer's weights on a GPU; both actor transports need actor engines."""
     model = {"path": str(tiny_policy), "device": "cpu"}
-    actors = {"model": model, "trainer": ray_trainer_config(TrainerConfig(backend="reference"), workers=1).model_dump(),
+    actors = {"model": model, "trainer": ray_trainer_config(TrainerConfig(backend="torch"), workers=1).model_dump(),
               "sampler": {"backend": "ray", "options": {"replicas": 1, "backend": "embedded"}},
               "weight_sync": {"transport": "cuda-ipc"}}
     with ArcticClient.in_process(actors) as client:
@@ -320,7 +320,7 @@ def test_actor_weight_transports_refuse_engines_they_cannot_serve(tiny_policy):
             client.sync_weights()
         assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 4  # still serving
     for transport in ("cuda-ipc", "torch-broadcast"):
-        local = {"model": model, "trainer": {"backend": "reference"}, "weight_sync": {"transport": transport}}
+        local = {"model": model, "trainer": {"backend": "torch"}, "weight_sync": {"transport": transport}}
         with ArcticClient.in_process(local) as client:
-            with pytest.raises(ConfigError, match=f"'{transport}' needs engines in Ray actors.*ReferenceTrainer"):
+            with pytest.raises(ConfigError, match=f"'{transport}' needs engines in Ray actors.*TorchTrainer"):
                 client.sync_weights()

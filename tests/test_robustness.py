@@ -21,10 +21,10 @@ import torch
 from arctic_core.client import ArcticClient
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import ArcticError, BatchError, ConfigError, PluginNotFoundError, RequestError
-from arctic_core.hookspecs import hookimpl
+from arctic_core.plugins.hookspecs import hookimpl
 from arctic_core.losses.policy import PPOLoss
-from arctic_core.registry import build_registry
-from arctic_core.server import ArcticServer
+from arctic_core.plugins.registry import build_registry
+from arctic_core.serving.server import ArcticServer
 from arctic_core.transports.inprocess import InProcessTransport
 from helpers import PROMPTS, random_grpo_batch, server_of, weights
 
@@ -33,7 +33,7 @@ LOSS = [{"name": "ppo", "clip_low": 0.2, "clip_high": 0.28}, {"name": "entropy",
 # equal gradients (with the default eps the first step is ~lr * sign(grad)).
 TRAINER = {"micro_batch_tokens": 40, "optimizer": {"lr": 1e-2, "eps": 1.0}}
 BACKENDS = {
-    "reference": {"backend": "reference"},
+    "torch": {"backend": "torch"},
     "deepspeed-zero0": {"backend": "deepspeed", "options": {"zero_stage": 0}},
     "deepspeed-zero2": {"backend": "deepspeed", "options": {"zero_stage": 2}},
     "deepspeed-zero3": {"backend": "deepspeed", "options": {"zero_stage": 3}},
@@ -179,7 +179,7 @@ def test_random_call_sequences_leave_the_next_update_exact(backend, tiny_policy,
     assert_sequence_leaves_the_update_exact(config, tmp_path, seed=list(BACKENDS).index(backend), calls=40)
 
 
-@pytest.mark.parametrize("backend", ["reference", "deepspeed-zero2"])
+@pytest.mark.parametrize("backend", ["torch", "deepspeed-zero2"])
 def test_step_without_gradients_is_a_no_op(backend, tiny_policy):
     config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
                                      "trainer": {**TRAINER, **BACKENDS[backend],

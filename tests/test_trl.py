@@ -107,8 +107,8 @@ def test_trl_over_http_drives_a_served_backend_with_trls_schedule(policy, tmp_pa
     from test_http import LiveServer
 
     from arctic_core.config import ArcticConfig
-    from arctic_core.http_server import create_app
-    from arctic_core.server import ArcticServer
+    from arctic_core.serving.http import create_app
+    from arctic_core.serving.server import ArcticServer
 
     server = ArcticServer(ArcticConfig.from_dict({"model": {"path": policy, "device": "cpu"}, "seed": 0}))
     live = LiveServer(create_app(server))

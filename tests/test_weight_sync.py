@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from arctic_core.client import ArcticClient
-from arctic_core.weight_files import MANIFEST, WeightFilesError, load_weight_files, read_manifest, write_weight_files
+from arctic_core.weights.files import MANIFEST, WeightFilesError, load_weight_files, read_manifest, write_weight_files
 
 PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
 BUCKET_BYTES = 64 * 1024  # small, so the tiny model spans several files
@@ -24,7 +24,7 @@ def server_of(client: ArcticClient):
 
 
 def trained_client(arctic_config, **weight_sync) -> ArcticClient:
-    config = arctic_config(trainer={"backend": "reference", "optimizer": {"lr": 1e-2}},
+    config = arctic_config(trainer={"backend": "torch", "optimizer": {"lr": 1e-2}},
                            weight_sync={"transport": "safetensors-files", "bucket_bytes": BUCKET_BYTES, **weight_sync})
     client = ArcticClient.in_process(config)
     batch = client.generate(PROMPTS, n=2, max_tokens=4, seed=7).batch
@@ -111,7 +111,7 @@ def test_old_versions_are_pruned_and_the_previous_one_kept(tmp_path):
 WORKER = textwrap.dedent("""
     import sys, torch
     from safetensors.torch import save_file
-    from arctic_core.weight_broadcast import WeightGroup, broadcast_weights, plan_broadcast, receive_broadcast, share_plan
+    from arctic_core.weights.broadcast import WeightGroup, broadcast_weights, plan_broadcast, receive_broadcast, share_plan
 
     rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     group = WeightGroup.join("127.0.0.1", port, rank, 2, "gloo")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from arctic_core import wire
+from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.errors import BatchError, RequestError
 from arctic_core.protocol import (

@@ -10,7 +10,7 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.demo.tiny_model import TINY_SHAPES, build_tiny_model, build_tokenizer
 from arctic_core.errors import ConfigError
-from arctic_core.processors import Entropy, LogProbs
+from arctic_core.losses.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest, response_gather_index, row_sequences
 from arctic_zorro.forest_attention import forest_block_mask
 from arctic_zorro.forward import response_outputs

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
 from arctic_core.demo.tiny_model import TINY_SHAPES, build_tiny_model, build_tokenizer
-from arctic_core.processors import Entropy, LogProbs
+from arctic_core.losses.processors import Entropy, LogProbs
 from arctic_zorro.forward import response_outputs
 from forest_batches import forest_batch, padded_batch
 

@@ -11,7 +11,7 @@ import pytest
 
 from arctic_core.config import ModelConfig, SamplerConfig
 from arctic_core.errors import ConfigError, RequestError
-from arctic_core.registry import default_registry
+from arctic_core.plugins.registry import default_registry
 from arctic_fca.vllm_plugin import BASE_ENV, COMPILE_ENV
 
 

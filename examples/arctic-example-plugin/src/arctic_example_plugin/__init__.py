@@ -12,9 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from arctic_core.batch import RolloutBatch
-from arctic_core.hookspecs import hookimpl
-from arctic_core.interfaces import LossContext
+from arctic_core import LossContext, RolloutBatch, hookimpl
 from arctic_core.losses.aggregation import aggregate
 
 

@@ -101,8 +101,8 @@ def serve(
         arctic_config.check_model_folders()
         import uvicorn
 
-        from arctic_core.http_server import create_app
-        from arctic_core.server import ArcticServer
+        from arctic_core.serving.http import create_app
+        from arctic_core.serving.server import ArcticServer
 
         _quiet_model_loading()
         server = ArcticServer(arctic_config)
@@ -114,8 +114,8 @@ def serve(
 def ray_config(config: ArcticConfig, workers: int, samplers: int, address: str | None) -> ArcticConfig:
     """``serve --ray``: the trainer as data-parallel Ray ranks, the sampler as Ray replicas, and
     weights broadcast from rank 0 to the replicas when the config left the in-process copy."""
-    from arctic_core.ray_sampler import ray_sampler_config
-    from arctic_core.ray_trainer import ray_trainer_config
+    from arctic_core.ray.sampler import ray_sampler_config
+    from arctic_core.ray.trainer import ray_trainer_config
 
     update: dict[str, object] = {"trainer": ray_trainer_config(config.trainer, workers, address)}
     if samplers:
@@ -155,7 +155,7 @@ def embedded_default_config() -> ArcticConfig:
 @app.command()
 def plugins() -> None:
     """List every registered plugin and what it provides."""
-    from arctic_core.registry import default_registry
+    from arctic_core.plugins.registry import default_registry
 
     registry = default_registry()
     table = Table(title="Arctic plugins (entry-point group 'arctic')")

@@ -221,7 +221,7 @@ def _ray_transport(config: ArcticConfig | dict[str, Any] | None, name: str, addr
 
 
 def _in_process_transport(config: ArcticConfig | dict[str, Any]) -> Transport:
-    from arctic_core.server import ArcticServer
+    from arctic_core.serving.server import ArcticServer
     from arctic_core.transports.inprocess import InProcessTransport
 
     if not isinstance(config, ArcticConfig):

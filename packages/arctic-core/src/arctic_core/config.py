@@ -2,7 +2,7 @@
 
 Every model forbids unknown keys, so a typo is an error rather than a silently ignored setting.
 Backend-specific settings live in each backend's ``options`` mapping and are validated by that
-backend's own model (see e.g. ``arctic_zorro.reference.ReferenceTrainerOptions``).
+backend's own model (see e.g. ``arctic_zorro.torch_backend.TorchOptions``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,9 @@ class EngineSection(StrictModel):
 
 class TrainerConfig(EngineSection):
     SECTION = "trainer"
-    backend: str = "deepspeed"
+    backend: str = Field("deepspeed", description=(
+        "Training backend, by plugin name: deepspeed or torch (both from the arctic-zorro package), "
+        "ray (data-parallel Ray ranks of another backend)."))
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     micro_batch_tokens: Annotated[int, Field(gt=0)] = Field(
@@ -96,7 +98,8 @@ class LogProbConfig(EngineSection):
 
     SECTION = "reference"
 
-    backend: str = "deepspeed"
+    backend: str = Field("deepspeed", description=(
+        "Log-prob backend, by plugin name: deepspeed or torch (arctic-zorro), ray (another backend in a Ray actor)."))
     model: ModelConfig | None = Field(None, description="Defaults to the policy's initial weights.")
     micro_batch_tokens: Annotated[int, Field(gt=0)] = 16384
     options: dict[str, Any] = Field(default_factory=dict)
@@ -104,15 +107,21 @@ class LogProbConfig(EngineSection):
 
 class SamplerConfig(EngineSection):
     SECTION = "sampler"
-    backend: str = "embedded"
+    backend: str = Field("embedded", description=(
+        "Sampling backend, by plugin name: embedded or hf-generate (arctic-fca), vllm (arctic-fca[vllm]), "
+        "ray (replicas of another backend)."))
     max_batch_size: Annotated[int, Field(gt=0)] = 256
     options: dict[str, Any] = Field(default_factory=dict)
 
 
 class WeightSyncConfig(StrictModel):
-    transport: str = "inprocess"
-    bucket_bytes: Annotated[int, Field(gt=0)] = 256 * 2**20
-    options: dict[str, Any] = Field(default_factory=dict)
+    """How the trainer's weights reach the samplers after each ``sync_weights``."""
+
+    transport: str = Field("inprocess", description=(
+        "Weight transport, by plugin name: inprocess, safetensors-files, torch-broadcast (Ray actors, gloo "
+        "or NCCL), cuda-ipc (Ray actors on one GPU)."))
+    bucket_bytes: Annotated[int, Field(gt=0)] = Field(256 * 2**20, description="Bytes per broadcast bucket.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Transport-specific settings.")
 
 
 class ArcticConfig(StrictModel):

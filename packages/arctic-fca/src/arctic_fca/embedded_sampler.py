@@ -7,7 +7,7 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate_options
 from arctic_core.hf import load_causal_lm
-from arctic_core.interfaces import NamedTensors
+from arctic_core.plugins.interfaces import NamedTensors
 from arctic_fca.engine import EmbeddedEngine, EngineOptions
 
 class EmbeddedSampler:

@@ -12,7 +12,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate_options
 from arctic_core.errors import RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, default_stop_tokens, load_causal_lm
-from arctic_core.interfaces import NamedTensors
+from arctic_core.plugins.interfaces import NamedTensors
 
 
 class HFSamplerOptions(StrictModel):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from arctic_core.hookspecs import hookimpl
-from arctic_core.registry import Lazy
+from arctic_core import Lazy, hookimpl
 
 
 @hookimpl

@@ -5,7 +5,7 @@ Token ids in, token ids and sampling log-probs out (``logprobs=0`` returns exact
 token's log-prob; ``processed_logprobs`` makes it the log-prob of the distribution actually sampled
 from, after temperature and top-k/top-p), ``n`` samples per prompt, prefix caching on. Weights from
 the trainer go into the running engine without a restart: CUDA tensors as IPC handles
-(:mod:`arctic_core.weight_ipc`), CPU tensors as they are, through ``collective_rpc`` into the worker
+(:mod:`arctic_core.weights.ipc`), CPU tensors as they are, through ``collective_rpc`` into the worker
 extension :class:`arctic_fca.vllm_worker.ArcticWorkerExtension`; the prefix cache is reset after every
 update, so no result mixes KV of two policies. Sleep/wake use vLLM's sleep mode (level 1: weights
 offloaded to the host, KV cache freed).
@@ -27,7 +27,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate_options
 from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_prompts
-from arctic_core.interfaces import NamedTensors
+from arctic_core.plugins.interfaces import NamedTensors
 
 SUPPORTED_VERSION = "0.24."
 WORKER_EXTENSION = "arctic_fca.vllm_worker.ArcticWorkerExtension"
@@ -109,7 +109,7 @@ class VllmSampler:
     def update_weights(self, weights: NamedTensors, version: int) -> None:
         named = [(name, tensor.detach()) for name, tensor in weights]
         if named and named[0][1].is_cuda:
-            from arctic_core.weight_ipc import export_cuda_ipc
+            from arctic_core.weights.ipc import export_cuda_ipc
 
             payload, buffers = export_cuda_ipc(named, self.options.bucket_bytes, version)
             self.llm.collective_rpc("import_weights_ipc", args=(payload,))

@@ -2,7 +2,7 @@
 sends, through the model's own ``load_weights`` (Hugging Face names; vLLM fuses q/k/v and
 gate/up itself), and hands FCA's metadata builders the host's block tables. Reached from
 :class:`arctic_fca.vllm_sampler.VllmSampler` by ``collective_rpc``; the CUDA-IPC receive is
-:class:`arctic_core.weight_actor.WeightSyncActor`'s ``import_weights_ipc``, the same one the Ray
+:class:`arctic_core.weights.actor.WeightSyncActor`'s ``import_weights_ipc``, the same one the Ray
 sampler replicas run.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from arctic_core.interfaces import NamedTensors
-from arctic_core.weight_actor import WeightSyncActor
+from arctic_core.plugins.interfaces import NamedTensors
+from arctic_core.weights.actor import WeightSyncActor
 
 
 class ArcticWorkerExtension(WeightSyncActor):

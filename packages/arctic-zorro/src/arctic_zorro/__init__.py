@@ -1,1 +1,1 @@
-"""Arctic training and log-prob backends (DeepSpeed and a plain torch reference) with ZoRRo Train."""
+"""Arctic training and log-prob backends (DeepSpeed, and plain torch as the exact baseline) with ZoRRo Train."""

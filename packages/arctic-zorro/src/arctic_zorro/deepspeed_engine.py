@@ -1,4 +1,4 @@
-"""DeepSpeed engines (ZeRO stage 0-3) with exactly the reference trainer's semantics.
+"""DeepSpeed engines (ZeRO stage 0-3) with exactly the torch trainer's semantics.
 
 How gradients accumulate across an unknown number of ``forward_backward`` calls: the engine runs
 with ``gradient_accumulation_steps: 1`` and ``managed_gradient_accumulation: false`` (DeepSpeed >=
@@ -6,7 +6,7 @@ with ``gradient_accumulation_steps: 1`` and ``managed_gradient_accumulation: fal
 into their gradient partitions) and ``engine.step`` is the one accumulation boundary: it reduces or
 finalises the accumulated gradients, clips, updates and zeroes them. With one accumulation step,
 ``engine.backward`` divides the loss by 1, so the gradient is exactly the sum over calls of
-``loss * scale``, as in :class:`arctic_zorro.reference.ReferenceTrainer`.
+``loss * scale``, as in :class:`arctic_zorro.torch_backend.TorchTrainer`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate_options
 from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
-from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
+from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.lr_schedule import lr_factor, set_lr
 from arctic_zorro.micro_batches import Align, micro_forward_backward, micro_log_probs
 from arctic_zorro.packed_forward import Forward, ZorroOptions, select_forward
@@ -101,7 +101,7 @@ def init_distributed() -> None:
 def base_config(options: DeepSpeedLogProbOptions, model: ModelConfig) -> dict[str, Any]:
     """The DeepSpeed config shared by both engines: ZeRO stage, offload and precision."""
     if model.dtype == "float16":
-        # fp16 needs loss scaling, which skips steps on overflow: the step count would drift from the reference.
+        # fp16 needs loss scaling, which skips steps on overflow: the step count would drift from the torch backend.
         raise ConfigError("the deepspeed backend supports model.dtype float32 or bfloat16, not float16")
     zero: dict[str, Any] = {"stage": options.zero_stage}
     if options.offload_param:
@@ -136,7 +136,7 @@ def trainer_config(options: DeepSpeedTrainerOptions, trainer: TrainerConfig, mod
                 "betas": list(opt.betas),
                 "eps": opt.eps,
                 "weight_decay": opt.weight_decay,
-                "torch_adam": True,  # torch.optim.AdamW, like the reference; no op to compile
+                "torch_adam": True,  # torch.optim.AdamW, like the torch backend; no op to compile
             },
         },
         zero_allow_untested_optimizer=True,

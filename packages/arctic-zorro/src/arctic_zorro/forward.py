@@ -1,4 +1,4 @@
-"""The plain forward pass of the reference engines: one padded row per response.
+"""The plain forward pass (ZoRRo off): one padded row per response.
 
 Each row is ``prompt + response`` right-padded; logits are gathered only at the positions that
 predict response tokens and handed to the processors, whose per-token outputs are scattered back
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.interfaces import Processor
+from arctic_core.plugins.interfaces import Processor
 
 
 def _rows(batch: RolloutBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.interfaces import LossContext, Objective, Processor
+from arctic_core.plugins.interfaces import LossContext, Objective, Processor
 
 MicroForward = Callable[[RolloutBatch, Mapping[str, Processor]], dict[str, torch.Tensor]]
 # Given this rank's micro-batch count, the count every rank runs (the busiest rank's): under ZeRO-3

@@ -21,7 +21,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import StrictModel
 from arctic_core.errors import ConfigError
 from arctic_core.hf import set_attention_implementation
-from arctic_core.interfaces import Processor
+from arctic_core.plugins.interfaces import Processor
 from arctic_zorro.forest import build_forest, response_gather_index
 from arctic_zorro.forest_attention import ATTENTION_NAME, ForestAttentionMeta
 from arctic_zorro.forward import response_outputs, run_processors, scatter_values

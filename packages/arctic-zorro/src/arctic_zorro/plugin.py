@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from arctic_core.hookspecs import hookimpl
-from arctic_core.registry import Lazy
+from arctic_core import Lazy, hookimpl
 
 
 @hookimpl
 def arctic_training_backends():
     return {
-        "reference": Lazy("arctic_zorro.reference:ReferenceTrainer", "Plain transformers model + torch AdamW (exact baseline)."),
+        "torch": Lazy("arctic_zorro.torch_backend:TorchTrainer", "Plain transformers model + torch AdamW (exact baseline)."),
         "deepspeed": Lazy("arctic_zorro.deepspeed_engine:DeepSpeedTrainer", "DeepSpeed engine, ZeRO stage 0-3 (options.zero_stage), torch AdamW."),
     }
 
@@ -17,6 +16,6 @@ def arctic_training_backends():
 @hookimpl
 def arctic_logprob_backends():
     return {
-        "reference": Lazy("arctic_zorro.reference:ReferenceLogProbEngine", "Forward-only transformers model (e.g. the frozen KL reference)."),
+        "torch": Lazy("arctic_zorro.torch_backend:TorchLogProbEngine", "Forward-only transformers model (e.g. the frozen KL reference)."),
         "deepspeed": Lazy("arctic_zorro.deepspeed_engine:DeepSpeedLogProbEngine", "Forward-only DeepSpeed engine (ZeRO-3 partitions the weights)."),
     }

@@ -22,7 +22,7 @@ from arctic_core.config import ArcticConfig, LogProbConfig, ModelConfig, Optimiz
 from arctic_core.demo.metrics import MetricsLogger, plot_rewards
 from arctic_core.demo.task import CountingTask, Problem, is_well_formed
 from arctic_core.demo.tiny_model import save_tiny_policy
-from arctic_core.server import HF_EXPORT
+from arctic_core.serving.server import HF_EXPORT
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from arctic_core.interfaces import LossContext
+from arctic_core.plugins.interfaces import LossContext
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 

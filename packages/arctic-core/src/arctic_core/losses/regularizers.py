@@ -14,7 +14,7 @@ from pydantic import Field
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import StrictModel
 from arctic_core.errors import BatchError
-from arctic_core.interfaces import LossContext
+from arctic_core.plugins.interfaces import LossContext
 from arctic_core.losses.aggregation import Aggregation, aggregate, token_mean
 from arctic_core.losses.options import parse_options
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from arctic_core import wire
+from arctic_core.serving import wire
 from arctic_core.errors import RemoteError, remote_error
 from arctic_core.protocol import Message, Result
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from arctic_core.protocol import Message, Result
-from arctic_core.server import ArcticServer
+from arctic_core.serving.server import ArcticServer
 
 
 class InProcessTransport:

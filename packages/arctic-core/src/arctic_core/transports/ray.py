@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from arctic_core import wire
+from arctic_core.serving import wire
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import WorkerError, error_answer, remote_error
 from arctic_core.protocol import Empty, Message, Result
-from arctic_core.ray_actors import ensure_ray
+from arctic_core.ray.actors import ensure_ray
 
 log = logging.getLogger(__name__)
 DEFAULT_NAME = "arctic-server"
@@ -31,7 +31,7 @@ class ServerActor:
     """The Arctic server inside a Ray actor: wire bytes in, wire bytes (or a JSON error) out."""
 
     def __init__(self, config_json: str) -> None:
-        from arctic_core.server import ArcticServer
+        from arctic_core.serving.server import ArcticServer
 
         self.server = ArcticServer(ArcticConfig.model_validate_json(config_json))
 

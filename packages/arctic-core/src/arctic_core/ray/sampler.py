@@ -16,13 +16,13 @@ from typing import Any
 
 from pydantic import Field
 
-from arctic_core import wire
+from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate_options
-from arctic_core.interfaces import NamedTensors
+from arctic_core.plugins.interfaces import NamedTensors
 from arctic_core.protocol import GenerateRequest, GenerateResult
-from arctic_core.ray_actors import InnerBackendOptions, build_inner, ensure_ray, get_one, named_tensors, weights_blob
-from arctic_core.weight_actor import WeightSyncActor
+from arctic_core.ray.actors import InnerBackendOptions, build_inner, ensure_ray, get_one, named_tensors, weights_blob
+from arctic_core.weights.actor import WeightSyncActor
 
 
 class RaySamplerOptions(InnerBackendOptions):

@@ -1,7 +1,7 @@
 """Weight sync by CUDA IPC, for engines that share one GPU from different processes (colocated
 Ray actors, or a Ray trainer beside the server's own sampler): no copy through the host, no
 collective. The sender packs its weights into one flat device buffer per bucket of the same plan
-as the broadcast (:func:`~arctic_core.weight_broadcast.plan_broadcast`), exports a CUDA IPC
+as the broadcast (:func:`~arctic_core.weights.broadcast.plan_broadcast`), exports a CUDA IPC
 handle per buffer, and keeps the buffers alive until every receiver has copied from them.
 
 ``weight_sync: {transport: cuda-ipc}``. A handle is plain data (ints, bytes, names: :func:`portable_handle`),
@@ -21,8 +21,8 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from arctic_core.config import WeightSyncConfig
 from arctic_core.errors import ConfigError
-from arctic_core.interfaces import NamedTensors, TrainingBackend, WeightReceiver
-from arctic_core.weight_broadcast import WHO, pack_bucket, parse_dtype, plan_broadcast, require_actors, unpack_buckets
+from arctic_core.plugins.interfaces import NamedTensors, TrainingBackend, WeightReceiver
+from arctic_core.weights.broadcast import WHO, pack_bucket, parse_dtype, plan_broadcast, require_actors, unpack_buckets
 
 
 def export_cuda_ipc(weights: NamedTensors, bucket_bytes: int, version: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -83,7 +83,7 @@ class CudaIpcTransport:
         self.config = config or WeightSyncConfig()
 
     def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]:
-        from arctic_core.ray_actors import get_all, get_one
+        from arctic_core.ray.actors import get_all, get_one
 
         start = time.perf_counter()
         require_actors("cuda-ipc", [source])

@@ -5,12 +5,12 @@ Registered through the ``arctic`` entry point like any third-party plugin.
 
 from __future__ import annotations
 
-from arctic_core import processors
-from arctic_core.hookspecs import hookimpl
+from arctic_core.losses import processors
+from arctic_core.plugins.hookspecs import hookimpl
 from arctic_core.losses import policy, regularizers
-from arctic_core.registry import Lazy
-from arctic_core.weight_files import SafetensorsFilesTransport
-from arctic_core.weight_sync import InProcessTransport
+from arctic_core.plugins.registry import Lazy
+from arctic_core.weights.files import SafetensorsFilesTransport
+from arctic_core.weights.inprocess import InProcessWeightSync
 
 
 @hookimpl
@@ -31,25 +31,25 @@ def arctic_processors():
 
 @hookimpl
 def arctic_training_backends():
-    return {"ray": Lazy("arctic_core.ray_trainer:RayDataParallelTrainer",
+    return {"ray": Lazy("arctic_core.ray.trainer:RayDataParallelTrainer",
                         "Data parallel over Ray actors: one rank of an inner training backend per worker.")}
 
 
 @hookimpl
 def arctic_logprob_backends():
-    return {"ray": Lazy("arctic_core.ray_logprob:RayLogProbEngine", "An inner log-prob backend in a Ray actor of its own.")}
+    return {"ray": Lazy("arctic_core.ray.logprob:RayLogProbEngine", "An inner log-prob backend in a Ray actor of its own.")}
 
 
 @hookimpl
 def arctic_sampling_backends():
-    return {"ray": Lazy("arctic_core.ray_sampler:RaySampler",
+    return {"ray": Lazy("arctic_core.ray.sampler:RaySampler",
                         "Replicas of an inner sampling backend, one Ray actor each.")}
 
 
 @hookimpl
 def arctic_weight_transports():
-    return {"inprocess": InProcessTransport, "safetensors-files": SafetensorsFilesTransport,
-            "torch-broadcast": Lazy("arctic_core.weight_broadcast:TorchBroadcastTransport",
+    return {"inprocess": InProcessWeightSync, "safetensors-files": SafetensorsFilesTransport,
+            "torch-broadcast": Lazy("arctic_core.weights.broadcast:TorchBroadcastTransport",
                                     "Broadcast from the ray trainer's rank 0 to ray sampler replicas (gloo / NCCL)."),
-            "cuda-ipc": Lazy("arctic_core.weight_ipc:CudaIpcTransport",
+            "cuda-ipc": Lazy("arctic_core.weights.ipc:CudaIpcTransport",
                              "CUDA IPC handles from the ray trainer's rank 0 to engines on the same GPU.")}

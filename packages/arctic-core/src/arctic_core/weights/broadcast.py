@@ -15,8 +15,8 @@ the group itself (:func:`share_plan`, a uint8 broadcast: no pickle)::
 
 :class:`TorchBroadcastTransport` (``weight_sync: {transport: torch-broadcast}``) runs that between
 Ray actors: engines that live in actors (the ``ray`` trainer and sampler backends) expose the
-:class:`~arctic_core.interfaces.BroadcastSource` / ``BroadcastReceiver`` methods, and their actors
-mix in :class:`~arctic_core.weight_actor.WeightSyncActor`.
+:class:`~arctic_core.plugins.interfaces.BroadcastSource` / ``BroadcastReceiver`` methods, and their actors
+mix in :class:`~arctic_core.weights.actor.WeightSyncActor`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from arctic_core.config import WeightSyncConfig
 from arctic_core.errors import ArcticError, ConfigError
-from arctic_core.interfaces import TrainingBackend, WeightReceiver
-from arctic_core.weight_files import split_aliases
+from arctic_core.plugins.interfaces import TrainingBackend, WeightReceiver
+from arctic_core.weights.files import split_aliases
 
 NamedList = Sequence[tuple[str, torch.Tensor]]
 
@@ -199,7 +199,7 @@ class TorchBroadcastTransport:
         self._members: list[Any] = []
 
     def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]:
-        from arctic_core.ray_actors import get_all, get_one
+        from arctic_core.ray.actors import get_all, get_one
 
         start = time.perf_counter()
         require_actors("torch-broadcast", [source, *receivers])

@@ -23,8 +23,8 @@ import torch
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import ArcticError, RequestError
 from arctic_core.hf import copy_tokenizer_files
-from arctic_core.interfaces import LossContext, LogProbBackend, SamplingBackend, TrainingBackend
-from arctic_core.objective import build_objective, build_processors
+from arctic_core.plugins.interfaces import LossContext, LogProbBackend, SamplingBackend, TrainingBackend
+from arctic_core.losses.objective import build_objective, build_processors
 from arctic_core.protocol import (
     CheckpointRequest,
     Empty,
@@ -41,7 +41,7 @@ from arctic_core.protocol import (
     StepRequest,
     SyncWeightsResult,
 )
-from arctic_core.registry import Registry, default_registry
+from arctic_core.plugins.registry import Registry, default_registry
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """What the Ray backends share: starting Ray, the bytes that cross between actors (wire-format
 requests, safetensors weights and outputs), and turning an actor's failure into an Arctic error.
 
-The backends themselves: :mod:`arctic_core.ray_trainer` (data-parallel ranks),
-:mod:`arctic_core.ray_sampler` (sampler replicas), :mod:`arctic_core.ray_logprob` (a log-prob engine).
+The backends themselves: :mod:`arctic_core.ray.trainer` (data-parallel ranks),
+:mod:`arctic_core.ray.sampler` (sampler replicas), :mod:`arctic_core.ray.logprob` (a log-prob engine).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from safetensors.torch import save as save_safetensors
 
 from pydantic import Field
 
-from arctic_core import wire
+from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, StrictModel
 from arctic_core.errors import ArcticError, ConfigError, RemoteError, RequestError, WorkerError
-from arctic_core.interfaces import NamedTensors, Processor
-from arctic_core.objective import ProcessorSet
+from arctic_core.plugins.interfaces import NamedTensors, Processor
+from arctic_core.losses.objective import ProcessorSet
 from arctic_core.protocol import LogProbsRequest
 
 
@@ -43,7 +43,7 @@ class InnerBackendOptions(StrictModel):
 def build_inner(kind: str, backend: str, config_cls: type[StrictModel], config_json: str, model_json: str,
                 seed: int) -> tuple[Any, Any]:
     """In an actor: ``(registry, engine)``, the inner backend built from its JSON configs."""
-    from arctic_core.registry import default_registry
+    from arctic_core.plugins.registry import default_registry
 
     registry = default_registry()
     factory = registry.get(kind, backend)
@@ -91,7 +91,7 @@ def log_probs_request(batch: RolloutBatch, processors: Mapping[str, Processor]) 
 
 def run_log_probs(engine: Any, registry: Any, request: bytes) -> bytes:
     """The actor's side of :func:`log_probs_request`: outputs as safetensors bytes."""
-    from arctic_core.objective import build_processors
+    from arctic_core.losses.objective import build_processors
 
     req = wire.decode(request, LogProbsRequest)
     outputs = engine.log_probs(req.batch, build_processors(registry, req.processors, req.temperature))

@@ -1,8 +1,8 @@
 """The actor side of weight syncs between Ray actors (``torch-broadcast`` and ``cuda-ipc``).
 
 :class:`WeightSyncActor` is mixed into the Ray backends' actors: the trainer's workers
-(:mod:`arctic_core.ray_trainer`; rank 0 sends) and the sampler replicas
-(:mod:`arctic_core.ray_sampler`; they receive). An actor says what it sends
+(:mod:`arctic_core.ray.trainer`; rank 0 sends) and the sampler replicas
+(:mod:`arctic_core.ray.sampler`; they receive). An actor says what it sends
 (``weights_to_send``) or where what it receives goes (``receive_weights_into``); the transports
 call the other methods remotely.
 """
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from arctic_core.interfaces import NamedTensors
-from arctic_core.weight_broadcast import (
+from arctic_core.plugins.interfaces import NamedTensors
+from arctic_core.weights.broadcast import (
     BroadcastError,
     WeightGroup,
     broadcast_weights,
@@ -75,13 +75,13 @@ class WeightSyncActor:
     # ---- cuda-ipc ------------------------------------------------------------------------------
 
     def export_weights_ipc(self, version: int, bucket_bytes: int) -> dict[str, Any]:
-        from arctic_core.weight_ipc import export_cuda_ipc
+        from arctic_core.weights.ipc import export_cuda_ipc
 
         payload, self._ipc_buffers = export_cuda_ipc(self.weights_to_send(), bucket_bytes, version)
         return payload
 
     def import_weights_ipc(self, payload: dict[str, Any]) -> int:
-        from arctic_core.weight_ipc import import_cuda_ipc
+        from arctic_core.weights.ipc import import_cuda_ipc
 
         version = int(payload["plan"]["version"])
         self.receive_weights_into(import_cuda_ipc(payload), version)

@@ -1,6 +1,7 @@
-"""The reference engines: a plain transformers model, torch AdamW, grad clipping and an LR schedule.
+"""The ``torch`` backends: a plain transformers model, torch AdamW, grad clipping and an LR schedule.
 
-Exact and simple (one padded row per response); the baseline ZoRRo Train is checked against.
+No DeepSpeed: simple and exact, the baseline the DeepSpeed backends and ZoRRo Train are checked
+against (``options: {zorro: {enable: false}}`` runs one padded row per response).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate_options
 from arctic_core.errors import RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
-from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
+from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
 from arctic_zorro.lr_schedule import lr_factor, set_lr
 from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
@@ -22,17 +23,17 @@ from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
 STATE_FILE = "trainer_state.pt"
 
 
-class ReferenceOptions(StrictModel):
-    """Backend options of the reference engines (any other key is a typo)."""
+class TorchOptions(StrictModel):
+    """Backend options of the torch engines (any other key is a typo)."""
 
     zorro: ZorroOptions = ZorroOptions()
 
 
-class ReferenceLogProbEngine:
+class TorchLogProbEngine:
     """Forward-only engine over a transformers model."""
 
     def __init__(self, config: LogProbConfig | TrainerConfig, model: ModelConfig, *, seed: int) -> None:
-        options = validate_options(ReferenceOptions, config, "reference")
+        options = validate_options(TorchOptions, config, "torch")
         torch.manual_seed(seed)
         self.micro_batch_tokens = config.micro_batch_tokens
         self.model = load_causal_lm(model)
@@ -76,8 +77,8 @@ class ReferenceLogProbEngine:
         check_token_ids(batch.response_ids, vocab, "responses")
 
 
-class ReferenceTrainer(ReferenceLogProbEngine):
-    """Trainable reference engine; gradients accumulate across ``forward_backward`` calls."""
+class TorchTrainer(TorchLogProbEngine):
+    """Trainable torch engine; gradients accumulate across ``forward_backward`` calls."""
 
     def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
         super().__init__(config, model, seed=seed)
@@ -103,7 +104,7 @@ class ReferenceTrainer(ReferenceLogProbEngine):
 
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         if self.asleep:
-            raise RequestError("ReferenceTrainer is asleep; call wake() first")
+            raise RequestError("TorchTrainer is asleep; call wake() first")
         set_lr(self.optimizer, lr)
         max_norm = self.config.optimizer.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -143,7 +144,7 @@ class ReferenceTrainer(ReferenceLogProbEngine):
 
     def load_checkpoint(self, path: Path) -> None:
         if not (path / STATE_FILE).is_file():
-            raise RequestError(f"{path} holds no reference-trainer checkpoint ({STATE_FILE} missing)")
+            raise RequestError(f"{path} holds no torch-trainer checkpoint ({STATE_FILE} missing)")
         saved = load_causal_lm(ModelConfig(path=str(path / "model"), dtype=_dtype_name(self.model.dtype), device="cpu"))
         copy_weights_(self.model, saved.state_dict().items())
         state = torch.load(path / STATE_FILE, weights_only=True)

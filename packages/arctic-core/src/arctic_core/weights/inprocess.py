@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 from arctic_core.config import WeightSyncConfig
-from arctic_core.interfaces import TrainingBackend, WeightReceiver
+from arctic_core.plugins.interfaces import TrainingBackend, WeightReceiver
 
 
-class InProcessTransport:
+class InProcessWeightSync:
     """Hands the trainer's named tensors to receivers living in the same process (no copies on the wire)."""
 
     def __init__(self, config: WeightSyncConfig | None = None) -> None:

@@ -28,15 +28,15 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from arctic_core import wire
+from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, TrainerConfig, validate_options
 from arctic_core.errors import RequestError, WorkerError
-from arctic_core.interfaces import LossContext, NamedTensors, Objective, Processor
+from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_core.protocol import FwdBwdRequest
-from arctic_core.ray_actors import (InnerBackendOptions, build_inner, ensure_ray, log_probs_request, named_tensors,
+from arctic_core.ray.actors import (InnerBackendOptions, build_inner, ensure_ray, log_probs_request, named_tensors,
                                     run_log_probs, task_error, weights_blob)
-from arctic_core.weight_actor import WeightSyncActor
+from arctic_core.weights.actor import WeightSyncActor
 
 
 class RayTrainerOptions(InnerBackendOptions):
@@ -57,7 +57,7 @@ class TrainerWorker(WeightSyncActor):
         self.registry, self.trainer = build_inner("training_backend", backend, TrainerConfig, config_json, model_json, seed)
 
     def forward_backward(self, request: bytes, ctx: dict[str, int]) -> dict[str, float]:
-        from arctic_core.objective import build_objective
+        from arctic_core.losses.objective import build_objective
 
         req = wire.decode(request, FwdBwdRequest)
         objective = build_objective(self.registry, req.loss, req.temperature)

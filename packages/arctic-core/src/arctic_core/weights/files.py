@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from arctic_core.config import WeightSyncConfig
 from arctic_core.errors import ArcticError, ConfigError
-from arctic_core.interfaces import TrainingBackend, WeightReceiver
+from arctic_core.plugins.interfaces import TrainingBackend, WeightReceiver
 
 MANIFEST = "manifest.json"
 FORMAT = "arctic-weight-files/1"

@@ -14,8 +14,8 @@ from pydantic import Field
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, validate_options
-from arctic_core.interfaces import NamedTensors, Processor
-from arctic_core.ray_actors import (InnerBackendOptions, build_inner, ensure_ray, get_one, log_probs_request,
+from arctic_core.plugins.interfaces import NamedTensors, Processor
+from arctic_core.ray.actors import (InnerBackendOptions, build_inner, ensure_ray, get_one, log_probs_request,
                                     named_tensors, run_log_probs, weights_blob)
 
 

@@ -3,7 +3,7 @@
 Endpoints (see ``/openapi.json`` of a running server, or ``/docs``):
 
 - ``POST /v1/{op}`` for every operation in :data:`arctic_core.protocol.OPS`: the body is the
-  request in the wire format (``arctic_core.wire``: safetensors bytes, never pickle), the answer
+  request in the wire format (``arctic_core.serving.wire``: safetensors bytes, never pickle), the answer
   is the result in the same format.
 - ``GET /health``: status, policy version, step and engines, as JSON. It never waits for a call.
 - ``GET /metrics``: Prometheus text (calls, seconds, tokens per operation, process memory).
@@ -38,12 +38,12 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import ClientDisconnect
 
-from arctic_core import wire
+from arctic_core.serving import wire
 from arctic_core.errors import error_answer
-from arctic_core.http_metrics import CallMetrics
-from arctic_core.http_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from arctic_core.serving.metrics import CallMetrics
+from arctic_core.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from arctic_core.protocol import OPS, Message, Result
-from arctic_core.server import ArcticServer
+from arctic_core.serving.server import ArcticServer
 
 log = logging.getLogger(__name__)
 

@@ -11,20 +11,25 @@ from typing import Any
 
 import pluggy
 
-from arctic_core import hookspecs
+from arctic_core.plugins import hookspecs
 from arctic_core.errors import PluginConflictError, PluginNotFoundError
 
 ENTRY_POINT_GROUP = "arctic"
 
-KINDS: dict[str, str] = {
-    "training_backend": "arctic_training_backends",
-    "logprob_backend": "arctic_logprob_backends",
-    "sampling_backend": "arctic_sampling_backends",
-    "processor": "arctic_processors",
-    "loss": "arctic_losses",
-    "weight_transport": "arctic_weight_transports",
+KINDS: dict[str, str] = hookspecs.PROVIDER_HOOKS
+"""Plugin kind -> the provider hook that answers it (declared in :mod:`arctic_core.plugins.hookspecs`)."""
+
+PROVIDED_BY: dict[tuple[str, str], str] = {
+    ("training_backend", "deepspeed"): "arctic-zorro",
+    ("training_backend", "torch"): "arctic-zorro",
+    ("logprob_backend", "deepspeed"): "arctic-zorro",
+    ("logprob_backend", "torch"): "arctic-zorro",
+    ("sampling_backend", "embedded"): "arctic-fca",
+    ("sampling_backend", "hf-generate"): "arctic-fca",
+    ("sampling_backend", "vllm"): "arctic-fca[vllm]",
 }
-"""Plugin kind -> the provider hook that answers it."""
+"""Where the names the config's defaults and guides use come from, for the error when one is
+missing (the core itself imports none of these packages)."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +80,10 @@ class Registry:
         found = self.entries.get(kind, {}).get(name)
         if found is None:
             known = ", ".join(sorted(self.entries.get(kind, {}))) or "(none)"
+            package = PROVIDED_BY.get((kind, name))
+            install = f" `pip install {package}` provides it." if package else ""
             raise PluginNotFoundError(
-                f"no {kind.replace('_', ' ')} named {name!r} is registered; registered: {known}. "
+                f"no {kind.replace('_', ' ')} named {name!r} is registered; registered: {known}.{install} "
                 f"Plugins come from the '{ENTRY_POINT_GROUP}' entry-point group (arctic-rl plugins lists them)."
             )
         return found.factory

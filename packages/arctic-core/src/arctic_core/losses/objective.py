@@ -10,8 +10,8 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LossTermConfig
 from arctic_core.errors import RequestError
-from arctic_core.interfaces import LossContext, LossTerm, Processor
-from arctic_core.registry import Registry
+from arctic_core.plugins.interfaces import LossContext, LossTerm, Processor
+from arctic_core.plugins.registry import Registry
 
 
 @dataclass
