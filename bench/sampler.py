@@ -41,9 +41,9 @@ def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[l
 
 
 def run_engine(engine: EmbeddedEngine, mode: str, prompts, params: SamplingParams) -> dict:
-    engine.options = engine.options.model_copy(update={"fca": mode})
+    engine.planner.mode = mode  # the cost model's choice per step, or FCA / plain throughout
     before = dataclasses.replace(engine.stats)
-    if engine.device.type == "cuda":
+    if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
@@ -140,12 +140,12 @@ def graph_check(engine: EmbeddedEngine, vocab: int) -> dict:
     also compiles the kernels and captures the graphs before any timing."""
     prompts = random_prompts(4, 300, vocab, seed=1)
     params = SamplingParams(n=4, temperature=0, max_tokens=48, stop_token_ids=NO_STOP)
-    graphs, identical = engine.graphs, {}
+    graphs, identical = engine.runner.graphs, {}
     for mode in ("fca", "plain"):
         with_graphs = run_engine(engine, mode, prompts, params)["tokens"]
-        engine.graphs = None
+        engine.runner.graphs = None  # the same padded steps, run eagerly
         eager = run_engine(engine, mode, prompts, params)["tokens"]
-        engine.graphs = graphs
+        engine.runner.graphs = graphs
         identical[mode] = with_graphs == eager
     return identical
 

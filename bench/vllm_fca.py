@@ -224,8 +224,7 @@ def run_mode(args) -> dict:
     save_random_model(FOLDER)
     torch.cuda.empty_cache()
     started = time.perf_counter()
-    options = {"fca": args.mode == "fca", "gpu_memory_utilization": 0.6, "max_model_len": 8192,
-               "fca_compile_build": args.compile_build}
+    options = {"fca": args.mode == "fca", "gpu_memory_utilization": 0.6, "max_model_len": 8192}
     if args.dtype == "float32":  # FlashAttention has no fp32: both modes on vLLM's Triton backend
         # whose tl.dot rounds fp32 inputs to TF32 by default (10-bit mantissas): IEEE fp32 instead,
         # in vLLM's processes too (they inherit the environment), or the check measures TF32 noise.
@@ -234,7 +233,7 @@ def run_mode(args) -> dict:
         if args.mode == "default":
             options["engine_args"] = {"attention_config": {"backend": "TRITON_ATTN"}}
     sampler, client = start_sampler(args, options)
-    result = {"mode": args.mode, "dtype": args.dtype, "compile_build": args.compile_build,
+    result = {"mode": args.mode, "dtype": args.dtype,
               "fca_host_views": sampler.fca_host_views,
               "engine_start_s": round(time.perf_counter() - started, 1), "throughput": []}
     print(result, flush=True)
@@ -304,8 +303,6 @@ def main() -> None:
                         help="throughput shapes, e.g. 128x1@2048,4x64@1024 (default: all five)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="timed runs per shape, each on prompts of its own; tok/s is their median")
-    parser.add_argument("--compile-build", action="store_true",
-                        help="fca mode: the per-step work build fused by torch.compile (fca_compile_build)")
     parser.add_argument("--py-spy", metavar="DIR", help="each timed run under py-spy, its stacks into DIR")
     parser.add_argument("--compare", nargs=2, metavar=("DEFAULT_JSON", "FCA_JSON"))
     args = parser.parse_args()

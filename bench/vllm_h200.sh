@@ -9,7 +9,6 @@
 #   bash bench/vllm_h200.sh bf16         # default then FCA: throughput, greedy, weight sync (~7 min)
 #   bash bench/vllm_h200.sh bf16-default # bf16's default side, every shape three times (median; ~5.5 min) ...
 #   bash bench/vllm_h200.sh bf16-fca     # ... and its FCA side with --weight-sync, then --compare (~5 min)
-#   bash bench/vllm_h200.sh fca-compiled # FCA with the work build fused by torch.compile (~3 min)
 #   bash bench/vllm_h200.sh gate         # the shape that shares nothing and 4x64@1024, default (with weight sync) then FCA (~6 min)
 #   bash bench/vllm_h200.sh spread       # 4x64@1024 three times per engine under py-spy, GPU traced: the spread within and across engines (~5 min)
 #   bash bench/vllm_h200.sh fp32-fca     # greedy and weight sync without bf16 rounding (~5 min) ...
@@ -32,21 +31,20 @@ trace_gpu() {  # GPU busy share, clocks and power every 100 ms into $out/gpu_NAM
 }
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # the trace stops with the step
 
-case ${1:?usage: $0 install|kernels|bf16|bf16-default|bf16-fca|fca-compiled|gate|gate-fca|spread|fp32-fca|fp32-default} in
+case ${1:?usage: $0 install|kernels|bf16|bf16-default|bf16-fca|gate|gate-fca|spread|fp32-fca|fp32-default} in
   install)
     cat /tmp/vp/vllm.part* >/tmp/vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       /tmp/vllm-0.24.0-*.whl .vllm/deps/*.whl .whl/*.whl
     python3 -c "import vllm; print('vllm', vllm.__version__)"; py-spy --version ;;
   kernels)  # also the FCA kernel table of issue 4 (Qwen3-8B heads)
-    timeout 120 python3 bench/fca_decode.py --plain-cost 2>&1 | tail -1 || echo "plain-cost: failed"
-    timeout 300 python3 bench/fca_decode.py --device-work >"$out/device_work.log" 2>&1 || echo "device-work: rc=$?"
+    timeout 120 python3 bench/fca_device_work.py --plain-cost 2>&1 | tail -1 || echo "plain-cost: failed"
+    timeout 300 python3 bench/fca_device_work.py >"$out/device_work.log" 2>&1 || echo "device-work: rc=$?"
     grep "^{'shape'\|failed" "$out/device_work.log" | cut -c1-500 || true
-    timeout 300 python3 bench/fca_decode.py >"$out/fca_decode.log" 2>&1 || echo "fca_decode: rc=$?"
-    grep "^groups" "$out/fca_decode.log" | cut -c1-300 || true ;;
+    timeout 300 python3 bench/fca_kernels.py >"$out/fca_kernels.log" 2>&1 || echo "fca_kernels: rc=$?"
+    grep "^groups" "$out/fca_kernels.log" | cut -c1-300 || true ;;
   bf16)
     run 280 default --mode default
-    cp "$out/default.json" /tmp/default.json || true  # for fca-compiled, while the machine stays warm
     run 310 fca --mode fca --weight-sync
     python3 bench/vllm_fca.py --compare "$out/default.json" "$out/fca.json" | tail -1 ;;
   bf16-default)  # as bf16, three timed runs per shape (other prompts each time), in two calls
@@ -57,9 +55,6 @@ case ${1:?usage: $0 install|kernels|bf16|bf16-default|bf16-fca|fca-compiled|gate
     trace_gpu fca
     run 500 fca --mode fca --weight-sync --repeat 3
     python3 bench/vllm_fca.py --compare "${DEFAULT:-/tmp/default.json}" "$out/fca.json" | tail -1 ;;
-  fca-compiled)  # FCA with its work build fused by torch.compile, against bf16's default run
-    run 300 fcac --mode fca --compile-build
-    python3 bench/vllm_fca.py --compare "${DEFAULT:-/tmp/default.json}" "$out/fcac.json" | tail -1 ;;
   gate)  # a batch that shares nothing must cost nothing (the host's block-table check); bf16 sleep/wake without FCA
     run 250 default_gate --mode default --weight-sync --shapes 128x1@2048,4x64@1024
     run 200 fca_gate --mode fca --shapes 128x1@2048,4x64@1024

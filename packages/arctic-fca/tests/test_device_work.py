@@ -195,43 +195,6 @@ def test_shared_and_unshared_builds_take_turns_on_one_builder():
         assert bool(builder.used_fca) == shared
 
 
-def test_a_compiled_build_writes_what_the_eager_build_writes():
-    """``compile_backend`` traces the build once for every batch size (dynamic shapes); the GPU runs
-    it through inductor, the CPU suite through aot_eager (the same traced program, unfused)."""
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    eager, compiled = None, None
-    for seed, rows in ((2, 0), (3, 4)):  # two batch sizes: one trace must serve both
-        segments, requests = random_forest(seed, 16)
-        batch = make_batch(segments, requests, 16, seed=seed)
-        tables = torch.nn.functional.pad(batch["block_tables"].clamp(min=0), (0, 16 - batch["block_tables"].shape[1]))
-        tables, lens = torch.nn.functional.pad(tables, (0, 0, 0, rows)), torch.nn.functional.pad(batch["seq_lens"], (0, rows))
-        eager = eager or builder_for({**batch, "block_tables": tables}, rows=64)
-        compiled = compiled or builder_for({**batch, "block_tables": tables}, rows=64, compile_backend="aot_eager")
-        expected, work = eager.build(tables, lens), compiled.build(tables, lens)
-        for name in ("q_index", "merge_indptr", "merge_rows"):
-            assert torch.equal(getattr(work, name), getattr(expected, name)), name
-        for launch in ("node", "single"):
-            assert torch.equal(getattr(work, launch).items, getattr(expected, launch).items), launch
-            assert torch.equal(getattr(work, launch).count, getattr(expected, launch).count), launch
-        assert bool(compiled.used_fca) == bool(eager.used_fca)
-    assert counters["stats"]["unique_graphs"] == 1  # traced whole (fullgraph), once
-
-
-def test_a_compiler_that_fails_leaves_the_build_unfused_and_working(caplog):
-    def broken_backend(graph, example_inputs):
-        raise RuntimeError("no kernels today")
-
-    segments, requests = random_forest(1, 16)
-    batch = make_batch(segments, requests, 16, seed=1)
-    query, key_cache, value_cache, tables, lens = attention_args(batch)
-    builder = builder_for(batch, compile_backend=broken_backend)
-    assert_decodes_exactly(builder.build(tables, lens), query, key_cache, value_cache, tables, lens)
-    assert "torch.compile failed" in caplog.text and "no kernels today" in caplog.text
-    assert builder._run_build == builder._build
-
-
 @pytest.mark.parametrize("breach", ["another column", "another parent"])
 def test_tables_that_break_the_prefix_property_decode_plain_and_exact(breach):
     """One physical block must mean one prefix: the same block at two columns, or under two

@@ -13,8 +13,8 @@ from arctic_fca.fca import (
     build_plan,
     choose,
     fca_decode_attention,
-    fca_or_plain_decode,
     paged_decode_attention,
+    prepare_decode,
 )
 
 QWEN3_8B_HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
@@ -161,7 +161,10 @@ def test_fca_equals_plain_on_random_forests(block_size, heads):
         plain = paged_decode_attention(*attention_args(batch), scale)
         torch.testing.assert_close(plain, sdpa_oracle(batch, scale), atol=1e-5, rtol=0)
         torch.testing.assert_close(fca_decode_attention(*attention_args(batch), scale), plain, atol=1e-5, rtol=0)
-        torch.testing.assert_close(fca_or_plain_decode(*attention_args(batch), scale), plain, atol=1e-5, rtol=0)
+        query, key_cache, value_cache, tables, lens = attention_args(batch)
+        step = prepare_decode(tables, lens, block_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                              head_dim=16, dtype=query.dtype)  # the cost model's pick, FCA or plain
+        torch.testing.assert_close(step(query, key_cache, value_cache, scale), plain, atol=1e-5, rtol=0)
 
 
 def test_fca_with_a_reused_plan_and_only_shared_sequences():
@@ -234,7 +237,7 @@ def _bad(**changes) -> tuple:
 ])
 def test_clear_errors(make_args, error, message):
     args = make_args(_good_batch())
-    for op in (paged_decode_attention, fca_decode_attention, fca_or_plain_decode):
+    for op in (paged_decode_attention, fca_decode_attention):
         with pytest.raises(error, match=message):
             op(*args, 0.25)
 
@@ -272,4 +275,4 @@ def test_a_gpu_with_less_shared_memory_gets_fewer_pipeline_stages(monkeypatch):
     work = plan_work(build_plan(tables, lens, 16), tables, lens, 16, 4, 2, 16)
     for _ in range(2):
         triton_decode._launch(work.node, work, query, key_cache, value_cache, work.partial, work.lse, 0.25)
-    assert triton_decode.NODE_CONFIG["num_stages"] == 5 and tried == [5, 4, 3, 3]
+    assert work.tuning.node.num_stages == 5 and tried == [5, 4, 3, 3]  # the setting itself stays

@@ -18,7 +18,6 @@ from test_fca import attention_args, make_batch, random_forest
 from arctic_fca import vllm_fca, vllm_host_tables
 from arctic_fca.fca import paged_decode_attention
 from arctic_fca.fca.device_work import DeviceWorkBuilder
-from arctic_fca.vllm_plugin import COMPILE_ENV
 
 HEADS, KV_HEADS, HEAD_DIM, SCALE = 4, 2, 16, 0.3
 
@@ -147,17 +146,6 @@ def test_a_decode_batch_runs_fca_on_vllms_cache_layout_and_output_buffer(step):
     output = run(step, meta)
     assert_exact(step, output)
     assert (output[step.real :] == 0).all()  # padding rows: zeros, nothing read out of bounds
-
-
-def test_the_compile_setting_reaches_the_work_builder(step, monkeypatch):
-    """The sampler's ``fca_compile_build`` travels to vLLM's workers as an environment variable;
-    the builder then traces its work build (aot_eager here; inductor on the GPU)."""
-    monkeypatch.setenv(COMPILE_ENV, "aot_eager")
-    meta = step.builder.build(0, step.cam)
-    work_builder = step.builder.work_builder
-    assert work_builder._run_build != work_builder._build  # the compiled wrapper, not the method
-    output = run(step, meta)
-    assert_exact(step, output)
 
 
 @pytest.mark.parametrize("host_sees", ["the forest", "nothing shared", "nothing"])

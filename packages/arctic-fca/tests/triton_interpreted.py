@@ -15,12 +15,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from test_fca import attention_args, make_batch, random_forest  # noqa: E402
 
-from arctic_fca.fca import build_plan, paged_decode_attention, triton_decode  # noqa: E402
+from arctic_fca.fca import build_plan, paged_decode_attention  # noqa: E402
 from arctic_fca.fca.triton_decode import plan_work, triton_decode_attention  # noqa: E402
+from arctic_fca.fca.tuning import DEFAULT_TUNING  # noqa: E402
 
-# Few persistent programs (8 nominal SMs x 1): each strides over several items, as on a busy GPU.
-triton_decode.PROGRAMS_PER_SM = 1
-triton_decode.MERGE_ROWS = 2  # requests with more partial rows than that merge in several chunks
+# Few persistent programs (8 nominal SMs x 1): each strides over several items, as on a busy GPU;
+# requests with more partial rows than 2 merge in several chunks.
+TUNING = DEFAULT_TUNING.replace(programs_per_sm=1, merge_rows=2)
 
 
 def kernel_cases() -> tuple[float, int]:
@@ -33,7 +34,7 @@ def kernel_cases() -> tuple[float, int]:
             query, key_cache, value_cache, tables, lens = attention_args(batch)
             expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
             for plan in (build_plan(tables, lens, block_size), None):
-                work = plan_work(plan, tables, lens, block_size, heads[0], heads[1], 24, chunk=chunk)
+                work = plan_work(plan, tables, lens, block_size, heads[0], heads[1], 24, chunk=chunk, tuning=TUNING)
                 out = triton_decode_attention(query, key_cache, value_cache, work, 0.3)
                 worst = max(worst, (out - expected).abs().max().item())
                 cases += 1
@@ -61,10 +62,10 @@ def static_work_cases() -> tuple[float, int]:
             lens_padded = np.ones(rows, np.int32)
             lens_padded[:real] = lens.numpy()
             plan = build_plan(torch.from_numpy(padded), torch.from_numpy(lens_padded), 16) if with_nodes else None
-            work = build_work(plan, lens_padded, width, 16, group=2, num_kv_heads=2, num_sms=8, chunk=32)
+            work = build_work(plan, lens_padded, width, 16, group=2, num_kv_heads=2, num_sms=8, chunk=32, tuning=TUNING)
             if static is None:
                 static = StaticDecodeWork(rows, width, key_cache.shape[0], with_nodes=with_nodes, num_q_heads=4,
-                                          num_kv_heads=2, head_dim=16, device=torch.device("cpu"))
+                                          num_kv_heads=2, head_dim=16, device=torch.device("cpu"), tuning=TUNING)
             assert static.load(work, padded)
             query_padded = torch.cat([query, torch.zeros(rows - real, *query.shape[1:])])
             out = triton_decode_attention(query_padded, key_cache, value_cache, static.work, 0.3)[:real]
@@ -86,7 +87,8 @@ def device_work_cases() -> tuple[float, int]:
         query, key_cache, value_cache, tables, lens = attention_args(batch)
         builder = DeviceWorkBuilder(len(requests), tables.shape[1], key_cache.shape[0], 16, num_q_heads=4,
                                     num_kv_heads=2, head_dim=16, kv_dtype=key_cache.dtype, device="cpu",
-                                    costs=CostConstants(min_speedup=0.0), num_sms=8, chunk_range=(16, 32))
+                                    costs=CostConstants(min_speedup=0.0), num_sms=8, chunk_range=(16, 32),
+                                    tuning=TUNING)
         # vLLM's layout: [num_blocks, 2, block_size, kv_heads, head_dim], read as strided views, and
         # the output written into a wider buffer's rows (what arctic_fca.vllm_attention does).
         kv_cache = torch.stack([key_cache, value_cache], dim=1)
@@ -117,7 +119,8 @@ def plain_work_cases() -> tuple[float, int, bool]:
         lens = torch.cat([lens, lens.new_zeros(3)])
         builders = [DeviceWorkBuilder(rows + 2, tables.shape[1], key_cache.shape[0], 16, num_q_heads=4, num_kv_heads=2,
                                       head_dim=16, kv_dtype=key_cache.dtype, device="cpu", num_sms=8,
-                                      chunk_range=chunk_range, plain_kernel=kernel) for kernel in (False, True)]
+                                      chunk_range=chunk_range, plain_kernel=kernel, tuning=TUNING)
+                    for kernel in (False, True)]
         for builder in builders:  # what an earlier step left must not leak into the plain build
             builder.build(tables, lens)
         torch_work, kernel_work = (b.build(tables, lens, shared=False) for b in builders)
@@ -155,7 +158,7 @@ def engine_matches_generate() -> bool:
     tokenizer = build_tokenizer(CountingTask().corpus())
     model = build_tiny_model(tokenizer, family="qwen3", seed=3)
     reference = copy.deepcopy(model)
-    engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=2048, fca="fca", kernel="triton"))
+    engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=2048, fca="fca", kernel="triton"), tuning=TUNING)
     prompts = [[5 + (i * 7 + j) % 200 for j in range(length)] for i, length in enumerate((20, 33))]
     outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=[10**6]))
     for out in outputs:

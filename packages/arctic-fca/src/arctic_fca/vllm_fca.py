@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -25,7 +24,6 @@ import torch
 
 from arctic_fca.fca.device_work import DeviceWorkBuilder
 from arctic_fca.fca.triton_decode import triton_decode_attention
-from arctic_fca.vllm_plugin import COMPILE_ENV
 
 logger = logging.getLogger(__name__)
 DECODER = "decoder"  # vLLM's AttentionType.DECODER (a str enum)
@@ -142,7 +140,7 @@ class FCABuilderMixin:
             self.work_builder = DeviceWorkBuilder(
                 self.max_requests, tables.shape[1], self.cache_config.num_gpu_blocks, self.spec.block_size,
                 num_q_heads=self.num_q_heads, num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_size,
-                kv_dtype=self.spec.dtype, device=tables.device, compile_backend=os.environ.get(COMPILE_ENV) or None)
+                kv_dtype=self.spec.dtype, device=tables.device)
         return self.work_builder
 
 

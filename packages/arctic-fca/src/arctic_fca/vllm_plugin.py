@@ -4,16 +4,13 @@ it only records a class path; nothing of the backend is imported until vLLM sele
 (``attention_config={"backend": "CUSTOM"}``, which the ``vllm`` sampler sets with ``fca: true``).
 
 The vLLM backend FCA extends is read from ``ARCTIC_FCA_VLLM_BASE`` (inherited by vLLM's worker
-processes): ``FLASH_ATTN`` (default) or ``TRITON_ATTN`` (which also runs fp32). A non-empty
-``ARCTIC_FCA_COMPILE_BUILD`` names the ``torch.compile`` backend that fuses the per-step work build
-(``DeviceWorkBuilder``'s ``compile_backend``)."""
+processes): ``FLASH_ATTN`` (default) or ``TRITON_ATTN`` (which also runs fp32)."""
 
 from __future__ import annotations
 
 import os
 
 BASE_ENV = "ARCTIC_FCA_VLLM_BASE"
-COMPILE_ENV = "ARCTIC_FCA_COMPILE_BUILD"
 BACKENDS = {
     "FLASH_ATTN": "arctic_fca.vllm_attention.FCAAttentionBackend",
     "TRITON_ATTN": "arctic_fca.vllm_attention.FCATritonAttentionBackend",

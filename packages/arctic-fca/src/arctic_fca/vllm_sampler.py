@@ -41,8 +41,6 @@ class VllmOptions(StrictModel):
     fca: bool = Field(True, description="Decode with FCA (our vLLM attention backend) instead of FlashAttention.")
     fca_base: Literal["FLASH_ATTN", "TRITON_ATTN"] = Field(
         "FLASH_ATTN", description="The vLLM backend FCA extends (prefill, mixed batches); TRITON_ATTN also runs fp32.")
-    fca_compile_build: bool = Field(
-        False, description="Fuse FCA's per-step work build with torch.compile (fewer kernels per step, slower start).")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="Any other vllm.LLM argument.")
 
 
@@ -78,10 +76,9 @@ class VllmSampler:
         """FCA is vLLM's CUSTOM backend, registered by our ``vllm.general_plugins`` entry point."""
         if not self.options.fca or "attention_config" in self.options.engine_args:
             return {}
-        from arctic_fca.vllm_plugin import BASE_ENV, COMPILE_ENV
+        from arctic_fca.vllm_plugin import BASE_ENV
 
         os.environ[BASE_ENV] = self.options.fca_base  # read by the plugin in vLLM's processes
-        os.environ[COMPILE_ENV] = "inductor" if self.options.fca_compile_build else ""
         return {"attention_config": {"backend": "CUSTOM"}}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:

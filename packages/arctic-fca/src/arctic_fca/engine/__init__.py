@@ -1,5 +1,9 @@
-"""The embedded sampling engine: continuous batching over a paged KV cache, prefix sharing, FCA decode."""
+"""The embedded sampling engine, one concept per module: ``engine`` (the loop and its options),
+``scheduler`` (admission, KV blocks, forks), ``step_planner`` (a decode step's host side),
+``model_runner`` (the model, its KV cache and forward passes), ``cuda_graphs``, ``attention``,
+``kv_cache``, ``blocks``, ``sampling`` and ``sequence``."""
 
-from arctic_fca.engine.engine import EmbeddedEngine, EngineOptions, GenerationOutput
+from arctic_fca.engine.engine import EmbeddedEngine, EngineOptions, EngineStats
+from arctic_fca.engine.sequence import GenerationOutput
 
-__all__ = ["EmbeddedEngine", "EngineOptions", "GenerationOutput"]
+__all__ = ["EmbeddedEngine", "EngineOptions", "EngineStats", "GenerationOutput"]

@@ -20,6 +20,7 @@ from arctic_fca.engine.attention import StepMetadata
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.fca.decode import PreparedDecode
 from arctic_fca.fca.graph_work import StaticDecodeWork
+from arctic_fca.fca.tuning import Tuning
 from arctic_fca.fca.work import DecodeWork
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -38,8 +39,8 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model: PreTrainedModel, cache: PagedKVCache, *, table_width: int, max_num_seqs: int,
-                 num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        self.model, self.cache = model, cache
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, tuning: Tuning) -> None:
+        self.model, self.cache, self.tuning = model, cache, tuning
         self.table_width, self.heads = table_width, (num_q_heads, num_kv_heads, head_dim)
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.graphs: dict[tuple[int, bool], _Graph] = {}
@@ -76,7 +77,8 @@ class DecodeGraphs:
         device = self.cache.device
         num_q_heads, num_kv_heads, head_dim = self.heads
         work = StaticDecodeWork(batch, self.table_width, self.cache.num_blocks, with_nodes=with_nodes,
-                                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device)
+                                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
+                                tuning=self.tuning)
 
         def zeros(*shape):
             return torch.zeros(*shape, dtype=torch.long, device=device)

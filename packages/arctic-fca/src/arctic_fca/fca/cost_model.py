@@ -6,7 +6,7 @@ fca   = each shared node's tokens once + every suffix (the unique KV bytes), plu
         results written and read back by the merge, plus fixed overheads per call and per node.
 
 The overhead constants lean pessimistic for FCA because FCA must never lose; on the H200
-(``bench/fca_decode.py``, kernels replayed from CUDA graphs, docs/benchmarks.md) the choice was
+(``bench/fca_kernels.py``, kernels replayed from CUDA graphs, docs/benchmarks.md) the choice was
 right in all 12 measured cases: never slower than the plain kernel.
 """
 
@@ -17,17 +17,14 @@ from typing import Literal
 
 import torch
 
-from arctic_fca.fca.cascade import fca_attention_with_lse
-from arctic_fca.fca.layout import validate_decode_inputs
-from arctic_fca.fca.plan import FCAPlan, build_plan
-from arctic_fca.fca.reference import plain_decode
+from arctic_fca.fca.plan import FCAPlan
 
 PARTIAL_STATE_BYTES = 4  # partial outs and lses are fp32
 
 
 @dataclass(frozen=True)
 class CostConstants:
-    # H200 device-to-device copy, measured (../shared/ENVIRONMENT.md): converts seconds to bytes.
+    # H200 device-to-device copy, measured (docs/benchmarks.md): converts seconds to bytes.
     bandwidth_bytes_per_s: float = 4.3e12
     # FCA launches at least a node pass and a merge on top of the suffix pass: ~2 launches plus
     # their sync-free gaps. Assumed 4 us.
@@ -78,18 +75,3 @@ def estimate_bytes(plan: FCAPlan, num_q_heads: int, num_kv_heads: int, head_dim:
 def choose(plan: FCAPlan, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
            costs: CostConstants = DEFAULT_COSTS) -> Literal["fca", "plain"]:
     return "fca" if estimate_bytes(plan, num_q_heads, num_kv_heads, head_dim, dtype, costs).fca_wins else "plain"
-
-
-def fca_or_plain_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                        plan: FCAPlan | None = None, costs: CostConstants = DEFAULT_COSTS) -> torch.Tensor:
-    """Decode attention by whichever of FCA and plain the cost model prices lower. Same arguments
-    and result as ``fca_decode_attention``."""
-    shape = validate_decode_inputs(query, key_cache, value_cache, block_tables, seq_lens)
-    plan = plan if plan is not None else build_plan(block_tables, seq_lens, shape.block_size)
-    plan.check_matches(shape)
-    if choose(plan, shape.num_q_heads, shape.num_kv_heads, shape.head_dim, query.dtype, costs) == "fca":
-        out = fca_attention_with_lse(query, key_cache, value_cache, block_tables, scale, plan)[0]
-    else:
-        out = plain_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    return out.to(query.dtype)

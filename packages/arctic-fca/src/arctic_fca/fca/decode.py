@@ -19,6 +19,7 @@ from arctic_fca.fca.cost_model import choose
 from arctic_fca.fca.layout import SUPPORTED_DTYPES, check_block_size
 from arctic_fca.fca.plan import FCAPlan, build_plan
 from arctic_fca.fca.reference import plain_decode
+from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 
 Mode = Literal["auto", "fca", "plain"]
 Kernel = Literal["auto", "triton", "torch"]
@@ -70,11 +71,12 @@ def choose_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
 def prepare_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, *, num_q_heads: int,
                    num_kv_heads: int, head_dim: int, dtype: torch.dtype, mode: Mode = "auto",
                    kernel: Kernel = "auto", device: torch.device | str | None = None,
-                   plan: FCAPlan | None = None) -> PreparedDecode:
+                   plan: FCAPlan | None = None, tuning: Tuning = DEFAULT_TUNING) -> PreparedDecode:
     """Plan one decode step from the host copies of ``block_tables`` / ``seq_lens`` (int32), for
     caches on ``device`` (default: where the tables are). ``mode``: "auto" lets the cost model pick
     FCA or plain; ``kernel``: "auto" picks Triton on CUDA and torch elsewhere. ``plan``: the tree of
-    these tables when the caller already has it (an engine reuses it until a block fills up)."""
+    these tables when the caller already has it (an engine reuses it until a block fills up);
+    ``tuning``: the Triton kernels' launch and split settings."""
     device = torch.device(device) if device is not None else block_tables.device
     block_tables, seq_lens = block_tables.cpu(), seq_lens.cpu()
     check_block_size(block_size)
@@ -90,7 +92,8 @@ def prepare_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_siz
     if chosen_kernel == "triton":
         from arctic_fca.fca.triton_decode import plan_work
 
-        prepared.work = plan_work(plan, tables_on_device, seq_lens, block_size, num_q_heads, num_kv_heads, head_dim)
+        prepared.work = plan_work(plan, tables_on_device, seq_lens, block_size, num_q_heads, num_kv_heads, head_dim,
+                                  tuning=tuning)
     elif plan is not None:
         prepared.plan = plan.to(device)
     return prepared

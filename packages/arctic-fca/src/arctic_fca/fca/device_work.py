@@ -28,9 +28,9 @@ are checked (a forest deeper than ``PAIRS_PER_REQUEST`` nodes decodes plain).
 
 On CUDA each batch size's build is captured in a CUDA graph once and replayed: eager, its ~250
 small ops cost ~5 ms of host time per step (H200), which a short decode step cannot hide. Replayed,
-they still cost ~0.8 ms of GPU time (one small kernel after another); ``compile_backend``
-("inductor") fuses them with ``torch.compile`` before the capture (0.45 ms; in the vLLM engine no
-faster overall, so an option). Two cheaper builds serve callers that know more than the tables:
+they still cost ~0.8 ms of GPU time (one small kernel after another; fusing them with
+``torch.compile`` measured no faster in the vLLM engine). Two cheaper builds serve callers that
+know more than the tables:
 
 - ``build(shared=False)``: no block is shared; the plain work from one Triton program on CUDA
   (``plain_work``; ``plain_kernel=False``: ~55 torch ops, as on the CPU).
@@ -46,7 +46,7 @@ Each (batch size, build) pair has graphs of its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Literal
 
 import torch
@@ -54,7 +54,8 @@ import torch
 from arctic_fca.fca.cost_model import DEFAULT_COSTS, CostConstants, price, token_bytes
 from arctic_fca.fca.plain_work import write_plain_work
 from arctic_fca.fca.triton_decode import DeviceLaunch, DeviceWork
-from arctic_fca.fca.work import ITEMS_PER_SM, MAX_CHUNK_TOKENS, MIN_CHUNK_TOKENS, NODE_TILE_ROWS, device_sms
+from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
+from arctic_fca.fca.work import device_sms
 
 logger = logging.getLogger(__name__)
 PAIRS_PER_REQUEST = 4  # (node, request) pairs per request the buffers hold: a forest four nodes deep
@@ -69,25 +70,24 @@ class DeviceWorkBuilder:
     def __init__(self, max_requests: int, table_width: int, num_blocks: int, block_size: int, *, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, device: torch.device | str,
                  costs: CostConstants = DEFAULT_COSTS, num_sms: int | None = None,
-                 chunk_range: tuple[int, int] = (MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS), graphs: bool = True,
-                 compile_backend: str | Callable | None = None, plain_kernel: bool | None = None) -> None:
+                 tuning: Tuning = DEFAULT_TUNING, chunk_range: tuple[int, int] | None = None, graphs: bool = True,
+                 plain_kernel: bool | None = None) -> None:
         device = torch.device(device)
         # The plain build as one Triton program (``plain_work``) instead of ~55 torch ops: on CUDA
         # by default (72 against 151 us per replayed build on the H200, bit-equal work:
-        # ``bench/fca_decode.py --plain-cost``); elsewhere Triton runs only under its interpreter.
+        # ``bench/fca_device_work.py --plain-cost``); elsewhere Triton runs only under its interpreter.
         self.plain_kernel = device.type == "cuda" if plain_kernel is None else plain_kernel
-        # One traced program for every batch size (dynamic); CUDA graphs then capture its kernels.
-        self._run_build = (torch.compile(self._build, backend=compile_backend, dynamic=True, fullgraph=True)
-                           if compile_backend else self._build)
         # Static shapes per batch size: on CUDA each (size, build) pair is captured once and replayed.
         self.graphs: dict[tuple[int, Build], torch.cuda.CUDAGraph] | None = (
             {} if graphs and device.type == "cuda" else None)
         self._pool = None
-        self.chunk_range = (max(chunk_range[0], block_size), chunk_range[1])  # split lengths allowed
+        low, high = chunk_range or (tuning.min_chunk_tokens, tuning.max_chunk_tokens)
+        self.chunk_range = (max(low, block_size), high)  # split lengths allowed
+        self.tuning = tuning
         self.max_requests, self.width, self.num_blocks, self.block_size = max_requests, table_width, num_blocks, block_size
         self.group = num_q_heads // num_kv_heads
-        self.per_tile = max(1, NODE_TILE_ROWS // self.group)
-        self.target = max(1, ITEMS_PER_SM * (num_sms or device_sms(device)) // num_kv_heads)
+        self.per_tile = tuning.per_tile(self.group)
+        self.target = max(1, tuning.items_per_sm * (num_sms or device_sms(device)) // num_kv_heads)
         self.kv_token_bytes, self.partial_row_bytes = token_bytes(num_q_heads, num_kv_heads, head_dim, kv_dtype)
         self.costs = costs
         self.max_pairs = PAIRS_PER_REQUEST * max_requests
@@ -113,6 +113,7 @@ class DeviceWorkBuilder:
             partial=torch.zeros(self.caps["rows"], num_q_heads, head_dim, dtype=torch.float32, device=device),
             lse=torch.zeros(self.caps["rows"], num_q_heads, dtype=torch.float32, device=device),
             direct=False,
+            tuning=tuning,
         )
         self.used_fca = torch.zeros((), dtype=torch.bool, device=device)  # this step's choice, for metrics
         # What a full build keeps for the builds that reuse its forest (``forest_key``): each
@@ -149,7 +150,7 @@ class DeviceWorkBuilder:
         kind = self._choose(shared, None if forest_key is None else (forest_key, num_requests))
         self.builds[kind] += 1
         if self.graphs is None:
-            self._build_now(num_requests, kind)
+            self._build(num_requests, kind)
             return self.work
         # Batch sizes round up to a power of two (rows of length 0 are padding, given no work), so
         # an engine that does not pad its batches still needs only ~log2(max_requests) graphs.
@@ -162,7 +163,7 @@ class DeviceWorkBuilder:
             except RuntimeError as error:  # e.g. a capture already running on this stream
                 logger.warning("FCA work builder: CUDA graph capture failed (%s); building eagerly from now on", error)
                 self.graphs = None
-                self._build_now(num_requests, kind)
+                self._build(num_requests, kind)
                 return self.work
         graph.replay()
         return self.work
@@ -183,27 +184,15 @@ class DeviceWorkBuilder:
         side = torch.cuda.Stream()  # warm up off the capturing stream, as torch.cuda.graph asks
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._build_now(num_requests, kind)  # compiles, if asked
+            self._build(num_requests, kind)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # One memory pool for every batch size: a build's temporaries die with it.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._run_build(num_requests, kind)
+            self._build(num_requests, kind)
         self._pool = graph.pool()
         self.graphs[num_requests, kind] = graph
         return graph
-
-    def _build_now(self, num_requests: int, kind: Build) -> None:
-        """Run the build; if the compiler fails on it, warn and run its ops one by one from now on
-        (a slower step, not a dead engine)."""
-        try:
-            self._run_build(num_requests, kind)
-        except Exception as error:  # noqa: BLE001 - any compiler failure; the plain ops then run
-            if self._run_build == self._build:
-                raise
-            logger.warning("FCA work builder: torch.compile failed (%s); building op by op", error)
-            self._run_build = self._build
-            self._build(num_requests, kind)
 
     def _build(self, num_requests: int, kind: Build) -> None:
         """The work of the first ``num_requests`` rows of the input buffers."""

@@ -14,12 +14,14 @@ import numpy as np
 import torch
 
 from arctic_fca.fca.triton_decode import DeviceLaunch, DeviceWork, _items
-from arctic_fca.fca.work import NODE_TILE_ROWS, DecodeWork
+from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
+from arctic_fca.fca.work import DecodeWork
 
 
 class StaticDecodeWork:
     def __init__(self, num_requests: int, table_width: int, max_node_blocks: int, *, with_nodes: bool,
-                 num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                 tuning: Tuning = DEFAULT_TUNING) -> None:
         self.num_requests, self.table_width, self.with_nodes = num_requests, table_width, with_nodes
         items_cap = 2 * num_requests + 1024
         self.caps = {"node_items": items_cap if with_nodes else 0, "single_items": items_cap,
@@ -47,13 +49,14 @@ class StaticDecodeWork:
         self.work = DeviceWork(
             kv_index=self.kv_index,
             q_index=self.dev["q_index"],
-            node=launch("node_items", 0, max(1, NODE_TILE_ROWS // group)) if with_nodes else None,
+            node=launch("node_items", 0, tuning.per_tile(group)) if with_nodes else None,
             single=launch("single_items", 1, 1),
             merge_indptr=self.dev["merge_indptr"],
             merge_rows=self.dev["merge_rows"],
             partial=torch.zeros(rows, num_q_heads, head_dim, dtype=torch.float32, device=device),
             lse=torch.zeros(rows, num_q_heads, dtype=torch.float32, device=device),
             direct=False,
+            tuning=tuning,
         )
 
     def fits(self, work: DecodeWork) -> bool:

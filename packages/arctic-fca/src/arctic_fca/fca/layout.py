@@ -43,11 +43,6 @@ class DecodeShape:
     block_size: int
     max_blocks_per_request: int
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (1 for MHA)."""
-        return self.num_q_heads // self.num_kv_heads
-
 
 def _check_dims(name: str, tensor: torch.Tensor, dims: str) -> None:
     expected = len(dims.split(","))

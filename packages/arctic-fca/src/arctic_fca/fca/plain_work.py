@@ -12,7 +12,7 @@ count and merge rows past the last range are left as they are (nothing reads the
 
 The default on CUDA (``DeviceWorkBuilder(plain_kernel=False)`` turns it off): on the H200 a
 replayed build takes 72 us against the torch ops' 151 us and writes the same work bit for bit
-(``bench/fca_decode.py --plain-cost``, 128 requests); the CPU suite checks it under Triton's
+(``bench/fca_device_work.py --plain-cost``, 128 requests); the CPU suite checks it under Triton's
 interpreter.
 """
 

@@ -30,19 +30,12 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from arctic_fca.fca.plan import FCAPlan
+from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 from arctic_fca.fca.work import DecodeWork, Launch, build_work, device_sms
 
 LOG2E = 1.4426950408889634
-# Launch settings per kind of item, tuned on the H200 (bench/fca_decode.py --sweep, each layer's KV
-# cold in L2 as in a model): KV tokens per inner step (a gather of block_n / block_size pages),
-# warps, software-pipeline stages.
-NODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 5}
-SINGLE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2}
-PROGRAMS_PER_SM = 32  # persistent programs (x KV heads) per streaming multiprocessor
-MERGE_ROWS = 16  # partial rows a merge program reads at once
-# Run the node and single launches on two streams (two branches of a captured CUDA graph): they
-# write disjoint partial rows, and side by side neither one's tail leaves the GPU idle.
-OVERLAP_LAUNCHES = True
+# Streams for the node launch, which runs beside the single launch (two branches of a captured
+# CUDA graph) when the work's tuning says so.
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 # Pipeline stages that fit each (device, tile) where the configured ones do not: a GPU with less
 # shared memory per block than the H200's 227 KiB (an A100's 163 KiB) gets fewer, not an error.
@@ -187,13 +180,15 @@ class DeviceWork:
     partial: torch.Tensor  # [rows, q_heads, head_dim] fp32
     lse: torch.Tensor  # [rows, q_heads] fp32
     direct: bool  # one unsplit item per request: no partials, no merge
+    tuning: Tuning = DEFAULT_TUNING  # the settings the items were cut for, and the launches use
 
 
 def _items(launch: Launch) -> np.ndarray:
     return np.stack([getattr(launch, c) for c in ITEM_COLUMNS]) if launch.num_items else np.zeros((5, 1), np.int32)
 
 
-def to_device(work: DecodeWork, block_tables: torch.Tensor, num_q_heads: int, head_dim: int) -> DeviceWork:
+def to_device(work: DecodeWork, block_tables: torch.Tensor, num_q_heads: int, head_dim: int,
+              tuning: Tuning = DEFAULT_TUNING) -> DeviceWork:
     """Exactly sized device copies of ``work`` (``block_tables``: the device tables it was built for)."""
     device = block_tables.device
 
@@ -214,16 +209,18 @@ def to_device(work: DecodeWork, block_tables: torch.Tensor, num_q_heads: int, he
         partial=torch.empty(rows, num_q_heads, head_dim, dtype=torch.float32, device=device),
         lse=torch.empty(rows, num_q_heads, dtype=torch.float32, device=device),
         direct=work.one_item_per_request,
+        tuning=tuning,
     )
 
 
 def plan_work(plan: FCAPlan | None, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-              num_q_heads: int, num_kv_heads: int, head_dim: int, chunk: int | None = None) -> DeviceWork:
+              num_q_heads: int, num_kv_heads: int, head_dim: int, chunk: int | None = None,
+              tuning: Tuning = DEFAULT_TUNING) -> DeviceWork:
     """The work items of one decode step (FCA with ``plan``, plain without) on the tables' device."""
     host = build_work(plan, seq_lens.cpu().numpy(), block_tables.shape[1], block_size,
                       group=num_q_heads // num_kv_heads, num_kv_heads=num_kv_heads,
-                      num_sms=device_sms(block_tables.device), chunk=chunk)
-    return to_device(host, block_tables, num_q_heads, head_dim)
+                      num_sms=device_sms(block_tables.device), chunk=chunk, tuning=tuning)
+    return to_device(host, block_tables, num_q_heads, head_dim, tuning)
 
 
 def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cache, out, lse, scale: float) -> None:
@@ -231,10 +228,11 @@ def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cach
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     group = query.shape[1] // num_kv_heads
     block_q = max(16, triton.next_power_of_2(launch.requests_per_tile * group))
-    config = NODE_CONFIG if launch.requests_per_tile > 1 else SINGLE_CONFIG
-    programs = max(1, min(launch.items.shape[1], PROGRAMS_PER_SM * device_sms(query.device) // num_kv_heads))
-    fit_key = (query.device, query.dtype, head_dim, block_q, config["block_n"], config["num_stages"])
-    stages = _fitted_stages.get(fit_key, config["num_stages"])
+    tuning = work.tuning
+    config = tuning.node if launch.requests_per_tile > 1 else tuning.single
+    programs = max(1, min(launch.items.shape[1], tuning.programs_per_sm * device_sms(query.device) // num_kv_heads))
+    fit_key = (query.device, query.dtype, head_dim, block_q, config.block_n, config.num_stages)
+    stages = _fitted_stages.get(fit_key, config.num_stages)
     while True:
         try:
             _partial_attention[(programs, num_kv_heads)](
@@ -245,8 +243,8 @@ def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cach
                 out.stride(0), out.stride(1), lse.stride(0), launch.items.stride(0),
                 scale * LOG2E,
                 GROUP=group, PAGE=page, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
-                BLOCK_N=config["block_n"], DIRECT=work.direct, IEEE=query.dtype == torch.float32,
-                num_warps=config["num_warps"], num_stages=stages,
+                BLOCK_N=config.block_n, DIRECT=work.direct, IEEE=query.dtype == torch.float32,
+                num_warps=config.num_warps, num_stages=stages,
             )
             return
         except OutOfResources:  # raised when compiling, before anything runs
@@ -281,13 +279,13 @@ def _merge(work: DeviceWork, out: torch.Tensor) -> None:
     _merge_partials[(num_requests, num_q_heads)](
         work.partial, work.lse, work.merge_indptr, work.merge_rows, out,
         work.partial.stride(0), work.partial.stride(1), work.lse.stride(0), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), ROWS=MERGE_ROWS, num_warps=2,
+        HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), ROWS=work.tuning.merge_rows, num_warps=2,
     )
 
 
 def _launch_partials(work: DeviceWork, query, key_cache, value_cache, scale: float) -> None:
     """The node and single launches, on two streams where that can help (CUDA, both present)."""
-    if work.node is None or not query.is_cuda or not OVERLAP_LAUNCHES:
+    if work.node is None or not query.is_cuda or not work.tuning.overlap_launches:
         for launch in (work.node, work.single):
             if launch is not None:
                 _launch(launch, work, query, key_cache, value_cache, work.partial, work.lse, scale)

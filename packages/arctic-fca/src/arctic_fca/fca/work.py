@@ -33,12 +33,7 @@ import numpy as np
 import torch
 
 from arctic_fca.fca.plan import FCAPlan
-
-MIN_CHUNK_TOKENS = 256
-MAX_CHUNK_TOKENS = 8192
-ITEMS_PER_SM = 2  # split target: items (x KV heads) per streaming multiprocessor
-NODE_TILE_ROWS = 64  # query rows (requests x heads per KV head) a node item serves at once
-SINGLE_TILE_ROWS = 16  # one request's heads, padded to the smallest tensor-core tile
+from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 
 
 @dataclass(frozen=True)
@@ -89,12 +84,14 @@ def device_sms(device: torch.device) -> int:
     return _num_sms(device.index or 0) if device.type == "cuda" else 8
 
 
-def chunk_tokens(total_tokens: int, num_kv_heads: int, num_sms: int, block_size: int) -> int:
-    """Split length: aim at ~4 items per SM over (items x KV heads), within [256, 8192] tokens
-    (enough items in flight to hide the latency of the paged gathers, few enough partials to merge)."""
-    target_items = max(1, ITEMS_PER_SM * num_sms // max(1, num_kv_heads))
+def chunk_tokens(total_tokens: int, num_kv_heads: int, num_sms: int, block_size: int,
+                 tuning: Tuning = DEFAULT_TUNING) -> int:
+    """Split length: aim at ``tuning.items_per_sm`` items per SM over (items x KV heads), within the
+    tuning's chunk range (enough items in flight to hide the latency of the paged gathers, few enough
+    partials to merge)."""
+    target_items = max(1, tuning.items_per_sm * num_sms // max(1, num_kv_heads))
     chunk = 1 << max(0, int(np.ceil(np.log2(max(1, total_tokens / target_items)))))
-    return int(min(MAX_CHUNK_TOKENS, max(MIN_CHUNK_TOKENS, chunk, block_size)))
+    return int(min(tuning.max_chunk_tokens, max(tuning.min_chunk_tokens, chunk, block_size)))
 
 
 def _chunks(kv_start: np.ndarray, kv_len: np.ndarray, chunk: int, block_size: int) -> tuple[np.ndarray, ...]:
@@ -117,12 +114,12 @@ def _int32(values) -> np.ndarray:
 
 
 def _node_items(plan: FCAPlan, kv_base: int, block_size: int, per_tile: int, chunk: int | None,
-                num_kv_heads: int, num_sms: int) -> dict[str, np.ndarray]:
+                num_kv_heads: int, num_sms: int, tuning: Tuning) -> dict[str, np.ndarray]:
     kv_indptr, q_indptr = plan.node_kv_indptr.numpy().astype(np.int64), plan.node_q_indptr.numpy().astype(np.int64)
     node_tokens = np.diff(kv_indptr) * block_size
     tiles = -(-np.diff(q_indptr) // per_tile)
     # Each launch is sized on its own work: the node launch must fill the GPU by itself.
-    chunk = chunk or chunk_tokens(int((node_tokens * tiles).sum()), num_kv_heads, num_sms, block_size)
+    chunk = chunk or chunk_tokens(int((node_tokens * tiles).sum()), num_kv_heads, num_sms, block_size, tuning)
     run, start, tokens = _chunks(kv_base + kv_indptr[:-1], node_tokens, chunk, block_size)
     # Tiles of one piece are adjacent: they read the same KV, the later ones from L2.
     piece = np.repeat(np.arange(run.size), tiles[run])
@@ -134,7 +131,7 @@ def _node_items(plan: FCAPlan, kv_base: int, block_size: int, per_tile: int, chu
 
 
 def build_work(plan: FCAPlan | None, seq_lens: np.ndarray, table_width: int, block_size: int, *, group: int,
-               num_kv_heads: int, num_sms: int, chunk: int | None = None) -> DecodeWork:
+               num_kv_heads: int, num_sms: int, chunk: int | None = None, tuning: Tuning = DEFAULT_TUNING) -> DecodeWork:
     """Work items for FCA (``plan`` given) or plain decode (``plan`` None) of one decode step.
 
     ``seq_lens``: the step's sequence lengths (host); ``table_width``: the row width of the block
@@ -150,14 +147,14 @@ def build_work(plan: FCAPlan | None, seq_lens: np.ndarray, table_width: int, blo
     node_q = plan.node_q_indices.numpy() if has_nodes else np.zeros(0, np.int32)
     suffix_start = plan.suffix_block_start.numpy().astype(np.int64) if plan is not None else np.zeros(num_requests, np.int64)
     suffix_len = seq_lens.astype(np.int64) - suffix_start * block_size
-    per_tile = max(1, NODE_TILE_ROWS // group)
+    per_tile = tuning.per_tile(group)
 
     columns = []
     if has_nodes:
         columns.append((_node_items(plan, num_requests * table_width, block_size, per_tile, chunk, num_kv_heads,
-                                    num_sms), per_tile))
+                                    num_sms, tuning), per_tile))
     own = suffix_len > 0
-    single_chunk = chunk or chunk_tokens(int(suffix_len.sum()), num_kv_heads, num_sms, block_size)
+    single_chunk = chunk or chunk_tokens(int(suffix_len.sum()), num_kv_heads, num_sms, block_size, tuning)
     run, start, tokens = _chunks((requests * table_width + suffix_start)[own], suffix_len[own], single_chunk, block_size)
     columns.append(({"kv_start": start, "kv_len": tokens, "q_start": node_q.size + requests[own][run],
                      "q_count": np.ones_like(run)}, 1))

@@ -1,0 +1,143 @@
+"""The model on the device: its paged KV cache sized to the memory it may take, the packed prefill
+pass, and the decode pass (replayed from a CUDA graph where one fits, eager otherwise).
+
+The model is any transformers causal LM whose attention goes through the attention registry; the
+runner points it at the engine's paged attention (``arctic_fca.engine.attention``) and calls the
+model's decoder and LM head itself, so logits are computed only where tokens are sampled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from arctic_core.errors import ConfigError
+from arctic_core.hf import copy_weights_, set_attention_implementation
+from arctic_fca.engine.attention import ATTENTION_NAME, PrefillSpan, StepMetadata
+from arctic_fca.engine.kv_cache import PagedKVCache
+from arctic_fca.engine.sequence import PromptGroup
+from arctic_fca.engine.step_planner import StepPlan
+from arctic_fca.fca.decode import prepare_decode
+from arctic_fca.fca.tuning import Tuning
+
+CPU_DEFAULT_KV_TOKENS = 1 << 16
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, options, tuning: Tuning) -> None:
+        check_supported(model)
+        set_attention_implementation(model, ATTENTION_NAME)
+        self.model, self.options, self.tuning = model.eval(), options, tuning
+        self.device = next(model.parameters()).device
+        config = model.config
+        self.num_q_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.heads = dict(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                          dtype=model.dtype)
+        self.cache = PagedKVCache(config.num_hidden_layers, self._num_blocks(), options.block_size, self.num_kv_heads,
+                                  self.head_dim, model.dtype, self.device)
+        self.max_model_len = options.max_model_len or getattr(config, "max_position_embeddings", None) or 1 << 16
+        self.graphs = None
+        if self.device.type == "cuda" and options.cuda_graphs and options.kernel != "torch":
+            from arctic_fca.engine.cuda_graphs import DecodeGraphs  # imports Triton
+
+            self.graphs = DecodeGraphs(model, self.cache, table_width=-(-self.max_model_len // options.block_size),
+                                       max_num_seqs=options.max_num_seqs, num_q_heads=self.num_q_heads,
+                                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, tuning=tuning)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def load_weights(self, weights) -> None:
+        copy_weights_(self.model, weights)
+
+    def sleep(self) -> None:
+        """Free the KV cache and move the weights to the host (device memory for the trainer)."""
+        self.cache.free()
+        if self.graphs is not None:
+            self.graphs.clear()  # they point into the freed cache and the moved weights
+        self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        self.model.to(self.device)
+        self.cache.allocate()
+
+    # ---- forward passes ----------------------------------------------------------------------
+
+    def prefill(self, groups: list[PromptGroup]) -> torch.Tensor:
+        """Each group's uncached prompt tokens in one packed pass; the logits ``[groups, vocab]``
+        at each prompt's last position (they start all ``n`` samples)."""
+        bs = self.options.block_size
+        ids, positions, slots, spans, start = [], [], [], [], 0
+        for g in groups:
+            pos = np.arange(g.cached, len(g.prompt))
+            all_slots = _slots(g.blocks, np.arange(len(g.prompt)), bs)
+            ids.append(g.prompt[g.cached:])
+            positions.append(pos)
+            slots.append(all_slots[g.cached:])
+            context = torch.from_numpy(all_slots).to(self.device) if g.cached else None
+            spans.append(PrefillSpan(start, start + pos.size, g.cached, context))
+            start += pos.size
+        meta = StepMetadata(self.cache, torch.from_numpy(np.concatenate(slots)).to(self.device), spans=tuple(spans))
+        last_rows = torch.tensor([s.end - 1 for s in spans], device=self.device)
+        return self.forward(np.concatenate([np.asarray(i) for i in ids]), np.concatenate(positions), meta, last_rows)
+
+    def decode(self, ids: np.ndarray, step: StepPlan) -> torch.Tensor:
+        """One token for every row of the (padded) step; the logits ``[rows, vocab]``."""
+        if self.graphs is not None:
+            logits = self.graphs.run(ids, step.positions, step.slots, step.work, step.layout.tables.numpy(),
+                                     step.layout.key)
+            if logits is not None:
+                return logits
+        # No graphs, or a step that does not fit them: eager, with this step's prepared attention.
+        decode = prepare_decode(step.layout.tables, step.seq_lens, self.options.block_size, **self.heads,
+                                mode="fca" if step.plan is not None else "plain", kernel=self.options.kernel,
+                                device=self.device, plan=step.plan, tuning=self.tuning)
+        meta = StepMetadata(self.cache, torch.from_numpy(step.slots).to(self.device), decode=decode)
+        return self.forward(ids, step.positions, meta, None)
+
+    def forward(self, ids: np.ndarray, positions: np.ndarray, meta: StepMetadata,
+                rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` (fp32) of the packed step, at ``rows`` (all rows when None)."""
+        input_ids = torch.from_numpy(ids.astype(np.int64)).to(self.device)[None]
+        position_ids = torch.from_numpy(positions.astype(np.int64)).to(self.device)[None]
+        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, paged=meta,
+                                       use_cache=False).last_hidden_state[0]
+        if rows is not None:
+            hidden = hidden[rows]
+        return self.model.get_output_embeddings()(hidden).float()
+
+    # ---- sizing ------------------------------------------------------------------------------
+
+    def _num_blocks(self) -> int:
+        opts = self.options
+        per_block = PagedKVCache.bytes_per_block(self.model.config.num_hidden_layers, opts.block_size,
+                                                 self.num_kv_heads, self.head_dim, self.model.dtype)
+        if opts.kv_cache_tokens is not None:
+            return max(1, opts.kv_cache_tokens // opts.block_size)
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_TOKENS // opts.block_size
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - (1 - opts.gpu_memory_utilization) * total
+        if budget < per_block:
+            raise ConfigError(f"no device memory left for the KV cache ({free / 2**30:.1f} GiB free of "
+                              f"{total / 2**30:.1f}); lower gpu_memory_utilization's reserve or set kv_cache_tokens")
+        return int(budget // per_block)
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = any(t != "full_attention" for t in layer_types) or (
+        not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
+    if sliding:
+        raise ConfigError(f"the embedded engine cannot run {config.model_type} with sliding-window layers exactly; "
+                          "use the hf-generate sampler")
+    if model.get_output_embeddings() is None:
+        raise ConfigError(f"{type(model).__name__} has no output embedding: not a causal LM")
+
+
+def _slots(blocks: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    return np.asarray(blocks, dtype=np.int64)[positions // block_size] * block_size + positions % block_size

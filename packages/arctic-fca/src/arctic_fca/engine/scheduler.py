@@ -1,0 +1,100 @@
+"""Admission and KV blocks: which prompt groups run next, the blocks they take, and the fork of a
+prefilled prompt into its ``n`` samples.
+
+A group is admitted while its worst case fits: its prompt's blocks not already cached (the prefix
+index finds full blocks another prompt holds), plus ``n`` times the blocks for ``max_tokens``. So
+a running sequence never waits for memory and nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from arctic_core.config import SamplingParams
+from arctic_core.errors import RequestError
+from arctic_fca.engine.blocks import BlockPool, block_hashes
+from arctic_fca.engine.kv_cache import PagedKVCache
+from arctic_fca.engine.sequence import PromptGroup, Sequence
+
+
+class Scheduler:
+    def __init__(self, cache: PagedKVCache, block_size: int, max_num_seqs: int, max_prefill_tokens: int) -> None:
+        self.cache, self.block_size = cache, block_size
+        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
+        self.pool = BlockPool(cache.num_blocks)
+
+    def reset(self) -> None:
+        """Every block back (after a failed call: calls are serialised, so all were that call's)."""
+        self.pool = BlockPool(self.pool.num_blocks)
+
+    def check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Refuse a request that could never be admitted, naming the prompt and the setting to raise."""
+        if params.n > self.max_num_seqs:
+            raise RequestError(f"n={params.n} exceeds the engine's max_num_seqs={self.max_num_seqs}")
+        for i, prompt in enumerate(prompts):
+            needed = self.group_blocks(len(prompt), 0, params)
+            if needed > self.pool.capacity:
+                raise RequestError(f"prompts[{i}] with n={params.n} and max_tokens={params.max_tokens} needs {needed} KV "
+                                   f"blocks; the cache has {self.pool.capacity} (raise kv_cache_tokens)")
+
+    def own_blocks(self, prompt_len: int, params: SamplingParams) -> int:
+        """Blocks one sample writes beyond the prompt's full blocks (the last sampled token is never cached)."""
+        bs = self.block_size
+        return math.ceil((prompt_len + params.max_tokens - 1) / bs) - prompt_len // bs
+
+    def group_blocks(self, prompt_len: int, cached_blocks: int, params: SamplingParams) -> int:
+        prompt_blocks = math.ceil(prompt_len / self.block_size) - cached_blocks
+        return prompt_blocks + params.n * self.own_blocks(prompt_len, params)
+
+    def admit(self, waiting: deque[PromptGroup], num_running: int, params: SamplingParams) -> list[PromptGroup]:
+        """Take groups off ``waiting`` while their samples, blocks and prefill tokens fit."""
+        admitted: list[PromptGroup] = []
+        tokens = 0
+        bs = self.block_size
+        while waiting:
+            group = waiting[0]
+            if num_running + (len(admitted) + 1) * params.n > self.max_num_seqs:
+                break
+            hashes = block_hashes(group.prompt, bs)
+            shared = []
+            for digest in hashes:
+                block = self.pool.cached(digest)
+                if block is None:
+                    break
+                shared.append(block)
+            if len(shared) * bs >= len(group.prompt):
+                shared.pop()  # keep the last prompt token to compute: its logits start the samples
+            if self.group_blocks(len(group.prompt), len(shared), params) > self.pool.num_free:
+                break
+            new_tokens = len(group.prompt) - len(shared) * bs
+            if admitted and tokens + new_tokens > self.max_prefill_tokens:
+                break
+            self.pool.share(shared)
+            fresh = self.pool.allocate(math.ceil(len(group.prompt) / bs) - len(shared))
+            for digest, block in zip(hashes[len(shared):], fresh, strict=False):
+                self.pool.register(block, digest)
+            group.blocks, group.cached = shared + fresh, len(shared) * bs
+            admitted.append(waiting.popleft())
+            tokens += new_tokens
+        return admitted
+
+    def fork(self, group: PromptGroup, params: SamplingParams, first_tokens: list[int],
+             first_logprobs: list[float]) -> list[Sequence]:
+        """The n samples share the prompt's full blocks; each gets its own copy of a partly filled last block."""
+        bs = self.block_size
+        full = group.blocks[: len(group.prompt) // bs]
+        partial = group.blocks[len(full):]
+        sequences = []
+        for token, logprob in zip(first_tokens, first_logprobs, strict=True):
+            own = self.pool.allocate(self.own_blocks(len(group.prompt), params))
+            self.pool.share(full)
+            if partial and own:
+                self.cache.copy_blocks(partial, own[:1])
+            sequences.append(Sequence(group.prompt_index, group.prompt + [token], len(group.prompt) + params.max_tokens,
+                                      full + own, [logprob]))
+        self.pool.release(group.blocks)
+        return sequences
+
+    def finish(self, sequence: Sequence) -> None:
+        self.pool.release(sequence.blocks)

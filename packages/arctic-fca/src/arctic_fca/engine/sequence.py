@@ -1,0 +1,43 @@
+"""What the engine tracks per request: a prompt group waiting or being prefilled, a running sample,
+and a finished sample as the engine returns it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+_sequence_ids = itertools.count()
+
+
+@dataclass
+class GenerationOutput:
+    """One finished sample: its prompt's index in the call, the new tokens and their log-probs."""
+
+    prompt_index: int
+    tokens: list[int]
+    logprobs: list[float]
+    policy_version: int
+
+
+@dataclass
+class PromptGroup:
+    """A prompt and its ``n`` samples-to-be, until its prefill forks them."""
+
+    prompt_index: int
+    prompt: list[int]
+    blocks: list[int] = field(default_factory=list)  # the prompt's blocks, while it is prefilled
+    cached: int = 0  # prompt tokens whose K/V another prompt already holds
+
+
+@dataclass
+class Sequence:
+    """One sample being decoded: prompt + tokens so far, and the KV blocks it reads (its blocks
+    are fixed at admission, so a running sequence never waits for memory)."""
+
+    prompt_index: int
+    tokens: list[int]
+    max_len: int
+    blocks: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    seq_id: int = field(default_factory=lambda: next(_sequence_ids))

@@ -1,0 +1,43 @@
+"""The FCA kernels' launch and split settings, as one value passed along instead of module globals.
+
+The defaults were tuned on the H200 (``bench/fca_sweep.py``, each layer's KV cold in L2
+as in a model). A work build takes a :class:`Tuning` and the work it returns carries it, so the
+kernels always launch with the settings the items were cut for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Triton settings of one launch of the partial-attention kernel."""
+
+    block_n: int = 64  # KV tokens per inner step: a gather of block_n / block_size pages
+    num_warps: int = 4
+    num_stages: int = 2  # software-pipeline stages (a GPU with less shared memory steps down)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    node: LaunchConfig = LaunchConfig(num_stages=5)  # shared-node items: tall query tiles
+    single: LaunchConfig = LaunchConfig(num_stages=2)  # one request's own tokens
+    programs_per_sm: int = 32  # persistent programs (x KV heads) per streaming multiprocessor
+    merge_rows: int = 16  # partial rows a merge program reads at once
+    overlap_launches: bool = True  # node and single launches on two CUDA streams (they write disjoint rows)
+    items_per_sm: int = 2  # split target: work items (x KV heads) per streaming multiprocessor
+    node_tile_rows: int = 64  # query rows (requests x heads per KV head) a node item serves at once
+    min_chunk_tokens: int = 256  # split lengths: enough items to hide the gathers' latency,
+    max_chunk_tokens: int = 8192  # few enough partials to merge
+
+    def replace(self, **changes: object) -> Tuning:
+        return dataclasses.replace(self, **changes)
+
+    def per_tile(self, group: int) -> int:
+        """Requests a node item serves at once, with ``group`` query heads per KV head."""
+        return max(1, self.node_tile_rows // group)
+
+
+DEFAULT_TUNING = Tuning()
