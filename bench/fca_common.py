@@ -56,6 +56,13 @@ def build_batch(groups: int, samples: int, prefix: int, suffix: int, *, system: 
     }
 
 
+def max_abs_diff(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest ``|out - expected|``, inf when either holds a NaN or an inf (never read as small)."""
+    if not (torch.isfinite(out).all() and torch.isfinite(expected).all()):
+        return math.inf
+    return (out.float() - expected.float()).abs().max().item()
+
+
 def attention_args(batch: dict) -> tuple:
     return tuple(batch[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
 

@@ -34,7 +34,7 @@ from arctic_fca.fca import fca_attention_with_lse, fca_decode_attention
 from arctic_fca.fca.decode import prepare_decode
 from arctic_fca.fca.reference import gather_paged_kv, paged_decode_attention
 from fca_common import (GPU_PREFIXES, GPU_SHAPES, GPU_SUFFIX, QWEN3_8B_HEADS, attention_args, build_batch,
-                        copy_bandwidth_bytes_per_s, describe, layer_copies, per_layer_us, time_us)
+                        copy_bandwidth_bytes_per_s, describe, layer_copies, max_abs_diff, per_layer_us, time_us)
 
 # ----------------------------------------------------------------------------- CPU smoke
 
@@ -53,7 +53,7 @@ def smoke() -> dict:
                 info = describe(batch)
                 fca = fca_decode_attention(*attention_args(batch), 0.125, plan=info["plan"])
                 plain = paged_decode_attention(*attention_args(batch), 0.125)
-                max_diff = max(max_diff, (fca - plain).abs().max().item())
+                max_diff = max(max_diff, max_abs_diff(fca, plain))
                 cases += 1
                 ratios[f"{groups}x{samples} sys{system} p{prefix} s{suffix} b{block_size}"] = info["byte_ratio"]
     return {"max_abs_diff": max_diff, "cases": cases, "byte_ratio_plain_over_unique": ratios}
@@ -85,7 +85,7 @@ def gpu_case(groups: int, samples: int, prefix: int, copy_bw: float) -> dict:
                                                                   enable_gqa=True)[:, :, 0]
     reference = runs["sdpa"]().float()
     torch_fca = lambda: fca_attention_with_lse(query, key_cache, value_cache, block_tables, scale, info["plan"])[0]  # noqa: E731
-    max_diff = max((out.float() - reference).abs().max().item() for out in (runs["fca"](), runs["plain"](), torch_fca()))
+    max_diff = max(max_abs_diff(out, reference) for out in (runs["fca"](), runs["plain"](), torch_fca()))
     # An engine replays decode attention inside a CUDA graph, layer after layer: time it so.
     us = {name: per_layer_us(run) for name, run in runs.items()}
     us["torch_fca"] = time_us(torch_fca)  # eager, once

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The vLLM + FCA measurements on the H200 (issue 7), in steps that each fit one device call (10 min).
-# Results go to $OUT (or ./vllm-results). vLLM 0.24.0 travels as wheels, prepared here with
-# ../shared/scripts/vllm-h200-wheels.sh .vllm (then `echo /.vllm/ >> .git/info/exclude`), and the
-# wheel in parts of 58 MB, each carried in its own call (`cp .vllm/vllm.partNN /tmp/vp/`).
+# The vLLM + FCA measurements on a GPU machine, in steps of a few minutes each (bench/vllm_fca.py).
+# Results go to $OUT (or ./vllm-results). vLLM 0.24.0 and its dependencies come as wheels in .vllm/
+# (bench/README.md: a GPU machine without internet access); a wheel too large for the transfer
+# may come in parts (vllm.partNN in /tmp/vp), which `install` joins.
 #
 #   bash bench/vllm_h200.sh install      # carry .vllm/deps and .whl: joins the parts, installs all
 #   bash bench/vllm_h200.sh kernels      # the plain build's cost, the work builder (eager vs CUDA graph), the FCA kernel table (no vLLM)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import sys
@@ -59,11 +60,13 @@ def smoke(device: str = "cpu") -> dict[str, object]:
         packed = copy.deepcopy(plain)
         enable_forest_attention(packed)
         a, b = response_outputs(plain, batch, processors), packed_response_outputs(packed, batch, processors)
-        max_lp = max(max_lp, float((a["logprobs"] - b["logprobs"]).detach().abs().max()))
+        diff = (a["logprobs"] - b["logprobs"]).detach().abs()
+        max_lp = max(max_lp, float(diff.max()) if torch.isfinite(diff).all() else math.inf)  # NaN never reads small
         (a["logprobs"].sum() + a["entropy"].sum()).backward()
         (b["logprobs"].sum() + b["entropy"].sum()).backward()
         for p, q in zip(plain.parameters(), packed.parameters()):
-            max_grad = max(max_grad, float((q.grad - p.grad).norm() / p.grad.norm().clamp(min=1e-30)))
+            rel = float((q.grad - p.grad).norm() / p.grad.norm().clamp(min=1e-30))
+            max_grad = max(max_grad, rel if math.isfinite(rel) else math.inf)
     return {"max_logprob_abs_diff": max_lp, "max_grad_rel_diff": max_grad, "families": sorted(TINY_SHAPES),
             "dedup_ratio": round(build_forest(batch).dedup_ratio, 2)}
 

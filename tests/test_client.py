@@ -12,11 +12,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient, AsyncArcticClient
 from arctic_core.errors import PluginNotFoundError, RequestError
 
-PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
-
-
-def trainer_of(client: ArcticClient):
-    return client.transport.server.trainer
+from helpers import PROMPTS, trainer_of, weights
 
 
 def sampler_of(client: ArcticClient):
@@ -28,10 +24,6 @@ def rollout(client: ArcticClient, n: int = 3, seed: int = 7) -> RolloutBatch:
     rewards = torch.linspace(-1, 1, batch.num_responses)
     old = client.log_probs(batch).outputs["logprobs"]
     return batch.replace(old_logprobs=old, advantages=rewards, rewards=rewards)
-
-
-def weights(client: ArcticClient) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in trainer_of(client).named_weights()}
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-4) -> None:

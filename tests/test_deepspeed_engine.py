@@ -18,10 +18,10 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import ConfigError
+from helpers import PROMPTS, trainer_of, weights
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
 LOSS = [{"name": "ppo", "clip_low": 0.2, "clip_high": 0.28}, {"name": "entropy", "weight": 0.01}]
 TRAINER = {
     "micro_batch_tokens": 16,  # several micro-batches per call
@@ -42,14 +42,6 @@ def config_of(tiny_policy: Path):
 
 def deepspeed_trainer(stage: int) -> dict[str, Any]:
     return {"backend": "deepspeed", "options": {"zero_stage": stage}}
-
-
-def trainer_of(client: ArcticClient):
-    return client.transport.server.trainer
-
-
-def weights(client: ArcticClient) -> dict[str, torch.Tensor]:
-    return {k: v.detach().float().cpu().clone() for k, v in trainer_of(client).named_weights()}
 
 
 def halves(batch: RolloutBatch) -> list[tuple[RolloutBatch, float]]:

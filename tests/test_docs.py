@@ -76,6 +76,24 @@ def test_every_page_is_found_and_has_its_blocks_parsed():
             assert block.lang, f"{block}: name the block's language"
 
 
+def test_the_configuration_reference_is_the_generated_one():
+    from arctic_core.config_docs import config_reference
+    from arctic_core.plugins.registry import default_registry
+
+    page = ROOT / "docs" / "guides" / "configuration.md"
+    assert page.read_text() == config_reference(default_registry()), (
+        "the config changed: regenerate with `arctic-rl config-reference > docs/guides/configuration.md`")
+
+
+DEVELOPMENT_TALK = re.compile(r"\bissue #?\d|\bsessions?\b|device (call|time)|carried|\.\./shared|\bPR #?\d", re.I)
+
+
+def test_pages_speak_to_users_not_of_the_projects_development():
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            assert not DEVELOPMENT_TALK.search(line), f"{page.relative_to(ROOT)}:{number}: {line}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_code_blocks_run_as_written(page, tmp_path):

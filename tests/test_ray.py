@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 
-from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient, AsyncArcticClient
 from arctic_core.errors import ConfigError, PluginNotFoundError, WorkerError
 from arctic_core.config import ArcticConfig, TrainerConfig
@@ -41,23 +40,10 @@ def config(tiny_policy):
                                    "trainer": {"backend": "torch"}, "reference": {"backend": "torch"}})
 
 
-def grpo_batch(vocab: int) -> RolloutBatch:
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (9, 14, 6, 11, 7)]
-    responses, index = [], []
-    for p in range(len(prompts)):
-        for _ in range(3):
-            length = int(torch.randint(2, 9, (1,), generator=gen))
-            responses.append(torch.randint(3, vocab, (length,), generator=gen).tolist())
-            index.append(p)
-    batch = RolloutBatch.from_lists(prompts, responses, index)
-    return batch.replace(advantages=torch.randn(batch.num_responses, generator=gen))
-
-
 def run(config: dict, steps: int = 2) -> tuple[list[float], dict[str, torch.Tensor], ArcticClient]:
     client = ArcticClient.in_process(config)
     server = client.transport.server
-    batch = grpo_batch(server.sampler.model.config.vocab_size)
+    batch = random_grpo_batch(server.sampler.model.config.vocab_size)
     losses = []
     for _ in range(steps):
         losses.append(client.fwd_bwd(batch, PPO).metrics["loss"])
@@ -95,7 +81,7 @@ def test_zero3_ranks_with_unequal_micro_batch_counts_run_in_step(tiny_policy):
     options = {"zero_stage": 3}
     one_losses, one_weights, one = run({**base, "trainer": {"backend": "deepspeed", "optimizer": OPTIMIZER,
                                                           "options": options, "micro_batch_tokens": 40}})
-    batch = grpo_batch(one.transport.server.sampler.model.config.vocab_size)
+    batch = random_grpo_batch(one.transport.server.sampler.model.config.vocab_size)
     one.close()
     counts = [len(plan_micro_batches(batch.select(rows), 40, grouped=True)) for rows in split_by_groups(batch, 2)]
     assert counts[0] != counts[1], counts  # the case under test
@@ -115,7 +101,7 @@ def test_a_worker_killed_mid_fwd_bwd_is_named_and_a_checkpoint_restores_every_ra
     with ArcticClient.in_process(config) as client:
         server = client.transport.server
         vocab = server.sampler.model.config.vocab_size
-        batch = grpo_batch(vocab)
+        batch = random_grpo_batch(vocab)
         client.fwd_bwd(batch, PPO)
         client.step()
         client.save_checkpoint(str(tmp_path / "ckpt"))

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from arctic_fca.fca import (
     attention_with_lse,
+    fca_attention_with_lse,
+    paged_attention_with_lse,
     build_plan,
     choose,
     fca_decode_attention,
@@ -68,6 +70,22 @@ def random_forest(seed: int, block_size: int) -> tuple[dict[str, int], list[tupl
 
 def attention_args(batch: dict) -> tuple:
     return tuple(batch[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens"))
+
+
+def max_abs_diff(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest ``|out - expected|``, or inf when either holds a NaN or an inf (a max taken over
+    NaNs would otherwise read as a tiny difference)."""
+    if not (torch.isfinite(out).all() and torch.isfinite(expected).all()):
+        return math.inf
+    return (out.float() - expected.float()).abs().max().item()
+
+
+def test_max_abs_diff_never_reads_nan_as_small():
+    ones = torch.ones(3)
+    assert max_abs_diff(ones, ones + 1e-6) < 1e-5
+    assert max_abs_diff(torch.full((3,), math.nan), ones) == math.inf
+    assert max_abs_diff(ones, torch.tensor([1.0, math.inf, 1.0])) == math.inf
+    assert max(0.0, max_abs_diff(torch.full((3,), math.nan), torch.full((3,), math.nan))) == math.inf
 
 
 def sdpa_oracle(batch: dict, scale: float) -> torch.Tensor:
@@ -165,6 +183,23 @@ def test_fca_equals_plain_on_random_forests(block_size, heads):
         step = prepare_decode(tables, lens, block_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                               head_dim=16, dtype=query.dtype)  # the cost model's pick, FCA or plain
         torch.testing.assert_close(step(query, key_cache, value_cache, scale), plain, atol=1e-5, rtol=0)
+
+
+def test_fca_combined_lse_equals_the_whole_sequences_lse():
+    """The merge returns each request's log-sum-exp over all its keys, not only its output: an
+    engine that merges FCA with more attention (cascades of cascades) relies on it."""
+    shared = 0
+    for seed in range(6):
+        segments, requests = random_forest(seed, 16)
+        batch = make_batch(segments, requests, 16, num_q_heads=8, num_kv_heads=2, seed=seed)
+        query, key_cache, value_cache, tables, lens = attention_args(batch)
+        plan = build_plan(tables, lens, 16)
+        shared += plan.num_nodes
+        out, lse = fca_attention_with_lse(query, key_cache, value_cache, tables, 0.25, plan)
+        starts = torch.zeros_like(lens)
+        whole_out, whole_lse = paged_attention_with_lse(query, key_cache, value_cache, tables, starts, lens, 0.25)
+        assert max_abs_diff(lse, whole_lse) < 1e-5 and max_abs_diff(out, whole_out) < 1e-5
+    assert shared > 0  # the forests did share prefixes
 
 
 def test_fca_with_a_reused_plan_and_only_shared_sequences():

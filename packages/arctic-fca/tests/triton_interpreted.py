@@ -13,7 +13,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from test_fca import attention_args, make_batch, random_forest  # noqa: E402
+from test_fca import attention_args, make_batch, max_abs_diff, random_forest  # noqa: E402
 
 from arctic_fca.fca import build_plan, paged_decode_attention  # noqa: E402
 from arctic_fca.fca.triton_decode import plan_work, triton_decode_attention  # noqa: E402
@@ -36,7 +36,7 @@ def kernel_cases() -> tuple[float, int]:
             for plan in (build_plan(tables, lens, block_size), None):
                 work = plan_work(plan, tables, lens, block_size, heads[0], heads[1], 24, chunk=chunk, tuning=TUNING)
                 out = triton_decode_attention(query, key_cache, value_cache, work, 0.3)
-                worst = max(worst, (out - expected).abs().max().item())
+                worst = max(worst, max_abs_diff(out, expected))
                 cases += 1
     return worst, cases
 
@@ -70,7 +70,7 @@ def static_work_cases() -> tuple[float, int]:
             query_padded = torch.cat([query, torch.zeros(rows - real, *query.shape[1:])])
             out = triton_decode_attention(query_padded, key_cache, value_cache, static.work, 0.3)[:real]
             expected = paged_decode_attention(query, key_cache, value_cache, tables.clamp(min=0), lens, 0.3)
-            worst = max(worst, (out - expected).abs().max().item())
+            worst = max(worst, max_abs_diff(out, expected))
             cases += 1
     return worst, cases
 
@@ -96,7 +96,7 @@ def device_work_cases() -> tuple[float, int]:
         out = output[: len(requests)].view(len(requests), 4, 16)
         triton_decode_attention(query, *kv_cache.unbind(1), builder.build(tables, lens), 0.3, out=out)
         expected = paged_decode_attention(query, key_cache, value_cache, tables.clamp(min=0), lens, 0.3)
-        worst = max(worst, (out - expected).abs().max().item())
+        worst = max(worst, max_abs_diff(out, expected))
         cases += 1
     return worst, cases
 
@@ -132,7 +132,7 @@ def plain_work_cases() -> tuple[float, int, bool]:
                                       kernel_work, 0.3)[: len(requests)]
         expected = paged_decode_attention(query, key_cache, value_cache, tables[: len(requests)].clamp(min=0),
                                           lens[: len(requests)], 0.3)
-        worst = max(worst, (out - expected).abs().max().item())
+        worst = max(worst, max_abs_diff(out, expected))
         cases += 1
     # Split lengths at their boundaries: 8 items wanted (8 nominal SMs x 2 / 2 KV heads), so 256
     # tokens split in 32s and 257 in 64s.

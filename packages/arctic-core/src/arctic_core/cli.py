@@ -152,6 +152,16 @@ def embedded_default_config() -> ArcticConfig:
     return ArcticConfig(model=ModelConfig(path=str(cache), device="cpu"), reference=LogProbConfig())
 
 
+@app.command("config-reference")
+def config_reference() -> None:
+    """Print the configuration reference (Markdown): every key of the config, the sampling params,
+    and the options of every built-in backend and loss term."""
+    from arctic_core.config_docs import config_reference as render
+    from arctic_core.plugins.registry import default_registry
+
+    typer.echo(render(default_registry()), nl=False)
+
+
 @app.command()
 def plugins() -> None:
     """List every registered plugin and what it provides."""

@@ -20,14 +20,15 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Unknown keys are errors; a docstring under a field is its description (the config reference shows it).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class ModelConfig(StrictModel):
     """Which weights to load: a local Hugging Face folder (``save_pretrained`` layout)."""
 
     path: str = Field(description="Folder with config.json, weights and tokenizer files.")
-    dtype: Dtype = "float32"
+    dtype: Dtype = Field("float32", description="Precision of the weights the engines hold (bfloat16 on GPUs).")
     device: str = Field("auto", description="'auto' picks cuda when available, else cpu.")
 
     def check_folder(self, where: str = "model") -> None:
@@ -41,18 +42,23 @@ class ModelConfig(StrictModel):
 
 
 class OptimizerConfig(StrictModel):
-    lr: Annotated[float, Field(gt=0)] = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: Annotated[float, Field(gt=0)] = 1e-8
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
-    max_grad_norm: Annotated[float, Field(gt=0)] | None = Field(1.0, description="None disables clipping.")
+    """AdamW (torch's, in every training backend) and gradient clipping."""
+
+    lr: Annotated[float, Field(gt=0)] = Field(1e-5, description="Peak learning rate (the schedule scales it).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's moment decays.")
+    eps: Annotated[float, Field(gt=0)] = Field(1e-8, description="Adam's denominator term.")
+    weight_decay: Annotated[float, Field(ge=0)] = Field(0.0, description="Decoupled (AdamW) weight decay.")
+    max_grad_norm: Annotated[float, Field(gt=0)] | None = Field(
+        1.0, description="Clip the global gradient norm to this before each step; None disables clipping.")
 
 
 class SchedulerConfig(StrictModel):
-    name: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    """The learning-rate schedule, advanced once per optimizer step (a ``step(lr=...)`` overrides it)."""
+
+    name: Literal["constant", "linear", "cosine"] = Field("constant", description="Shape after the warm-up.")
+    warmup_steps: Annotated[int, Field(ge=0)] = Field(0, description="Steps of linear warm-up from lr/warmup_steps.")
     total_steps: Annotated[int, Field(gt=0)] | None = Field(None, description="Needed by linear/cosine decay.")
-    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = Field(0.0, description="Where decay ends, as a share of lr.")
 
     @model_validator(mode="after")
     def _decay_needs_total(self) -> SchedulerConfig:
@@ -75,12 +81,12 @@ class TrainerConfig(EngineSection):
     backend: str = Field("deepspeed", description=(
         "Training backend, by plugin name: deepspeed or torch (both from the arctic-zorro package), "
         "ray (data-parallel Ray ranks of another backend)."))
-    optimizer: OptimizerConfig = OptimizerConfig()
-    scheduler: SchedulerConfig = SchedulerConfig()
+    optimizer: OptimizerConfig = Field(OptimizerConfig(), description="AdamW and gradient clipping.")
+    scheduler: SchedulerConfig = Field(SchedulerConfig(), description="The learning-rate schedule.")
     micro_batch_tokens: Annotated[int, Field(gt=0)] = Field(
         16384, description="Token budget of one micro-batch inside a fwd_bwd or log_probs call."
     )
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
     checkpoint_layers: Annotated[int, Field(ge=0)] | None = Field(None, description=(
         "With gradient_checkpointing: checkpoint only the first N decoder layers; the others keep "
         "their activations (less recompute, more memory). None: every layer."))
@@ -101,17 +107,19 @@ class LogProbConfig(EngineSection):
     backend: str = Field("deepspeed", description=(
         "Log-prob backend, by plugin name: deepspeed or torch (arctic-zorro), ray (another backend in a Ray actor)."))
     model: ModelConfig | None = Field(None, description="Defaults to the policy's initial weights.")
-    micro_batch_tokens: Annotated[int, Field(gt=0)] = 16384
-    options: dict[str, Any] = Field(default_factory=dict)
+    micro_batch_tokens: Annotated[int, Field(gt=0)] = Field(16384, description="Token budget of one micro-batch.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Backend-specific settings.")
 
 
 class SamplerConfig(EngineSection):
+    """The engine behind ``generate``."""
+
     SECTION = "sampler"
     backend: str = Field("embedded", description=(
         "Sampling backend, by plugin name: embedded or hf-generate (arctic-fca), vllm (arctic-fca[vllm]), "
         "ray (replicas of another backend)."))
-    max_batch_size: Annotated[int, Field(gt=0)] = 256
-    options: dict[str, Any] = Field(default_factory=dict)
+    max_batch_size: Annotated[int, Field(gt=0)] = Field(256, description="Sequences sampled together at most.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Backend-specific settings.")
 
 
 class WeightSyncConfig(StrictModel):
@@ -127,15 +135,15 @@ class WeightSyncConfig(StrictModel):
 class ArcticConfig(StrictModel):
     """Everything a server needs: the policy model and its engines."""
 
-    model: ModelConfig
-    trainer: TrainerConfig = TrainerConfig()
-    sampler: SamplerConfig = SamplerConfig()
-    reference: LogProbConfig | None = Field(None, description="Set to serve reference log-probs (KL).")
-    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    model: ModelConfig = Field(description="The policy's weights (the only required setting).")
+    trainer: TrainerConfig = Field(TrainerConfig(), description="The engine behind fwd_bwd, step and log_probs.")
+    sampler: SamplerConfig = Field(SamplerConfig(), description="The engine behind generate.")
+    reference: LogProbConfig | None = Field(None, description="Set (`reference: {}`) to serve reference log-probs (KL).")
+    weight_sync: WeightSyncConfig = Field(WeightSyncConfig(), description="How sync_weights moves the weights.")
     colocate: bool = Field(False, description=(
         "Engines share one device: before each call the server puts to sleep the engines it does not "
         "need and wakes those it does, so one engine's memory is resident at a time (weight sync wakes both)."))
-    seed: int = 0
+    seed: int = Field(0, description="Seeds weights' random parts, sampling without a request seed, and the engines.")
 
     def check_model_folders(self) -> None:
         """Every model path names a local model folder (see :meth:`ModelConfig.check_folder`)."""
@@ -155,13 +163,14 @@ class ArcticConfig(StrictModel):
 class SamplingParams(StrictModel):
     """How to sample; validated before any work starts."""
 
-    n: Annotated[int, Field(ge=1, le=4096)] = 1
-    temperature: Annotated[float, Field(ge=0)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    n: Annotated[int, Field(ge=1, le=4096)] = Field(1, description="Samples per prompt (a GRPO group).")
+    temperature: Annotated[float, Field(ge=0)] = Field(1.0, description="0 is greedy.")
+    top_p: Annotated[float, Field(gt=0, le=1)] = Field(1.0, description="Nucleus sampling; 1 disables it.")
     top_k: Annotated[int, Field(ge=0)] = Field(0, description="0 disables top-k.")
-    max_tokens: Annotated[int, Field(ge=1)] = 256
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
-    seed: int | None = None
+    max_tokens: Annotated[int, Field(ge=1)] = Field(256, description="New tokens per sample at most.")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, description="Tokens that end a sample (kept in it); empty: the model's eos.")
+    seed: int | None = Field(None, description="Same seed, same samples; None: the engine's own sequence.")
 
     @property
     def greedy(self) -> bool:

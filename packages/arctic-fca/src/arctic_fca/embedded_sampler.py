@@ -13,9 +13,11 @@ from arctic_fca.engine import EmbeddedEngine, EngineOptions
 class EmbeddedSampler:
     """Continuous batching + prefix sharing + FCA decode; options are :class:`EngineOptions`."""
 
+    options_model = EngineOptions
+
     def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
         config = config.model_copy(update={"options": {"max_num_seqs": config.max_batch_size, **config.options}})
-        options = validate_options(EngineOptions, config, "embedded")
+        options = validate_options(self.options_model, config, "embedded")
         self.engine = EmbeddedEngine(load_causal_lm(model), options, seed=seed)
 
     @property

@@ -22,8 +22,10 @@ class HFSamplerOptions(StrictModel):
 class HFGenerateSampler:
     """Samples with ``transformers.GenerationMixin.generate``; weights are updated in place."""
 
+    options_model = HFSamplerOptions
+
     def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
-        validate_options(HFSamplerOptions, config, "hf-generate")
+        validate_options(self.options_model, config, "hf-generate")
         self.config = config
         self.seed = seed
         self.model = load_causal_lm(model)

@@ -57,8 +57,10 @@ def import_vllm() -> Any:
 
 
 class VllmSampler:
+    options_model = VllmOptions
+
     def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
-        self.options = validate_options(VllmOptions, config, "vllm")
+        self.options = validate_options(self.options_model, config, "vllm")
         self.vllm = import_vllm()
         dtype = "auto" if model.dtype == "auto" else model.dtype
         self.llm = self.vllm.LLM(

@@ -82,6 +82,7 @@ class DeepSpeedTrainerOptions(DeepSpeedLogProbOptions):
     """``options`` of the DeepSpeed trainer."""
 
     zero_stage: Literal[0, 1, 2, 3] = 2
+    """Partitioned over ranks: 1 optimizer states, 2 and gradients, 3 and weights (0: none)."""
     offload_optimizer: bool = False
     """ZeRO 1-3: keep the fp32 master weights and Adam states in CPU memory (step on the CPU)."""
 

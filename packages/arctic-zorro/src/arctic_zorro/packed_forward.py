@@ -41,6 +41,7 @@ class ZorroOptions(StrictModel):
     """``options: {zorro: {enable: false}}`` in a trainer config turns prompt deduplication off."""
 
     enable: bool = True
+    """Pack each distinct prompt once per micro-batch (exact); false: one padded row per response."""
     head_chunk_tokens: int = Field(HEAD_CHUNK_TOKENS, gt=0, description=(
         "Response tokens per LM-head chunk: one chunk's full-vocabulary logits (and their gradient) "
         "live at a time, so smaller chunks lower the peak memory at some launch cost."))

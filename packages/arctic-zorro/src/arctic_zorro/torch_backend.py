@@ -27,13 +27,16 @@ class TorchOptions(StrictModel):
     """Backend options of the torch engines (any other key is a typo)."""
 
     zorro: ZorroOptions = ZorroOptions()
+    """Prompt-deduplicated packed forward (on by default)."""
 
 
 class TorchLogProbEngine:
     """Forward-only engine over a transformers model."""
 
+    options_model = TorchOptions
+
     def __init__(self, config: LogProbConfig | TrainerConfig, model: ModelConfig, *, seed: int) -> None:
-        options = validate_options(TorchOptions, config, "torch")
+        options = validate_options(self.options_model, config, "torch")
         torch.manual_seed(seed)
         self.micro_batch_tokens = config.micro_batch_tokens
         self.model = load_causal_lm(model)

@@ -22,8 +22,11 @@ from arctic_core.losses.options import parse_options
 
 class ClipOptions(StrictModel):
     clip_low: Annotated[float, Field(ge=0)] = 0.2
-    clip_high: Annotated[float, Field(ge=0)] | None = Field(None, description="Defaults to clip_low; DAPO uses 0.28.")
+    """The ratio is clipped below at 1 - clip_low."""
+    clip_high: Annotated[float, Field(ge=0)] | None = Field(None, description="Clipped above at 1 + clip_high; "
+                                                             "defaults to clip_low; DAPO uses 0.28.")
     aggregation: Aggregation = "token-mean"
+    """How per-token losses become one number (token-mean, seq-mean-token-mean, ...-sum, ...-sum-norm)."""
     old_logprobs: Literal["batch", "current"] = Field(
         "batch", description="batch: batch.old_logprobs; current: the data is on-policy (sampled by exactly "
         "these weights), so the current log-probs, detached, serve (ratio 1, policy-gradient direction).")
@@ -41,8 +44,11 @@ class PPOOptions(ClipOptions):
 
 class GSPOOptions(ClipOptions):
     clip_low: Annotated[float, Field(ge=0)] = 3e-4
+    """The sequence ratio is clipped below at 1 - clip_low (GSPO's ratios stay near 1)."""
     clip_high: Annotated[float, Field(ge=0)] | None = 4e-4
+    """Clipped above at 1 + clip_high."""
     aggregation: Aggregation = "seq-mean-token-mean"
+    """GSPO is exact only as a mean over sequences of their token means."""
 
     @model_validator(mode="after")
     def _sequence_level(self) -> GSPOOptions:
@@ -71,10 +77,11 @@ def _clipped_surrogate(
 class PPOLoss:
     """PPO/GRPO clipped surrogate with separate low/high clip (DAPO clip-higher) and dual-clip."""
 
+    options_model = PPOOptions
     requires = ("logprobs",)
 
     def __init__(self, **options: object) -> None:
-        self.options = parse_options(PPOOptions, "ppo", dict(options))
+        self.options = parse_options(self.options_model, "ppo", dict(options))
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
@@ -102,10 +109,11 @@ class PPOLoss:
 class GSPOLoss:
     """GSPO: one length-normalised importance ratio per sequence, clipped per sequence."""
 
+    options_model = GSPOOptions
     requires = ("logprobs",)
 
     def __init__(self, **options: object) -> None:
-        self.options = parse_options(GSPOOptions, "gspo", dict(options))
+        self.options = parse_options(self.options_model, "gspo", dict(options))
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext

@@ -21,10 +21,12 @@ from arctic_core.losses.options import parse_options
 
 class AggregationOptions(StrictModel):
     aggregation: Aggregation = "token-mean"
+    """How per-token values become one number (token-mean, seq-mean-token-mean, ...-sum, ...-sum-norm)."""
 
 
 class KLOptions(AggregationOptions):
     estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Schulman's estimators of KL(policy || reference) from the policy's samples (k3: low variance, >= 0)."""
     clamp: Annotated[float, Field(gt=0)] | None = Field(
         10.0, description="Clamp the per-token estimate to [-clamp, clamp] for stability; None disables."
     )
@@ -43,10 +45,11 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
 class KLLoss:
     """KL penalty to the reference policy (k1, k2 or k3 estimator); needs batch.ref_logprobs."""
 
+    options_model = KLOptions
     requires = ("logprobs",)
 
     def __init__(self, **options: object) -> None:
-        self.options = parse_options(KLOptions, "kl", dict(options))
+        self.options = parse_options(self.options_model, "kl", dict(options))
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
@@ -63,10 +66,11 @@ class KLLoss:
 class EntropyBonus:
     """Entropy bonus: minimises -entropy, so a positive weight raises the policy's entropy."""
 
+    options_model = AggregationOptions
     requires = ("entropy",)
 
     def __init__(self, **options: object) -> None:
-        self.options = parse_options(AggregationOptions, "entropy", dict(options))
+        self.options = parse_options(self.options_model, "entropy", dict(options))
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
@@ -79,10 +83,11 @@ class EntropyBonus:
 class SFTLoss:
     """Supervised cross-entropy on the response tokens (negative log-likelihood)."""
 
+    options_model = AggregationOptions
     requires = ("logprobs",)
 
     def __init__(self, **options: object) -> None:
-        self.options = parse_options(AggregationOptions, "sft", dict(options))
+        self.options = parse_options(self.options_model, "sft", dict(options))
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext

@@ -22,7 +22,7 @@ from arctic_core.ray.actors import (InnerBackendOptions, build_inner, ensure_ray
 class RayLogProbOptions(InnerBackendOptions):
     backend: str = Field("deepspeed", description="The log-prob backend the actor runs.")
     gpus: float = Field(0.0, ge=0, description="1 for a GPU of its own; a fraction to colocate.")
-    cpus: float = Field(1.0, ge=0)
+    cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for the actor (its compute threads).")
 
 
 class LogProbWorker:
@@ -42,8 +42,10 @@ class LogProbWorker:
 
 
 class RayLogProbEngine:
+    options_model = RayLogProbOptions
+
     def __init__(self, config: LogProbConfig, model: ModelConfig, *, seed: int) -> None:
-        self.options = validate_options(RayLogProbOptions, config, "ray")
+        self.options = validate_options(self.options_model, config, "ray")
         inner = self.options.inner(config, "log-prob backend")
         ray = ensure_ray(self.options.address)
         actor = ray.remote(num_cpus=self.options.cpus, num_gpus=self.options.gpus)(LogProbWorker)

@@ -29,7 +29,7 @@ class RaySamplerOptions(InnerBackendOptions):
     replicas: int = Field(2, ge=1, description="Sampler replicas, one Ray actor each.")
     backend: str = Field("embedded", description="The sampling backend every replica runs.")
     gpus_per_replica: float = Field(0.0, ge=0, description="1 for a GPU each; fractions to colocate.")
-    cpus_per_replica: float = Field(1.0, ge=0)
+    cpus_per_replica: float = Field(1.0, ge=0, description="CPUs Ray reserves per replica (its compute threads).")
 
 
 class SamplerWorker(WeightSyncActor):
@@ -53,8 +53,10 @@ class SamplerWorker(WeightSyncActor):
 
 
 class RaySampler:
+    options_model = RaySamplerOptions
+
     def __init__(self, config: SamplerConfig, model: ModelConfig, *, seed: int) -> None:
-        self.options = validate_options(RaySamplerOptions, config, "ray")
+        self.options = validate_options(self.options_model, config, "ray")
         inner = self.options.inner(config, "sampler")
         ray = ensure_ray(self.options.address)
         actor = ray.remote(num_cpus=self.options.cpus_per_replica, num_gpus=self.options.gpus_per_replica)(SamplerWorker)

@@ -43,7 +43,7 @@ class RayTrainerOptions(InnerBackendOptions):
     workers: int = Field(2, ge=1, description="Data-parallel ranks, one Ray actor each.")
     backend: str = Field("deepspeed", description="The training backend every worker runs.")
     gpus_per_worker: float = Field(0.0, ge=0, description="1 per worker for a GPU each; fractions to colocate.")
-    cpus_per_worker: float = Field(1.0, ge=0)
+    cpus_per_worker: float = Field(1.0, ge=0, description="CPUs Ray reserves per worker (its compute threads).")
 
 
 class TrainerWorker(WeightSyncActor):
@@ -89,8 +89,10 @@ class TrainerWorker(WeightSyncActor):
 
 
 class RayDataParallelTrainer:
+    options_model = RayTrainerOptions
+
     def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
-        self.options = validate_options(RayTrainerOptions, config, "ray")
+        self.options = validate_options(self.options_model, config, "ray")
         inner = self.options.inner(config, "trainer")
         ensure_ray(self.options.address, num_cpus=max(os.cpu_count() or 1, self.options.workers))
         self._spawn_args = (inner.model_dump_json(), model.model_dump_json(), seed)

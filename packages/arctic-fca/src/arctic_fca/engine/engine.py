@@ -42,11 +42,13 @@ class EngineOptions(StrictModel):
     block_size: int = Field(16, description="Tokens per KV block (a power of two >= 16).")
     kv_cache_tokens: int | None = Field(None, gt=0, description="KV cache size; default: 65536 on the CPU, "
                                         "gpu_memory_utilization of the device on CUDA.")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=0.98)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=0.98, description="Share of the GPU the engine may fill "
+                                          "(weights, activations, KV cache) when kv_cache_tokens is unset.")
     max_num_seqs: int = Field(256, gt=0, description="Sequences decoded together at most.")
     max_prefill_tokens: int = Field(16384, gt=0, description="Prompt tokens per prefill step (one group may exceed it).")
     fca: Literal["auto", "fca", "plain"] = Field("auto", description="auto: the cost model picks per step.")
-    kernel: Literal["auto", "triton", "torch"] = "auto"
+    kernel: Literal["auto", "triton", "torch"] = Field("auto", description="Decode attention kernels: auto is "
+                                                       "Triton on CUDA, the exact torch path elsewhere.")
     progress: bool | None = Field(None, description="Progress bar; None: only on a terminal.")
     cuda_graphs: bool = Field(True, description="Replay decode steps as CUDA graphs (CUDA only).")
     max_model_len: int | None = Field(None, gt=0, description="Prompt + new tokens at most; default: the model's "

@@ -1,0 +1,128 @@
+"""The configuration reference, generated from the pydantic models themselves.
+
+``arctic-rl config-reference`` prints it; ``docs/guides/configuration.md`` is its output, and a
+test keeps the two equal. Sections: every section of :class:`ArcticConfig`, the sampling params of
+``generate``, then the options of every backend and loss term the built-in plugins register
+(each factory that declares an ``options_model``).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from typing import Any, Literal
+
+import annotated_types
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from arctic_core.config import ArcticConfig, SamplingParams
+from arctic_core.plugins.registry import Lazy, Registry
+
+BUILTIN_PLUGINS = ("core", "zorro", "fca")
+"""Whose providers the reference lists: Arctic's own packages, not whatever else is installed."""
+
+HEADER = """# Configuration reference
+
+Generated from the config models by `arctic-rl config-reference`; every key, its type, default
+and meaning. A config is YAML (`arctic-rl serve --config FILE`) or a dict / `ArcticConfig` in
+Python; unknown keys are refused with the valid ones listed. Only `model.path` is required.
+"""
+
+_BOUNDS = {annotated_types.Gt: ">", annotated_types.Ge: ">=", annotated_types.Lt: "<", annotated_types.Le: "<="}
+
+
+def config_reference(registry: Registry) -> str:
+    lines = [HEADER]
+    for path, model in _sections("", ArcticConfig):
+        lines += [f"## `{path}`" if path else "## Top level", "", *_doc(model), *_table(model), ""]
+    lines += ["## Sampling params (`generate`)", "", *_table(SamplingParams), ""]
+    for kind, title, attribute in (("training_backend", "Trainer backends", "trainer.options"),
+                                   ("logprob_backend", "Log-prob backends", "reference.options"),
+                                   ("sampling_backend", "Sampler backends", "sampler.options"),
+                                   ("loss", "Loss terms", "a loss term's options")):
+        lines += [f"## {title}", "", f"What each accepts in `{attribute}`.", ""]
+        for item in sorted(registry.all(), key=lambda p: p.name):
+            if item.kind != kind or item.plugin not in BUILTIN_PLUGINS:
+                continue
+            factory = item.factory.load() if isinstance(item.factory, Lazy) else item.factory
+            options = getattr(factory, "options_model", None)
+            lines += [f"### `{item.name}` ({item.plugin}): {item.summary}", ""]
+            if options is None or not options.model_fields:
+                lines += ["No options.", ""]
+                continue
+            for path, model in _sections("", options):  # nested option groups, e.g. `zorro`
+                lines += [f"`{path}`:", ""] if path else []
+                lines += [*_table(model), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _sections(path: str, model: type[BaseModel]) -> list[tuple[str, type[BaseModel]]]:
+    """``model`` and every model nested in its fields, depth first, with their dotted paths."""
+    found = [(path, model)]
+    for name, field in model.model_fields.items():
+        nested = _nested_model(field.annotation)
+        if nested is not None:
+            found += _sections(f"{path}.{name}" if path else name, nested)
+    return found
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _nested_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _doc(model: type[BaseModel]) -> list[str]:
+    doc = (model.__doc__ or "").strip()
+    return [" ".join(doc.split()), ""] if doc and not doc.startswith(("!!!", "Usage docs")) else []
+
+
+def _table(model: type[BaseModel]) -> list[str]:
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        rows.append(f"| `{name}` | {_type(field)} | {_default(field)} | {_meaning(field)} |")
+    return rows
+
+
+def _type(field: FieldInfo) -> str:
+    bounds = [f"{_BOUNDS[type(m)]} {getattr(m, next(iter(m.__dataclass_fields__)))}"
+              for m in field.metadata if type(m) in _BOUNDS]
+    text = _type_name(field.annotation)
+    return f"{text} ({', '.join(bounds)})" if bounds else text
+
+
+def _type_name(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin in (list, tuple, dict):
+        inner = ", ".join(_type_name(a) for a in args if a is not Ellipsis)
+        return f"{origin.__name__}[{inner}]"
+    if annotation is type(None):
+        return "null"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "section"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default(field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, BaseModel):
+        return "see its section" if type(value).model_fields else "`{}`"
+    return f"`{json.dumps(value, default=str)}`"
+
+
+def _meaning(field: FieldInfo) -> str:
+    return " ".join((field.description or "").split()).replace("|", "\\|")
