@@ -7,8 +7,7 @@ GPU (no flag): a Qwen3-1.7B-shaped random bf16 model, 512 new tokens per sample 
 as vLLM's ``ignore_eos``), temperature 1: 64 prompts x 8 samples at prompt 2048, 16 x 16 at 4096,
 32 x 8 at 7680. Generated tokens per second (wall clock, prefill included) with the cost model
 choosing FCA per step ("auto"), with plain paged decode ("plain"), and, with --hf, transformers
-``generate`` on the same prompts. vLLM 0.24.0 figures for the same shapes are in
-../shared/ENVIRONMENT.md (measured on this machine with vLLM's defaults).
+``generate`` on the same prompts. vLLM's figures for the same shapes: bench/vllm_fca.py.
 
 The last line printed is a JSON object of all results.
 """
