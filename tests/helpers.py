@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
+from safetensors.torch import save as st_save
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
+from arctic_core.serving import wire
 
 PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
 
@@ -39,3 +43,14 @@ def random_grpo_batch(vocab: int, groups: tuple[int, ...] = (9, 14, 6, 11, 7), s
     old = -torch.log(torch.tensor(float(vocab))) + 0.1 * torch.randn(batch.response_ids.shape, generator=gen)
     return batch.replace(advantages=torch.randn(batch.num_responses, generator=gen),
                          old_logprobs=old * batch.loss_mask)
+
+
+def wire_body(tensors: dict[str, torch.Tensor], fields: dict, message: str) -> bytes:
+    """A wire-format body assembled by hand (to send what the client would never build)."""
+    return st_save(tensors, metadata={wire.JSON_KEY: json.dumps(fields), wire.MESSAGE_KEY: message})
+
+
+def batch_tensors(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A one-response batch's wire tensors (``batch.<field>``), with fields replaced or added."""
+    tensors = RolloutBatch.from_lists([[1, 2]], [[3, 4]], [0]).to_tensors() | changes
+    return {f"batch.{k}": v for k, v in tensors.items()}

@@ -7,7 +7,6 @@ load test, /metrics and /openapi.json, and the ``arctic-rl serve`` command itsel
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -23,7 +22,6 @@ import torch
 import uvicorn
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from safetensors.torch import save as st_save
 from typer.testing import CliRunner
 
 from arctic_core.serving import wire
@@ -36,6 +34,7 @@ from arctic_core.serving.http import create_app
 from arctic_core.protocol import OPS, GenerateRequest
 from arctic_core.serving.server import ArcticServer
 from arctic_core.errors import RemoteError
+from helpers import batch_tensors, wire_body
 
 HOST = "127.0.0.1"
 TOKEN = "s3cret-token"
@@ -168,15 +167,6 @@ def post(live: LiveServer, op: str, body: bytes, token: str | None = TOKEN, **kw
     return httpx.post(f"{live.url}/v1/{op}", content=body, headers=headers, timeout=30, **kwargs)
 
 
-def raw_body(tensors: dict[str, torch.Tensor], fields: dict, message: str) -> bytes:
-    return st_save(tensors, metadata={wire.JSON_KEY: json.dumps(fields), wire.MESSAGE_KEY: message})
-
-
-def small_batch(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
-    tensors = RolloutBatch.from_lists([[1, 2]], [[3, 4]], [0]).to_tensors() | changes
-    return {f"batch.{k}": v for k, v in tensors.items()}
-
-
 def assert_refused(response: httpx.Response, status: int, error: str, match: str) -> None:
     assert response.status_code == status, response.text
     body = response.json()
@@ -189,15 +179,15 @@ def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(gu
     assert_refused(post(guarded, "generate", b"\x00" * 3), 400, "RequestError", "truncated body: 3 bytes")
     assert_refused(post(guarded, "generate", b"\xff" * 100), 400, "RequestError", "not a safetensors message")
     assert_refused(post(guarded, "generate", valid[: len(valid) // 2]), 400, "RequestError", "truncated body")
-    assert_refused(post(guarded, "fwd_bwd", raw_body(small_batch(), ppo, "FwdBwdRequest")[:-3]), 400, "RequestError", "malformed or truncated")
+    assert_refused(post(guarded, "fwd_bwd", wire_body(batch_tensors(), ppo, "FwdBwdRequest")[:-3]), 400, "RequestError", "malformed or truncated")
     assert_refused(post(guarded, "fwd_bwd", valid), 400, "RequestError", "holds a 'GenerateRequest' message but this operation takes a FwdBwdRequest")
-    wrong_dtype = raw_body(small_batch(response_ids=torch.ones(1, 2)), ppo, "FwdBwdRequest")
+    wrong_dtype = wire_body(batch_tensors(response_ids=torch.ones(1, 2)), ppo, "FwdBwdRequest")
     assert_refused(post(guarded, "fwd_bwd", wrong_dtype), 400, "BatchError", "response_ids must hold integers")
-    assert_refused(post(guarded, "fwd_bwd", raw_body(small_batch(), {}, "FwdBwdRequest")), 400, "RequestError", "loss: Field required")
-    no_index = {k: v for k, v in small_batch().items() if k != "batch.prompt_index"}
-    assert_refused(post(guarded, "fwd_bwd", raw_body(no_index, ppo, "FwdBwdRequest")), 400, "BatchError", "missing required batch field(s) ['prompt_index']")
+    assert_refused(post(guarded, "fwd_bwd", wire_body(batch_tensors(), {}, "FwdBwdRequest")), 400, "RequestError", "loss: Field required")
+    no_index = {k: v for k, v in batch_tensors().items() if k != "batch.prompt_index"}
+    assert_refused(post(guarded, "fwd_bwd", wire_body(no_index, ppo, "FwdBwdRequest")), 400, "BatchError", "missing required batch field(s) ['prompt_index']")
     assert_refused(post(guarded, "train", valid), 404, "RequestError", "unknown operation 'train'")
-    unknown_loss = raw_body(small_batch(advantages=torch.ones(1)), {"loss": [{"name": "pp0"}]}, "FwdBwdRequest")
+    unknown_loss = wire_body(batch_tensors(advantages=torch.ones(1)), {"loss": [{"name": "pp0"}]}, "FwdBwdRequest")
     assert_refused(post(guarded, "fwd_bwd", unknown_loss), 400, "PluginNotFoundError", "no loss named 'pp0'")
     # Too big: refused on Content-Length before reading, and on the bytes read when no length is sent.
     assert_refused(post(guarded, "generate", b"\x00" * 100_000), 413, "PayloadTooLarge", "exceeds the server's limit of 65536 bytes")

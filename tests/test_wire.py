@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save as st_save
 
 from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.errors import BatchError, RequestError
+from helpers import batch_tensors, wire_body
 from arctic_core.protocol import (
     CheckpointRequest,
     Empty,
@@ -106,16 +106,6 @@ def test_tensors_travel_as_safetensors_and_the_rest_as_json_metadata():
     assert b"pickle" not in data and not data.startswith(b"\x80")  # not a pickle stream
 
 
-def raw(tensors: dict[str, torch.Tensor], fields: dict, message: str) -> bytes:
-    return st_save(tensors, metadata={wire.JSON_KEY: json.dumps(fields), wire.MESSAGE_KEY: message})
-
-
-def batch_tensors(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
-    tensors = RolloutBatch.from_lists([[1, 2]], [[3, 4]], [0]).to_tensors()
-    tensors.update(changes)
-    return {f"batch.{k}": v for k, v in tensors.items()}
-
-
 @pytest.mark.parametrize(
     ("data", "error", "match"),
     [
@@ -124,10 +114,10 @@ def batch_tensors(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
         (b"\xff" * 64, RequestError, "header length .* is absurd"),
         (b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}", RequestError, "header is not JSON"),
         (b"\x02\x00\x00\x00\x00\x00\x00\x00{}", RequestError, "has no 'arctic' key"),
-        (raw({}, {"prompts": [[1]]}, "FwdBwdRequest"), RequestError, "holds a 'FwdBwdRequest' message but this operation takes a GenerateRequest"),
-        (raw({}, {"prompts": [["a"]]}, "GenerateRequest"), RequestError, "prompts.0.0: Input should be a valid integer"),
-        (raw({}, {}, "GenerateRequest"), RequestError, "prompts: Field required"),
-        (raw({"batch.prompt_ids": torch.ones(1, 1)}, {"prompts": [[1]]}, "GenerateRequest"), RequestError, "unexpected tensor 'batch.prompt_ids' in a GenerateRequest"),
+        (wire_body({}, {"prompts": [[1]]}, "FwdBwdRequest"), RequestError, "holds a 'FwdBwdRequest' message but this operation takes a GenerateRequest"),
+        (wire_body({}, {"prompts": [["a"]]}, "GenerateRequest"), RequestError, "prompts.0.0: Input should be a valid integer"),
+        (wire_body({}, {}, "GenerateRequest"), RequestError, "prompts: Field required"),
+        (wire_body({"batch.prompt_ids": torch.ones(1, 1)}, {"prompts": [[1]]}, "GenerateRequest"), RequestError, "unexpected tensor 'batch.prompt_ids' in a GenerateRequest"),
     ],
 )
 def test_bad_generate_bodies_name_the_problem(data, error, match):
@@ -150,7 +140,7 @@ def test_bad_generate_bodies_name_the_problem(data, error, match):
 )
 def test_bad_fwd_bwd_bodies_name_the_problem(tensors, fields, error, match):
     with pytest.raises(error, match=match):
-        wire.decode_request("fwd_bwd", raw(tensors, fields, "FwdBwdRequest"))
+        wire.decode_request("fwd_bwd", wire_body(tensors, fields, "FwdBwdRequest"))
 
 
 def test_every_truncation_of_a_message_is_refused():
