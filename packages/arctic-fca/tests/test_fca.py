@@ -291,7 +291,7 @@ def test_a_gpu_with_less_shared_memory_gets_fewer_pipeline_stages(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
     from arctic_fca.fca import triton_decode
-    from arctic_fca.fca.triton_decode import plan_work
+    from arctic_fca.fca.work import plan_work
 
     tried = []
 

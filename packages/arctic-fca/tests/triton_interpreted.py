@@ -16,7 +16,8 @@ import torch  # noqa: E402
 from test_fca import attention_args, make_batch, max_abs_diff, random_forest  # noqa: E402
 
 from arctic_fca.fca import build_plan, paged_decode_attention  # noqa: E402
-from arctic_fca.fca.triton_decode import plan_work, triton_decode_attention  # noqa: E402
+from arctic_fca.fca.triton_decode import triton_decode_attention  # noqa: E402
+from arctic_fca.fca.work import plan_work  # noqa: E402
 from arctic_fca.fca.tuning import DEFAULT_TUNING  # noqa: E402
 
 # Few persistent programs (8 nominal SMs x 1): each strides over several items, as on a busy GPU;

@@ -90,7 +90,7 @@ def prepare_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_siz
     tables_on_device = block_tables.to(device, non_blocking=True)
     prepared = PreparedDecode(tables_on_device, seq_lens.to(device, non_blocking=True), plan, chosen_kernel)
     if chosen_kernel == "triton":
-        from arctic_fca.fca.triton_decode import plan_work
+        from arctic_fca.fca.work import plan_work
 
         prepared.work = plan_work(plan, tables_on_device, seq_lens, block_size, num_q_heads, num_kv_heads, head_dim,
                                   tuning=tuning)

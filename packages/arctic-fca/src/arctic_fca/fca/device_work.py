@@ -53,7 +53,7 @@ import torch
 
 from arctic_fca.fca.cost_model import DEFAULT_COSTS, CostConstants, price, token_bytes
 from arctic_fca.fca.plain_work import write_plain_work
-from arctic_fca.fca.triton_decode import DeviceLaunch, DeviceWork
+from arctic_fca.fca.work import DeviceLaunch, DeviceWork
 from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 from arctic_fca.fca.work import device_sms
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from arctic_fca.fca.triton_decode import DeviceLaunch, DeviceWork, _items
+from arctic_fca.fca.work import DeviceLaunch, DeviceWork, item_columns
 from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 from arctic_fca.fca.work import DecodeWork
 
@@ -73,7 +73,7 @@ class StaticDecodeWork:
             return False
         for name, launch in (("node_items", work.node), ("single_items", work.single)):
             if launch is not None:
-                self.host[name].reshape(5, -1)[:, : launch.num_items] = _items(launch)[:, : launch.num_items]
+                self.host[name].reshape(5, -1)[:, : launch.num_items] = item_columns(launch)[:, : launch.num_items]
         self.host["counts"][:] = (work.node.num_items if work.node is not None else 0, work.single.num_items)
         self.host["q_index"][: work.q_index.size] = work.q_index
         self.host["merge_indptr"][:] = work.merge_indptr

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from arctic_fca.fca.triton_decode import DeviceWork
+from arctic_fca.fca.work import DeviceWork
 
 
 # One compiled program for every batch size: Triton would otherwise specialize the request count

@@ -1,6 +1,6 @@
 """Triton kernels for paged decode attention: FCA and the plain FlashDecoding-style baseline.
 
-Two kernels serve both (see ``arctic_fca.fca.work`` for the work items):
+Two kernels serve both (``arctic_fca.fca.work`` builds their work items, on the host or the device):
 
 - ``_partial_attention``: one program per (work item, KV head). It loads the query heads of that
   KV head for every request the item serves (a tile of ``requests x group`` rows), streams the
@@ -21,17 +21,12 @@ suite checks them against the exact torch path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from arctic_fca.fca.plan import FCAPlan
-from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
-from arctic_fca.fca.work import DecodeWork, Launch, build_work, device_sms
+from arctic_fca.fca.work import DeviceLaunch, DeviceWork, device_sms
 
 LOG2E = 1.4426950408889634
 # Streams for the node launch, which runs beside the single launch (two branches of a captured
@@ -155,72 +150,6 @@ def _merge_partials(
         m = m_new
     out = acc / tl.where(total > 0, total, 1.0)  # a request without rows (padding) gets zeros
     tl.store(out_ptr + request * stride_or + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
-
-
-ITEM_COLUMNS = ("kv_start", "kv_len", "q_start", "q_count", "out_row")
-
-
-@dataclass
-class DeviceLaunch:
-    items: torch.Tensor  # [5, capacity] int32: ITEM_COLUMNS
-    count: torch.Tensor  # [1] int32: items in use this step (the grid covers the capacity)
-    requests_per_tile: int
-
-
-@dataclass
-class DeviceWork:
-    """A step's work items on the device (``work.DecodeWork`` with the block tables in front)."""
-
-    kv_index: torch.Tensor
-    q_index: torch.Tensor
-    node: DeviceLaunch | None
-    single: DeviceLaunch
-    merge_indptr: torch.Tensor
-    merge_rows: torch.Tensor
-    partial: torch.Tensor  # [rows, q_heads, head_dim] fp32
-    lse: torch.Tensor  # [rows, q_heads] fp32
-    direct: bool  # one unsplit item per request: no partials, no merge
-    tuning: Tuning = DEFAULT_TUNING  # the settings the items were cut for, and the launches use
-
-
-def _items(launch: Launch) -> np.ndarray:
-    return np.stack([getattr(launch, c) for c in ITEM_COLUMNS]) if launch.num_items else np.zeros((5, 1), np.int32)
-
-
-def to_device(work: DecodeWork, block_tables: torch.Tensor, num_q_heads: int, head_dim: int,
-              tuning: Tuning = DEFAULT_TUNING) -> DeviceWork:
-    """Exactly sized device copies of ``work`` (``block_tables``: the device tables it was built for)."""
-    device = block_tables.device
-
-    def tensor(values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)).to(device, non_blocking=True)
-
-    def launch(host: Launch) -> DeviceLaunch:
-        return DeviceLaunch(tensor(_items(host)), tensor(np.array([host.num_items])), host.requests_per_tile)
-
-    rows = max(1, work.num_partial_rows)
-    return DeviceWork(
-        kv_index=torch.cat([block_tables.reshape(-1).to(torch.int32), tensor(work.node_kv)]),
-        q_index=tensor(work.q_index),
-        node=launch(work.node) if work.node is not None else None,
-        single=launch(work.single),
-        merge_indptr=tensor(work.merge_indptr),
-        merge_rows=tensor(work.merge_rows),
-        partial=torch.empty(rows, num_q_heads, head_dim, dtype=torch.float32, device=device),
-        lse=torch.empty(rows, num_q_heads, dtype=torch.float32, device=device),
-        direct=work.one_item_per_request,
-        tuning=tuning,
-    )
-
-
-def plan_work(plan: FCAPlan | None, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-              num_q_heads: int, num_kv_heads: int, head_dim: int, chunk: int | None = None,
-              tuning: Tuning = DEFAULT_TUNING) -> DeviceWork:
-    """The work items of one decode step (FCA with ``plan``, plain without) on the tables' device."""
-    host = build_work(plan, seq_lens.cpu().numpy(), block_tables.shape[1], block_size,
-                      group=num_q_heads // num_kv_heads, num_kv_heads=num_kv_heads,
-                      num_sms=device_sms(block_tables.device), chunk=chunk, tuning=tuning)
-    return to_device(host, block_tables, num_q_heads, head_dim, tuning)
 
 
 def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cache, out, lse, scale: float) -> None:

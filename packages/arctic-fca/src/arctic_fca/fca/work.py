@@ -22,6 +22,10 @@ Layout (int32; built with numpy on the host once per decode step, shared by all 
 
 The tables come first so that their offsets do not depend on the plan: a CUDA graph keeps them in a
 static buffer and rewrites them only when the batch's sequences change.
+
+``DeviceWork`` / ``DeviceLaunch`` hold the same items as device tensors, the form the kernels
+read: ``plan_work`` builds them from a plan on the host (``to_device``), ``graph_work`` keeps them
+in fixed buffers for CUDA graphs, ``device_work.DeviceWorkBuilder`` derives them on the device.
 """
 
 from __future__ import annotations
@@ -178,3 +182,72 @@ def build_work(plan: FCAPlan | None, seq_lens: np.ndarray, table_width: int, blo
         merge_indptr=_int32(np.concatenate([[0], np.cumsum(counts)])),
         merge_rows=_int32(np.argsort(row_request_all, kind="stable")),
     )
+
+
+# ----------------------------------------------------------------- the same work on the device
+
+ITEM_COLUMNS = ("kv_start", "kv_len", "q_start", "q_count", "out_row")
+
+
+@dataclass
+class DeviceLaunch:
+    items: torch.Tensor  # [5, capacity] int32: ITEM_COLUMNS
+    count: torch.Tensor  # [1] int32: items in use this step (the grid covers the capacity)
+    requests_per_tile: int
+
+
+@dataclass
+class DeviceWork:
+    """A step's work items on the device (``work.DecodeWork`` with the block tables in front)."""
+
+    kv_index: torch.Tensor
+    q_index: torch.Tensor
+    node: DeviceLaunch | None
+    single: DeviceLaunch
+    merge_indptr: torch.Tensor
+    merge_rows: torch.Tensor
+    partial: torch.Tensor  # [rows, q_heads, head_dim] fp32
+    lse: torch.Tensor  # [rows, q_heads] fp32
+    direct: bool  # one unsplit item per request: no partials, no merge
+    tuning: Tuning = DEFAULT_TUNING  # the settings the items were cut for, and the launches use
+
+
+def item_columns(launch: Launch) -> np.ndarray:
+    """A launch's items as the [5, items] int32 array the kernels read (ITEM_COLUMNS)."""
+    return np.stack([getattr(launch, c) for c in ITEM_COLUMNS]) if launch.num_items else np.zeros((5, 1), np.int32)
+
+
+def to_device(work: DecodeWork, block_tables: torch.Tensor, num_q_heads: int, head_dim: int,
+              tuning: Tuning = DEFAULT_TUNING) -> DeviceWork:
+    """Exactly sized device copies of ``work`` (``block_tables``: the device tables it was built for)."""
+    device = block_tables.device
+
+    def tensor(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32)).to(device, non_blocking=True)
+
+    def launch(host: Launch) -> DeviceLaunch:
+        return DeviceLaunch(tensor(item_columns(host)), tensor(np.array([host.num_items])), host.requests_per_tile)
+
+    rows = max(1, work.num_partial_rows)
+    return DeviceWork(
+        kv_index=torch.cat([block_tables.reshape(-1).to(torch.int32), tensor(work.node_kv)]),
+        q_index=tensor(work.q_index),
+        node=launch(work.node) if work.node is not None else None,
+        single=launch(work.single),
+        merge_indptr=tensor(work.merge_indptr),
+        merge_rows=tensor(work.merge_rows),
+        partial=torch.empty(rows, num_q_heads, head_dim, dtype=torch.float32, device=device),
+        lse=torch.empty(rows, num_q_heads, dtype=torch.float32, device=device),
+        direct=work.one_item_per_request,
+        tuning=tuning,
+    )
+
+
+def plan_work(plan: FCAPlan | None, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+              num_q_heads: int, num_kv_heads: int, head_dim: int, chunk: int | None = None,
+              tuning: Tuning = DEFAULT_TUNING) -> DeviceWork:
+    """The work items of one decode step (FCA with ``plan``, plain without) on the tables' device."""
+    host = build_work(plan, seq_lens.cpu().numpy(), block_tables.shape[1], block_size,
+                      group=num_q_heads // num_kv_heads, num_kv_heads=num_kv_heads,
+                      num_sms=device_sms(block_tables.device), chunk=chunk, tuning=tuning)
+    return to_device(host, block_tables, num_q_heads, head_dim, tuning)
