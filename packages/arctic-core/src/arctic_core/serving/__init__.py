@@ -1,2 +1,3 @@
-"""The server side: the engines behind the protocol (``server``), its HTTP front (``http``, with
-Prometheus ``metrics``) and the wire format every transport speaks (``wire``)."""
+"""The server side: the engines behind the protocol (``server``), how checkpoints reach disk
+(``checkpoint_folders``), its HTTP front (``http``, with Prometheus ``metrics``) and the wire
+format every transport speaks (``wire``)."""

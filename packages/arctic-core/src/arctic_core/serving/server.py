@@ -7,10 +7,8 @@ can share one server without interleaving a ``fwd_bwd`` with a ``step``.
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
-import os
 import resource
 import shutil
 import threading
@@ -25,6 +23,8 @@ from arctic_core.errors import ArcticError, RequestError
 from arctic_core.hf import copy_tokenizer_files
 from arctic_core.plugins.interfaces import LossContext, LogProbBackend, SamplingBackend, TrainingBackend
 from arctic_core.losses.objective import build_objective, build_processors
+from arctic_core.serving import checkpoint_folders
+from arctic_core.serving.checkpoint_folders import STATE_FILE
 from arctic_core.protocol import (
     CheckpointRequest,
     Empty,
@@ -45,7 +45,6 @@ from arctic_core.plugins.registry import Registry, default_registry
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "arctic_state.json"
 HF_EXPORT = "hf"
 
 
@@ -147,8 +146,7 @@ class ArcticServer:
 
     def _op_save_checkpoint(self, req: CheckpointRequest) -> StatusResult:
         target = Path(req.path)
-        staging = _sibling(target, "tmp", os.getpid())
-        _remove_stale_siblings(target)
+        staging = checkpoint_folders.staging_for(target)
         try:
             staging.mkdir(parents=True)
             self.trainer.save_checkpoint(staging / "trainer")
@@ -156,18 +154,18 @@ class ArcticServer:
                 self.trainer.export_hf(staging / HF_EXPORT)
                 copy_tokenizer_files(self.config.model.path, staging / HF_EXPORT)
             (staging / STATE_FILE).write_text(json.dumps(self._state()))
-            _replace_dir(staging, target)  # readers never see a half-written checkpoint
+            checkpoint_folders.publish(staging, target)  # readers never see a half-written checkpoint
         except OSError as exc:
             raise RequestError(f"cannot save a checkpoint at {target}: {exc}") from exc
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         if req.keep_last is not None:
-            _prune_checkpoints(target.parent, req.keep_last)
+            checkpoint_folders.prune(target.parent, req.keep_last)
         return self._status()
 
     def _op_load_checkpoint(self, req: CheckpointRequest) -> StatusResult:
         path = Path(req.path)
-        _recover_interrupted_replace(path)
+        checkpoint_folders.recover(path)
         if not (path / STATE_FILE).is_file():
             raise RequestError(f"{path} is not an Arctic checkpoint (no {STATE_FILE})")
         state = json.loads((path / STATE_FILE).read_text())
@@ -271,66 +269,3 @@ def call_metrics(metrics: dict[str, float], seconds: float) -> dict[str, float]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
-
-
-def _prune_checkpoints(folder: Path, keep: int) -> None:
-    """Delete all but the ``keep`` newest Arctic checkpoints in ``folder`` (other folders untouched)."""
-    found = [d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".") and (d / STATE_FILE).is_file()]
-    found.sort(key=lambda d: (json.loads((d / STATE_FILE).read_text())["step"], d.stat().st_mtime))
-    for old in found[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _replace_dir(staging: Path, target: Path) -> None:
-    """Move ``staging`` to ``target``, replacing an existing checkpoint with two renames. A process
-    killed between them leaves the previous checkpoint complete at ``.{name}.old-{pid}``, which
-    :func:`_recover_interrupted_replace` moves back."""
-    old = _sibling(target, "old", os.getpid())
-    if target.exists():
-        os.replace(target, old)
-    os.replace(staging, target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _sibling(target: Path, kind: str, pid: int) -> Path:
-    """A hidden folder beside ``target``: ``tmp`` (being written) or ``old`` (being replaced)."""
-    return target.with_name(f".{target.name}.{kind}-{pid}")
-
-
-def _siblings(target: Path, kind: str) -> list[Path]:
-    if not target.parent.is_dir():
-        return []
-    return sorted(target.parent.glob(f".{glob.escape(target.name)}.{kind}-*"))
-
-
-def _recover_interrupted_replace(target: Path) -> None:
-    """Put back the previous checkpoint when a save died between its two renames (``target``
-    gone, its old copy complete). A staging folder is never taken: it may be half-written."""
-    if target.exists():
-        return
-    complete = [old for old in _siblings(target, "old") if (old / STATE_FILE).is_file()]
-    if complete:
-        log.warning("restoring %s from %s: a save was interrupted while replacing it", target, complete[-1])
-        os.replace(complete[-1], target)
-
-
-def _remove_stale_siblings(target: Path) -> None:
-    """Delete what saves that died left beside ``target``: staging folders of dead processes, and
-    old copies once ``target`` itself is complete."""
-    _recover_interrupted_replace(target)
-    for folder in _siblings(target, "tmp"):
-        if not _process_alive(int(folder.name.rsplit("-", 1)[1])):
-            shutil.rmtree(folder, ignore_errors=True)
-    if (target / STATE_FILE).is_file():
-        for folder in _siblings(target, "old"):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
-    return True
