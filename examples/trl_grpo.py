@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--plain", action="store_true", help="run on trl.GRPOTrainer instead")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL's defaults otherwise)")
     cli = parser.parse_args(argv)
     trainer_class = GRPOTrainer
     if cli.plain:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         output_dir=cli.out or tempfile.mkdtemp(prefix="trl-grpo-"), max_steps=cli.steps, learning_rate=3e-3,
         per_device_train_batch_size=16, num_generations=8, max_completion_length=12, temperature=1.0,
         logging_steps=1, report_to="none", use_cpu=True, bf16=False, seed=0, save_strategy="no",
-        gradient_checkpointing=False, lr_scheduler_type="constant",
+        gradient_checkpointing=False, lr_scheduler_type="constant", beta=cli.beta,
     )
     trainer = trainer_class(model=folder, reward_funcs=digit_share, args=args, train_dataset=dataset)
     trainer.train()

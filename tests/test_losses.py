@@ -19,7 +19,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import LossTermConfig
 from arctic_core.errors import BatchError, ConfigError, PluginNotFoundError
 from arctic_core.plugins.interfaces import LossContext
-from arctic_core.losses.policy import GSPOLoss, PPOLoss
+from arctic_core.losses.policy import CISPOLoss, GSPOLoss, PPOLoss, SAPOLoss, VESPOLoss
 from arctic_core.losses.regularizers import EntropyBonus, KLLoss, SFTLoss
 from arctic_core.losses.objective import build_objective
 from arctic_core.losses.processors import Entropy, LogProbs
@@ -421,9 +421,101 @@ def test_invalid_option_values_raise_config_error() -> None:
         KLLoss(estimator="k4")
 
 
-def test_gspo_rejects_token_mean_aggregation() -> None:
-    with pytest.raises(ConfigError):
-        GSPOLoss(aggregation="token-mean")
+def test_gspo_under_token_mean_weighs_each_sequence_by_its_tokens() -> None:
+    """Any aggregation: the sequence's loss is carried by each of its tokens (TRL's broadcast), so
+    token-mean gives sum_i len_i * L_i / tokens and the gradient of each sequence's ratio."""
+    batch, logp = gspo_case()
+    loss, _ = GSPOLoss(aggregation="token-mean")({"logprobs": logp}, batch, LossContext.of(batch))
+    lens, mask = [3, 2, 2], batch.loss_mask.to(F64)
+    log_w = ((logp - batch.old_logprobs) * mask).sum(-1) / mask.sum(-1)
+    ratio = torch.exp(log_w)
+    adv = torch.tensor(GSPO_ADV, dtype=F64)
+    per_seq = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - 3e-4, 1 + 4e-4))
+    expected = (per_seq * torch.tensor(lens, dtype=F64)).sum() / 7
+    assert loss.item() == pytest.approx(expected.item(), abs=TOL)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want,) = torch.autograd.grad(expected, logp)
+    assert_rows(grad.tolist(), want.tolist())
+
+
+def test_two_sided_clip_caps_the_ratio_of_negative_advantages() -> None:
+    """delta = 1.3: row 1 (A = -2) ratio 1.1 stays; the same row with ratio 2.0 would cost 2 * 1.3."""
+    batch = make_batch([2], old_logprobs=[[-1.0, -1.0]], advantages=[-2.0])
+    logp = logprobs_from([[-1.0, -1.0]], [[math.log(1.1), math.log(2.0)]])
+    loss, _ = PPOLoss(delta=1.3, aggregation="token-mean")({"logprobs": logp}, batch, LossContext.of(batch))
+    assert loss.item() == pytest.approx((2 * 1.1 + 2 * 1.3) / 2, abs=TOL)
+    assert_rows(grad_of(loss, logp), [[2 * 1.1 / 2, 0.0]])  # the capped token has no gradient
+    with pytest.raises(ConfigError, match="delta"):
+        PPOLoss(delta=1.0)  # must be > 1
+
+
+def test_entropy_floor_keeps_only_high_entropy_tokens_with_the_same_normaliser() -> None:
+    batch, logp = ppo_case()
+    entropy = torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.7, 0.0]], dtype=F64)
+    full, _ = PPOLoss(**PPO_OPTS)({"logprobs": logp}, batch, LossContext.of(batch))
+    term = PPOLoss(**PPO_OPTS, entropy_floor=0.5)
+    assert term.requires == ("logprobs", "entropy")
+    loss, metrics = term({"logprobs": logp, "entropy": entropy}, batch, LossContext.of(batch))
+    # kept: row 0 tokens 0 and 2 (-1.25, -0.5), row 1 token 1 (2.2); divided by all 5 tokens
+    assert loss.item() == pytest.approx((-1.25 - 0.5 + 2.2) / 5, abs=TOL)
+    assert metrics["kept"] == pytest.approx(3 / 5, abs=MTOL)
+    assert full.item() == pytest.approx(0.77 / 5, abs=TOL)
+
+
+def test_off_policy_mask_drops_drifted_negative_advantage_sequences() -> None:
+    """Row 1 (A = -2) has mean KL(old || current) = -(log 0.5 + log 1.1) / 2 = 0.299; row 0 (A > 0)
+    is always kept."""
+    batch, logp = ppo_case()
+    kept, _ = PPOLoss(**PPO_OPTS, off_policy_threshold=0.3)({"logprobs": logp}, batch, LossContext.of(batch))
+    dropped, metrics = PPOLoss(**PPO_OPTS, off_policy_threshold=0.29)({"logprobs": logp}, batch, LossContext.of(batch))
+    assert kept.item() == pytest.approx(0.77 / 5, abs=TOL)
+    assert dropped.item() == pytest.approx(-3.03 / 5, abs=TOL) and metrics["kept"] == pytest.approx(3 / 5, abs=MTOL)
+
+
+def test_cispo_sapo_vespo_against_their_formulas() -> None:
+    batch, logp = ppo_case()
+    ctx, mask = LossContext.of(batch), batch.loss_mask.to(F64)
+    adv = torch.tensor(PPO_ADV, dtype=F64)[:, None]
+    ratio = torch.exp((logp - batch.old_logprobs) * mask)
+    cases = {
+        CISPOLoss(ratio_cap=1.3): -ratio.clamp(max=1.3).detach() * adv * logp,
+        SAPOLoss(): -torch.sigmoid(torch.where(adv > 0, 1.0, 1.05) * (ratio - 1)) * 4 / torch.where(adv > 0, 1.0, 1.05) * adv,
+    }
+    log_w = ((logp - batch.old_logprobs) * mask).sum(-1, keepdim=True).detach()
+    k, lam = torch.where(adv >= 0, 2.0, 3.0), torch.where(adv >= 0, 3.0, 2.0)
+    cases[VESPOLoss()] = -torch.exp(lam + k * log_w - lam * torch.exp(log_w)) * adv * logp
+    for term, per_token in cases.items():
+        loss, _ = term({"logprobs": logp}, batch, ctx)
+        expected = (per_token * mask).sum() / 5
+        assert loss.item() == pytest.approx(expected.item(), abs=TOL), term.name
+        (grad,) = torch.autograd.grad(loss, logp)
+        (want,) = torch.autograd.grad(expected, logp)
+        assert_rows(grad.tolist(), want.tolist())
+    with pytest.raises(ConfigError, match="VESPO"):
+        VESPOLoss(level="sequence")
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_ratio_weighted_kl_is_k3_times_the_importance_ratio_with_its_gradient(level) -> None:
+    batch, logp = ppo_case(ref_logprobs=[[-1.5, -0.5, -1.0], [-1.0, -0.5]])
+    loss, _ = KLLoss(ratio_weighted=True, level=level, clamp=None)({"logprobs": logp}, batch, LossContext.of(batch))
+    mask = batch.loss_mask.to(F64)
+    log_ratio = (logp - batch.old_logprobs) * mask
+    if level == "sequence":
+        log_ratio = ((log_ratio.sum(-1) / mask.sum(-1))[:, None]).expand_as(logp)
+    k3 = torch.exp(batch.ref_logprobs - logp) - (batch.ref_logprobs - logp) - 1
+    expected = (k3 * torch.exp(log_ratio) * mask).sum() / 5
+    assert loss.item() == pytest.approx(expected.item(), abs=TOL)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want,) = torch.autograd.grad(expected, logp)
+    assert_rows(grad.tolist(), want.tolist())
+
+
+def test_entropy_bonus_with_a_floor_counts_only_high_entropy_tokens() -> None:
+    batch = make_batch([3, 2])
+    entropy = torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.7, 0.0]], dtype=F64, requires_grad=True)
+    loss, metrics = EntropyBonus(entropy_floor=0.5)({"entropy": entropy}, batch, LossContext.of(batch))
+    assert loss.item() == pytest.approx(-(0.9 + 0.5 + 0.7) / 5, abs=TOL) and metrics["kept"] == pytest.approx(0.6)
 
 
 # --------------------------------------------------------------------------- objective

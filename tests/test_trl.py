@@ -84,9 +84,166 @@ def test_first_step_loss_and_gradients_equal_plain_trl(policy, tmp_path, overrid
     arctic.arctic.close()
 
 
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
+KL = {"no-kl": (0.0, True), "kl": (0.04, False), "kl-bias-corrected": (0.04, True)}
+
+
+@pytest.fixture(scope="module")
+def pair(policy, tmp_path_factory):
+    """A plain TRL trainer, its prepared batch (with reference log-probs), and an Arctic trainer."""
+    tmp = tmp_path_factory.mktemp("pair")
+    args = grpo_args(tmp, beta=0.04)
+    plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+    plain.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    plain.model.train()
+    inputs = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
+    assert inputs["advantages"].abs().sum() > 0
+    arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp, beta=0.04),
+                         train_dataset=DATASET)
+    arctic.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    yield plain, inputs, arctic
+    arctic.arctic.close()
+
+
+def configure(trainer, **settings) -> None:
+    """Set TRL settings on a built trainer, where TRL reads them (its args and its attributes)."""
+    for name, value in settings.items():
+        setattr(trainer.args, name, value)
+        if name in ("loss_type", "importance_sampling_level", "beta", "top_entropy_quantile",
+                    "off_policy_mask_threshold"):
+            setattr(trainer, name, value)
+    trainer.epsilon_high = trainer.args.epsilon_high
+
+
+def off_policy(plain, inputs: dict, sampler: bool) -> dict:
+    """The batch as a later iteration sees it: old log-probs 0.4-nat noisy around the current ones
+    (ratios from ~0.5 to ~2: clipping, two-sided clipping, the CISPO cap and the off-policy mask all
+    act), and with ``sampler`` the sampler's log-probs too (TRL's off-policy mask then reads them)."""
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        current, _, _ = plain._get_per_token_logps_and_entropies(plain.model, ids, mask, inputs["completion_ids"].shape[1])
+    noisy = {"old_per_token_logps": current + 0.4 * torch.randn(current.shape, generator=gen)}
+    if sampler:
+        noisy["sampling_per_token_logps"] = current + 0.4 * torch.randn(current.shape, generator=gen)
+    return {**inputs, **noisy}
+
+
+@pytest.mark.parametrize("data", ["on-policy", "off-policy", "off-policy-masked", "off-policy-masked-sampler"])
+@pytest.mark.parametrize("entropy_quantile", [1.0, 0.4], ids=["all-tokens", "entropy-mask"])
+@pytest.mark.parametrize("kl", list(KL))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_the_loss_matrix_equals_plain_trl(pair, level, kl, entropy_quantile, data):
+    """Every TRL 1.16 loss type x importance-sampling level x KL (off / on / bias-corrected) x
+    two-sided clipping x entropy masking, on-policy and off-policy (with and without TRL's
+    off-policy mask): the loss and gradients of one micro-batch through Arctic equal plain TRL's on
+    the same prepared batch (fp32)."""
+    plain, inputs, arctic = pair
+    if data != "on-policy":
+        inputs = off_policy(plain, inputs, sampler=data.endswith("sampler"))
+    server = arctic.arctic.transport.server
+    beta, corrected = KL[kl]
+    for loss_type in LOSS_TYPES:
+        for delta in ([None, 1.5] if AGGREGATION_CLIPPED(loss_type) else [None]):
+            settings = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta,
+                            use_bias_correction_kl=corrected, delta=delta, top_entropy_quantile=entropy_quantile,
+                            epsilon_high=1.2 if loss_type == "cispo" else 0.28,
+                            off_policy_mask_threshold=0.05 if "masked" in data else None)
+            configure(plain, **settings)
+            configure(arctic, **settings)
+            plain.model.zero_grad(set_to_none=True)
+            expected = plain.compute_loss(plain.model, inputs)
+            expected.backward()
+            expected_grads = {n: p.grad for n, p in plain.model.named_parameters() if p.grad is not None}
+            metrics = arctic.arctic_fwd_bwd(inputs)
+            case = f"{loss_type} delta={delta}"
+            assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-5), case
+            grads = server.trainer.full_gradients()
+            server.trainer.discard_gradients()
+            server.gradients_pending = False
+            assert grads.keys() == expected_grads.keys(), case
+            for name, grad in grads.items():
+                assert (grad - expected_grads[name]).norm() <= 1e-4 * expected_grads[name].norm() + 1e-9, (case, name)
+
+
+def AGGREGATION_CLIPPED(loss_type: str) -> bool:  # the loss types delta applies to
+    return loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def test_trls_defaults_with_a_bias_corrected_kl_learn(tmp_path):
+    """TRL's defaults (dapo, use_bias_correction_kl=True) with beta = 0.01: the reward rises."""
+    history = trl_grpo.main(["--steps", "12", "--out", str(tmp_path), "--beta", "0.01"])
+    rewards = [h["reward"] for h in history if "reward" in h]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, rewards
+    assert any("arctic/kl/kl" in h for h in history)
+
+
+def test_a_second_iteration_on_the_same_batch_equals_plain_trl(policy, tmp_path):
+    """num_iterations=2: after one optimizer step the batch is trained on again with the old
+    log-probs of before the step, so every ratio differs from 1; Arctic's loss and gradients equal
+    plain TRL's on that second pass, and both took the same first step."""
+    settings = dict(num_iterations=2, max_grad_norm=0.0, learning_rate=1e-2, beta=0.04, loss_type="grpo",
+                    epsilon_high=0.28, delta=1.5)
+    plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
+                            train_dataset=DATASET)
+    plain.current_gradient_accumulation_steps = 1
+    plain.model.train()
+    inputs = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
+    assert inputs["old_per_token_logps"] is not None  # TRL computed them: the data goes off-policy
+    optimizer = torch.optim.AdamW(plain.model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
+                         train_dataset=DATASET)
+    arctic.current_gradient_accumulation_steps = 1
+    server = arctic.arctic.transport.server
+    for iteration in range(2):
+        plain.model.zero_grad(set_to_none=True)
+        expected = plain.compute_loss(plain.model, inputs)
+        expected.backward()
+        expected_grads = {n: p.grad.clone() for n, p in plain.model.named_parameters() if p.grad is not None}
+        metrics = arctic.arctic_fwd_bwd(inputs)
+        assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-5), iteration
+        grads = server.trainer.full_gradients()
+        for name, grad in grads.items():
+            assert (grad - expected_grads[name]).norm() <= 1e-4 * expected_grads[name].norm(), (iteration, name)
+        optimizer.step()
+        arctic.arctic.step(lr=1e-2)
+    assert metrics["ppo/clipfrac"] > 0  # the second pass really was off-policy
+    arctic.arctic.close()
+
+
+def test_trls_training_settings_reach_the_backend(policy, tmp_path):
+    """Conversational prompts, two reward functions with weights, steps_per_generation and
+    num_iterations > 1, sampling and optimizer settings: TRL trains through Arctic with them."""
+    conversations = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in DATASET["prompt"]]})
+
+    def length_reward(completion_ids, **kwargs) -> list[float]:
+        return [len(ids) / 8 for ids in completion_ids]
+
+    args = grpo_args(tmp_path, max_steps=4, steps_per_generation=2, num_iterations=2, top_p=0.9, top_k=20,
+                     min_p=0.05, repetition_penalty=1.1, weight_decay=0.01, max_grad_norm=0.5, beta=0.01,
+                     reward_weights=[1.0, 0.5], generation_kwargs={"temperature": 0.9})
+    trainer = GRPOTrainer(model=policy, reward_funcs=[variety_reward, length_reward], args=args,
+                          train_dataset=conversations)
+    server, calls = trainer.arctic.transport.server, []
+    generate = trainer.arctic.generate
+    trainer.arctic.generate = lambda prompts, **kw: calls.append((prompts, kw)) or generate(prompts, **kw)
+    trainer.train()
+    assert server.step_count == 4 and len(calls) == 1  # one generation serves 2 steps x 2 iterations
+    prompts, params = calls[0]
+    assert all(p[:1] == [trainer.processing_class.convert_tokens_to_ids("<|im_start|>")] for p in prompts)  # chat template
+    assert {k: params[k] for k in ("top_p", "top_k", "min_p", "repetition_penalty", "temperature")} == \
+        {"top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "temperature": 0.9}
+    optimizer = server.config.trainer.optimizer
+    assert optimizer.weight_decay == 0.01 and optimizer.max_grad_norm == 0.5 and server.reference is not None
+    logged = {key for h in trainer.state.log_history for key in h}
+    assert {"rewards/variety_reward/mean", "rewards/length_reward/mean", "arctic/kl/kl"} <= logged
+    trainer.arctic.close()
+
+
 def test_unsupported_settings_fail_clearly(policy, tmp_path):
-    args = grpo_args(tmp_path, loss_type="cispo", beta=0.1, min_p=0.1)
-    with pytest.raises(ValueError, match=r"(?s)loss_type='cispo'.*min_p.*use_bias_correction_kl=False"):
+    args = grpo_args(tmp_path, generation_kwargs={"top_p": 0.9, "typical_p": 0.5, "no_repeat_ngram_size": 2})
+    with pytest.raises(ValueError, match=r"generation_kwargs \['no_repeat_ngram_size', 'typical_p'\]"):
         GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
     with pytest.raises(ValueError, match="needs a local model folder"):
         GRPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=variety_reward, args=grpo_args(tmp_path), train_dataset=DATASET)

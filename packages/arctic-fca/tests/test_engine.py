@@ -114,6 +114,44 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     torch.testing.assert_close(probs[2], torch.tensor([0.4, 0.3, 0.2, 0.1]))  # greedy rows keep the raw distribution
 
 
+def test_repetition_penalty_and_min_p_filter_as_transformers_does():
+    """The sampled distribution equals transformers' processors in their order: repetition
+    penalty, temperature, top-k, top-p, min-p (each row its own seen tokens)."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    from arctic_fca.engine.sampling import seen_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=gen) * 3
+    history = [[3, 7, 7, 20], [1, 2], [45, 3, 9, 9, 9, 30]]
+    for penalty, temperature, top_k, top_p, min_p in ((1.3, 0.8, 0, 1.0, 0.1), (0.7, 1.2, 10, 0.9, 0.05),
+                                                      (2.0, 1.0, 0, 0.95, 0.0)):
+        params = RowParams(temperature=torch.full((3,), temperature), top_k=torch.full((3,), top_k),
+                           top_p=torch.full((3,), top_p), any_top_k=top_k > 0, any_top_p=top_p < 1, min_p=min_p,
+                           repetition_penalty=penalty, seen=seen_tokens(history, 50, torch.device("cpu")))
+        ours = filtered_log_probs(logits, params).softmax(-1)
+        processors = [RepetitionPenaltyLogitsProcessor(penalty), TemperatureLogitsWarper(temperature)]
+        processors += [TopKLogitsWarper(top_k)] if top_k else []
+        processors += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+        processors += [MinPLogitsWarper(min_p)] if min_p else []
+        for row, ids in enumerate(history):
+            theirs = LogitsProcessorList(processors)(torch.tensor([ids]), logits[row : row + 1].clone()).softmax(-1)[0]
+            torch.testing.assert_close(ours[row], theirs, atol=1e-6, rtol=0)
+
+
+def test_greedy_with_a_repetition_penalty_equals_transformers_generate(tokenizer):
+    engine, reference = make_engine(tokenizer)
+    prompts = random_prompts((9, 17), len(tokenizer), seed=5)
+    params = SamplingParams(n=2, temperature=0, max_tokens=16, stop_token_ids=NO_STOP, repetition_penalty=1.5)
+    for out in engine.generate(prompts, params):
+        prompt = prompts[out.prompt_index]
+        ids = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
+                                 repetition_penalty=1.5, pad_token_id=0)
+        assert out.tokens == ids[0, len(prompt):].tolist()
+
+
 def test_weight_update_sleep_and_wake(tokenizer):
     engine, _ = make_engine(tokenizer, seed=1)
     other = build_tiny_model(tokenizer, seed=2)

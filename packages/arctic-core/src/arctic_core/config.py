@@ -167,6 +167,11 @@ class SamplingParams(StrictModel):
     temperature: Annotated[float, Field(ge=0)] = Field(1.0, description="0 is greedy.")
     top_p: Annotated[float, Field(gt=0, le=1)] = Field(1.0, description="Nucleus sampling; 1 disables it.")
     top_k: Annotated[int, Field(ge=0)] = Field(0, description="0 disables top-k.")
+    min_p: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.0, description="Keep tokens at least min_p times as likely as the most likely one; 0 disables it.")
+    repetition_penalty: Annotated[float, Field(gt=0)] = Field(
+        1.0, description="Logits of tokens already in the prompt or output: positive ones divided by it, negative "
+        "ones multiplied (transformers' rule); 1 disables it.")
     max_tokens: Annotated[int, Field(ge=1)] = Field(256, description="New tokens per sample at most.")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=list, description="Tokens that end a sample (kept in it); empty: the model's eos.")

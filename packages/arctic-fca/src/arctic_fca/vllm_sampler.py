@@ -92,6 +92,7 @@ class VllmSampler:
         copies = params.n if params.greedy else 1
         sampling = self.vllm.SamplingParams(
             n=params.n // copies, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            min_p=params.min_p, repetition_penalty=params.repetition_penalty,
             max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids or None, seed=params.seed,
             logprobs=0, detokenize=False,
         )

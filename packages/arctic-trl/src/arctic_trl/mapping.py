@@ -1,71 +1,116 @@
-"""GRPOConfig -> Arctic: which TRL knobs we honour, how they become loss terms, and which we refuse.
+"""GRPOConfig -> Arctic: TRL 1.16's loss as Arctic's loss terms, its sampling settings, and the
+few settings that are refused.
 
 TRL computes rewards and advantages; Arctic runs generation, log-probs, the loss with its backward
-and the optimizer step. The loss terms below reproduce ``GRPOTrainer._compute_loss`` of TRL 1.16
-term by term (clipped surrogate, k3 KL, entropy bonus) with the same normalisation per loss type,
-so a micro-batch's loss and gradients are TRL's.
+and the optimizer step. ``loss_terms`` reproduces ``GRPOTrainer._compute_loss`` of TRL 1.16 term
+by term for every ``loss_type`` (the clipped family grpo / bnpo / dr_grpo / dapo / luspo, and
+cispo, sapo, vespo), at either importance-sampling level, with two-sided clipping (``delta``),
+the bias-corrected KL, entropy masking, the off-policy mask and the entropy bonus, with the same
+normalisation per loss type: a micro-batch's loss and gradients are TRL's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from trl import GRPOConfig
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-# loss_type -> (our aggregation, normalised per accumulation step by GA as TRL does)
-AGGREGATION = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
-               "dapo": "token-mean"}
+# loss_type -> how TRL reduces per-token losses within a micro-batch (our aggregation)
+AGGREGATION = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "bnpo": "token-mean",
+               "dr_grpo": "seq-mean-token-sum-norm", "dapo": "token-mean", "cispo": "token-mean",
+               "vespo": "token-mean", "luspo": "seq-mean-token-sum"}
+# ... and which normalise by the tokens of the whole accumulation window rather than per micro-batch
+WINDOW_NORMALISED = {"dapo", "cispo", "vespo"}
+# generation_kwargs keys with an Arctic sampling setting of the same meaning
+GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty"}
 
 
 def unsupported(args: GRPOConfig) -> list[str]:
     """The settings of ``args`` Arctic cannot reproduce exactly, each with what to do instead."""
     problems = []
-    if args.loss_type not in SUPPORTED_LOSS_TYPES:
-        problems.append(f"loss_type={args.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})")
-    if args.importance_sampling_level == "sequence" and args.loss_type != "grpo":
-        problems.append("importance_sampling_level='sequence' (GSPO) needs loss_type='grpo'")
-    checks = {
-        "use_vllm": (args.use_vllm, "Arctic samples for you: drop use_vllm"),
-        "delta": (args.delta is not None, "two-sided clipping (delta) is not implemented: leave delta=None"),
-        "top_entropy_quantile": (args.top_entropy_quantile < 1.0, "entropy masking is not implemented: use 1.0"),
-        "use_adaptive_entropy": (args.use_adaptive_entropy, "adaptive entropy is not implemented"),
-        "off_policy_mask_threshold": (args.off_policy_mask_threshold is not None, "off-policy masking is not implemented"),
-        "min_p": (args.min_p is not None, "the Arctic samplers have no min-p: leave it None"),
-        "repetition_penalty": (args.repetition_penalty != 1.0, "the Arctic samplers have no repetition penalty"),
-        "generation_kwargs": (bool(args.generation_kwargs), "pass sampling settings as GRPOConfig fields instead"),
-        "use_bias_correction_kl": (args.beta != 0.0 and args.use_bias_correction_kl,
-                                   "with beta != 0 set use_bias_correction_kl=False (the KL is not ratio-weighted)"),
-    }
-    problems += [f"{name}: {why}" for name, (bad, why) in checks.items() if bad]
+    if args.loss_type not in AGGREGATION:
+        problems.append(f"loss_type={args.loss_type!r} (TRL 1.16's: {', '.join(AGGREGATION)})")
+    if args.use_vllm:
+        problems.append("use_vllm: Arctic samples for you (its sampler can be vLLM: arctic={'sampler': "
+                        "{'backend': 'vllm'}}); drop use_vllm")
+    unknown = sorted(set(args.generation_kwargs or {}) - set(GENERATION_KWARGS))
+    if unknown:
+        problems.append(f"generation_kwargs {unknown}: Arctic's samplers honour {sorted(GENERATION_KWARGS)}")
     return problems
 
 
-def loss_terms(args: GRPOConfig, *, accumulation_steps: int, local_tokens: int, num_items_in_batch: float,
-               num_processes: int, on_policy: bool) -> tuple[list[dict[str, Any]], int | None]:
-    """The loss terms of one micro-batch (weights carry TRL's per-loss-type normalisation) and the
+def sampling_params(args: GRPOConfig, temperature: float) -> dict[str, Any]:
+    """The sampling settings of TRL's generation, as Arctic's ``generate`` arguments."""
+    params = {"temperature": temperature, "top_p": args.top_p, "top_k": args.top_k or 0, "min_p": args.min_p or 0.0,
+              "repetition_penalty": args.repetition_penalty}
+    for key, value in (args.generation_kwargs or {}).items():
+        params[GENERATION_KWARGS[key]] = value if value is not None else params[GENERATION_KWARGS[key]]
+    return params
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What one TRL micro-batch's loss depends on besides its tensors."""
+
+    accumulation_steps: int
+    local_tokens: int  # loss-mask tokens of this micro-batch
+    num_items_in_batch: float  # TRL's: loss-mask tokens of the whole generation batch
+    num_processes: int
+    on_policy: bool  # no old log-probs: the data was sampled by exactly these weights
+    entropy_floor: float | None = None  # TRL's entropy-mask threshold for this micro-batch
+    kept_tokens: int | None = None  # tokens at or above it (the entropy bonus's normaliser)
+    entropy_coef: float = 0.0  # the entropy bonus to apply now (TRL's adaptive controller decides)
+    sampling_logprobs: bool = False  # the batch carries the sampler's log-probs (TRL's off-policy mask prefers them)
+
+
+def loss_terms(args: GRPOConfig, micro: MicroBatch) -> tuple[list[dict[str, Any]], int | None]:
+    """The loss terms of one micro-batch (weights carry TRL's normalisation per loss type) and the
     response length Dr. GRPO normalises by."""
     aggregation = AGGREGATION[args.loss_type]
-    if args.loss_type == "dapo":  # token sum over the tokens of one accumulation window (all ranks)
-        window_tokens = max(num_items_in_batch, 1.0) / num_processes * accumulation_steps / args.steps_per_generation
-        weight = local_tokens / window_tokens
+    if args.loss_type in WINDOW_NORMALISED:  # a token sum over one accumulation window (all ranks)
+        window_tokens = (max(micro.num_items_in_batch, 1.0) / micro.num_processes * micro.accumulation_steps
+                         / args.steps_per_generation)
+        weight = micro.local_tokens / window_tokens
     else:
-        weight = 1.0 / accumulation_steps
-    policy = {
-        "name": "gspo" if args.importance_sampling_level == "sequence" else "ppo",
-        "weight": weight,
-        "aggregation": aggregation,
-        "clip_low": args.epsilon,
-        "clip_high": args.epsilon_high if args.epsilon_high is not None else args.epsilon,
-        "old_logprobs": "current" if on_policy else "batch",
-    }
-    terms = [policy]
+        weight = 1.0 / micro.accumulation_steps
+    old = "current" if micro.on_policy else "batch"
+    terms = [{**_policy(args), "weight": weight, "aggregation": aggregation, "old_logprobs": old,
+              "entropy_floor": micro.entropy_floor, "off_policy_threshold": args.off_policy_mask_threshold,
+              "off_policy_logprobs": "sampling" if micro.sampling_logprobs else "old"}]
     if args.beta != 0.0:  # TRL adds beta * k3 per token before normalising: same aggregation, same weight
         terms.append({"name": "kl", "weight": args.beta * weight, "aggregation": aggregation, "estimator": "k3",
-                      "clamp": None})
-    if args.entropy_coef != 0.0:  # a token mean per micro-batch, scaled for accumulation only
-        terms.append({"name": "entropy", "weight": args.entropy_coef / accumulation_steps, "aggregation": "token-mean"})
+                      "clamp": None, "ratio_weighted": args.use_bias_correction_kl,
+                      "level": args.importance_sampling_level, "old_logprobs": old})
+    if micro.entropy_coef != 0.0:  # a token mean over the kept tokens of the micro-batch, scaled for accumulation
+        rescale = 1.0 if micro.kept_tokens is None else micro.local_tokens / max(micro.kept_tokens, 1)
+        terms.append({"name": "entropy", "weight": micro.entropy_coef / micro.accumulation_steps * rescale,
+                      "aggregation": "token-mean", "entropy_floor": micro.entropy_floor})
     return terms, args.max_completion_length if args.loss_type == "dr_grpo" else None
+
+
+def _policy(args: GRPOConfig) -> dict[str, Any]:
+    """The policy term of ``args.loss_type`` with its own settings."""
+    level = args.importance_sampling_level
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    if args.loss_type == "cispo":
+        return {"name": "cispo", "level": level, "ratio_cap": epsilon_high}
+    if args.loss_type == "sapo":
+        return {"name": "sapo", "level": level, "temperature_pos": args.sapo_temperature_pos,
+                "temperature_neg": args.sapo_temperature_neg}
+    if args.loss_type == "vespo":  # its sequence weight comes from the token ratios, whatever the level
+        return {"name": "vespo", "k_pos": args.vespo_k_pos, "lambda_pos": args.vespo_lambda_pos,
+                "k_neg": args.vespo_k_neg, "lambda_neg": args.vespo_lambda_neg}
+    return {"name": "ppo", "level": level, "clip_low": args.epsilon, "clip_high": epsilon_high, "delta": args.delta}
+
+
+def regroup_is_exact(args: GRPOConfig) -> bool:
+    """Whether keeping a prompt's samples in one micro-batch leaves each row's weight in the step as
+    TRL's: not when a micro-batch's own statistics normalise or mask (bnpo's token count, the
+    entropy bonus's, the entropy mask's quantile)."""
+    return (args.loss_type != "bnpo" and args.entropy_coef == 0.0 and not args.use_adaptive_entropy
+            and args.top_entropy_quantile >= 1.0)
 
 
 def arctic_config(model_path: str, args: GRPOConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
-from arctic_trl.mapping import arctic_config, loss_terms, unsupported
+from arctic_trl.mapping import MicroBatch, arctic_config, loss_terms, regroup_is_exact, sampling_params, unsupported
 
 REFERENCE = "reference"  # stands for TRL's ref_model: log-probs come from Arctic's reference engine
 
@@ -125,9 +125,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         if images is not None and any(image is not None for image in images):
             raise NotImplementedError("arctic_trl samples text only; images are not supported")
         runs = _runs(prompt_ids)  # TRL's sampler repeats each prompt num_generations times in a row
-        params = {"temperature": self.temperature, "top_p": self.args.top_p, "top_k": self.args.top_k or 0,
-                  "max_tokens": self.max_completion_length, "stop_token_ids": list(self.eos_token_ids),
-                  "seed": self.args.seed + self._generations}
+        params = {**sampling_params(self.args, self.temperature), "max_tokens": self.max_completion_length,
+                  "stop_token_ids": list(self.eos_token_ids), "seed": self.args.seed + self._generations}
         self._generations += 1
         sizes = {n for _, n in runs}
         # One call when every prompt has the same sample count (always, in training); else per prompt.
@@ -151,11 +150,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         micro-batch of 8 holds 4-6 different prompts and ZoRRo packs each of them: with 2k-token
         prompts that doubles the tokens trained. Regrouping the rows within one optimizer step
         changes which micro-batch a row is in, not which step: the summed gradient is the same
-        for grpo, dr_grpo and dapo (per-row weights do not depend on the partition); bnpo and the
-        entropy bonus normalise per micro-batch, and see grouped micro-batches instead of random
-        ones. Which rows share an optimizer step (steps_per_generation > accumulation) stays TRL's.
+        whenever a row's weight does not depend on its micro-batch (``mapping.regroup_is_exact``).
+        Where it does (bnpo, the entropy bonus, entropy masking) TRL's micro-batches are kept, so
+        the loss stays TRL's exactly. Which rows share an optimizer step stays TRL's either way.
         """
         inputs = super()._prepare_inputs(generation_batch)
+        if not regroup_is_exact(self.args):
+            return inputs
         if self.model.training and self._buffered_inputs is not self._regrouped:
             self._buffered_inputs = group_micro_batches(self._buffered_inputs, self.args.gradient_accumulation_steps)
             self._regrouped = self._buffered_inputs
@@ -189,7 +190,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def arctic_fwd_bwd(self, inputs: dict[str, Any]) -> dict[str, float]:
         """TRL's ``_compute_loss`` + backward for one prepared micro-batch, run by the backend
-        (gradients accumulate there until the optimizer step). Returns the backend's metrics."""
+        (gradients accumulate there until the optimizer step); with TRL's adaptive entropy
+        controller updated as ``_compute_loss`` updates it. Returns the backend's metrics."""
         mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
         on_policy = inputs.get("old_per_token_logps") is None
         fields = {"advantages": inputs["advantages"]}
@@ -197,13 +199,64 @@ class GRPOTrainer(trl.GRPOTrainer):
             fields["old_logprobs"] = inputs["old_per_token_logps"]
         if self.beta != 0.0:
             fields["ref_logprobs"] = inputs["ref_per_token_logps"]
+        sampled = inputs.get("sampling_per_token_logps")
+        if sampled is not None:
+            fields["sampling_logprobs"] = sampled
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         batch = _rollout_batch(input_ids, attention, inputs["completion_ids"].shape[1], mask, **fields)
-        terms, max_len = loss_terms(self.args, accumulation_steps=self.current_gradient_accumulation_steps,
-                                    local_tokens=int(mask.sum()), num_items_in_batch=float(inputs["num_items_in_batch"]),
-                                    num_processes=self.accelerator.num_processes, on_policy=on_policy)
-        return dict(self.arctic.fwd_bwd(batch, terms, temperature=self.temperature, max_response_len=max_len).metrics)
+        floor, kept, window = self._entropy_mask(batch)
+        micro = MicroBatch(self.current_gradient_accumulation_steps, int(mask.sum()), float(inputs["num_items_in_batch"]),
+                           self.accelerator.num_processes, on_policy, floor, kept, self._entropy_bonus(),
+                           sampled is not None)
+        terms, max_len = loss_terms(self.args, micro)
+        metrics = dict(self.arctic.fwd_bwd(batch, terms, temperature=self.temperature, max_response_len=max_len).metrics)
+        if self.use_adaptive_entropy:
+            self._update_entropy_controller(window)
+        return metrics
+
+    # ---- entropy: TRL's mask and adaptive bonus ---------------------------------------------
+
+    def _entropy_mask(self, batch: RolloutBatch) -> tuple[float | None, int | None, torch.Tensor | None]:
+        """TRL's high-entropy mask for this micro-batch as a floor (its entropy quantile), the
+        tokens it keeps, and the [entropy sum, tokens] the adaptive controller accumulates; from a
+        forward pass without gradient (only when entropy masking or the adaptive bonus is on)."""
+        if self.top_entropy_quantile >= 1.0 and not self.use_adaptive_entropy:
+            return None, None, None
+        entropy = self.arctic.log_probs(batch, processors=["entropy"], temperature=self.temperature).outputs["entropy"]
+        mask, floor = batch.loss_mask, None
+        kept = mask
+        if self.top_entropy_quantile < 1.0:
+            local = entropy[mask].float()
+            floor = float(torch.quantile(local, 1 - self.top_entropy_quantile)) if local.numel() else float("inf")
+            kept = ((entropy * mask) >= floor) & mask
+        window = torch.stack([(entropy * kept).sum(), kept.sum().float()])
+        return floor, int(kept.sum()) if floor is not None else None, window
+
+    def _entropy_bonus(self) -> float:
+        """The coefficient this micro-batch applies: TRL's, gated by the adaptive controller's last
+        measurement (fixed within an accumulation window)."""
+        if not self._entropy_bonus_enabled:
+            return 0.0
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            return 0.0
+        return self.entropy_coef
+
+    def _update_entropy_controller(self, window: torch.Tensor) -> None:
+        """TRL's adaptive entropy: window-global entropy measured over the accumulation window's
+        micro-batches; at the optimizer-step boundary the coefficient moves by entropy_coef_delta."""
+        self._entropy_window_stats = window if self._entropy_window_stats is None else self._entropy_window_stats + window
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        delta = self.args.entropy_coef_delta
+        if world_entropy <= self.args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + delta, self.args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - delta, self.args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
 
     def _record(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():

@@ -1,11 +1,25 @@
-"""Policy-gradient surrogates: PPO/GRPO clipping (with clip-higher and dual-clip) and GSPO.
+"""Policy-gradient losses over importance ratios: PPO/GRPO clipping (clip-higher, dual clip,
+two-sided clip), GSPO (sequence-level ratios), CISPO, SAPO and VESPO.
 
-Both read ``outputs["logprobs"]`` (current policy, with gradient), ``batch.old_logprobs`` (the
-policy that produced the data) and ``batch.advantages`` (per response or per token).
+Every term reads ``outputs["logprobs"]`` (the current policy, with gradient), the log-probs of the
+policy that produced the data (``batch.old_logprobs``, or the current ones detached when the data
+is on-policy) and ``batch.advantages`` (per response or per token). What they share
+(:class:`PolicyOptions`):
+
+- ``level``: one importance ratio per token, or one per sequence, ``exp(mean_t log ratio)``, which
+  every token of the sequence carries (its gradient reaches all of them);
+- ``entropy_floor``: only tokens whose entropy is at least this count in the policy term (high-
+  entropy "forking" tokens); the floor is usually a quantile of the batch's entropies;
+- ``off_policy_threshold``: a sequence with a negative advantage whose mean KL between the
+  data's policy and the current one exceeds this is dropped (DeepSeek-V3.2's off-policy mask).
+
+Masks multiply the per-token losses; the aggregation keeps normalising by the loss mask, so a
+masked token counts as a zero, as in TRL.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Annotated, Literal
 
@@ -15,21 +29,35 @@ from pydantic import Field, model_validator
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import StrictModel
 from arctic_core.errors import BatchError
-from arctic_core.plugins.interfaces import LossContext
 from arctic_core.losses.aggregation import Aggregation, aggregate, token_mean
 from arctic_core.losses.options import parse_options
+from arctic_core.losses.ratios import at_level, old_logprobs
+from arctic_core.plugins.interfaces import LossContext
 
 
-class ClipOptions(StrictModel):
-    clip_low: Annotated[float, Field(ge=0)] = 0.2
-    """The ratio is clipped below at 1 - clip_low."""
-    clip_high: Annotated[float, Field(ge=0)] | None = Field(None, description="Clipped above at 1 + clip_high; "
-                                                             "defaults to clip_low; DAPO uses 0.28.")
+class PolicyOptions(StrictModel):
     aggregation: Aggregation = "token-mean"
     """How per-token losses become one number (token-mean, seq-mean-token-mean, ...-sum, ...-sum-norm)."""
     old_logprobs: Literal["batch", "current"] = Field(
         "batch", description="batch: batch.old_logprobs; current: the data is on-policy (sampled by exactly "
         "these weights), so the current log-probs, detached, serve (ratio 1, policy-gradient direction).")
+    level: Literal["token", "sequence"] = "token"
+    """One importance ratio per token, or one per sequence (the exp of its mean log ratio; GSPO)."""
+    entropy_floor: float | None = None
+    """Only tokens whose entropy is at least this count in the policy term (needs the entropy processor)."""
+    off_policy_threshold: float | None = None
+    """Drop a negative-advantage sequence whose mean KL(data's policy || current) exceeds this."""
+    off_policy_logprobs: Literal["old", "sampling"] = "old"
+    """What that KL compares with: the old log-probs, or the sampler's (batch.sampling_logprobs)."""
+
+
+class ClipOptions(PolicyOptions):
+    clip_low: Annotated[float, Field(ge=0)] = 0.2
+    """The ratio is clipped below at 1 - clip_low."""
+    clip_high: Annotated[float, Field(ge=0)] | None = Field(None, description="Clipped above at 1 + clip_high; "
+                                                             "defaults to clip_low; DAPO uses 0.28.")
+    delta: Annotated[float, Field(gt=1)] | None = None
+    """Two-sided clipping: the unclipped ratio is capped at delta too (bounds a negative advantage's loss)."""
 
     @property
     def high(self) -> float:
@@ -43,45 +71,58 @@ class PPOOptions(ClipOptions):
 
 
 class GSPOOptions(ClipOptions):
+    level: Literal["token", "sequence"] = "sequence"
+    """GSPO's ratio is per sequence."""
     clip_low: Annotated[float, Field(ge=0)] = 3e-4
     """The sequence ratio is clipped below at 1 - clip_low (GSPO's ratios stay near 1)."""
     clip_high: Annotated[float, Field(ge=0)] | None = 4e-4
     """Clipped above at 1 + clip_high."""
     aggregation: Aggregation = "seq-mean-token-mean"
-    """GSPO is exact only as a mean over sequences of their token means."""
+    """The GSPO paper's mean over sequences of their token means; any other aggregation weighs each
+    sequence's loss by its tokens, as TRL's loss types do."""
+
+
+class CISPOOptions(PolicyOptions):
+    ratio_cap: Annotated[float, Field(gt=0)] = 5.0
+    """The importance ratio, detached, is capped at this and weighs -A * log-prob (CISPO)."""
+
+
+class SAPOOptions(PolicyOptions):
+    temperature_pos: Annotated[float, Field(gt=0)] = 1.0
+    """Softness of the gate for positive advantages."""
+    temperature_neg: Annotated[float, Field(gt=0)] = 1.05
+    """Softness of the gate for negative advantages."""
+
+
+class VESPOOptions(PolicyOptions):
+    k_pos: float = 2.0
+    """Gamma weight phi(w) = e^lambda w^k e^(-lambda w) for non-negative advantages ..."""
+    lambda_pos: float = 3.0
+    k_neg: float = 3.0
+    """... and for negative ones."""
+    lambda_neg: float = 2.0
 
     @model_validator(mode="after")
-    def _sequence_level(self) -> GSPOOptions:
-        if self.aggregation != "seq-mean-token-mean":
-            raise ValueError("GSPO's ratio is per sequence; only seq-mean-token-mean aggregation is exact")
+    def _token_level(self) -> VESPOOptions:
+        if self.level != "token":
+            raise ValueError("VESPO computes its sequence weight itself; level must be 'token'")
         return self
 
 
-def _old_logprobs(batch: RolloutBatch, term: str, logp: torch.Tensor, source: str) -> torch.Tensor:
-    if source == "current":
-        return logp.detach()
-    if batch.old_logprobs is None:
-        raise BatchError(f"loss {term!r} needs batch.old_logprobs (log-probs of the policy that sampled the data)")
-    return batch.old_logprobs.float()
+class PolicyTerm:
+    """What every policy term does around its surrogate: ratios, masks, aggregation, metrics."""
 
-
-def _clipped_surrogate(
-    ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``max(-A r, -A clip(r, 1-low, 1+high))`` and where the clipped branch was taken."""
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
-    return torch.maximum(unclipped, clipped), (clipped > unclipped)
-
-
-class PPOLoss:
-    """PPO/GRPO clipped surrogate with separate low/high clip (DAPO clip-higher) and dual-clip."""
-
-    options_model = PPOOptions
-    requires = ("logprobs",)
+    name = "policy"
+    options_model: type[PolicyOptions] = PolicyOptions
 
     def __init__(self, **options: object) -> None:
-        self.options = parse_options(self.options_model, "ppo", dict(options))
+        self.options = parse_options(self.options_model, self.name, dict(options))
+        self.requires = ("logprobs", "entropy") if self.options.entropy_floor is not None else ("logprobs",)
+
+    def surrogate(self, ratio: torch.Tensor, log_ratio: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor,
+                  mask: torch.Tensor, ctx: LossContext) -> tuple[torch.Tensor, dict[str, float]]:
+        """Per-token losses ``[B, Lr]`` and additive metrics, from the ratios (``[B, Lr]``)."""
+        raise NotImplementedError
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
@@ -89,49 +130,112 @@ class PPOLoss:
         opts, mask = self.options, batch.loss_mask
         logp = outputs["logprobs"]
         adv = batch.token_advantages().to(logp)
-        log_ratio = (logp - _old_logprobs(batch, "ppo", logp, opts.old_logprobs)).masked_fill(~mask, 0.0)
-        ratio = torch.exp(log_ratio)
-        losses, clipped = _clipped_surrogate(ratio, adv, opts.clip_low, opts.high)
-        dual = torch.zeros_like(clipped)
-        if opts.dual_clip is not None:
+        old = old_logprobs(batch, self.name, logp, opts.old_logprobs)
+        log_ratio = (logp - old).masked_fill(~mask, 0.0)
+        ratio = torch.exp(at_level(log_ratio, mask, opts.level))
+        losses, metrics = self.surrogate(ratio, log_ratio, logp, adv, mask, ctx)
+        keep = self._keep(outputs, batch, logp, old, adv, mask)
+        if keep is not None:
+            losses = losses * keep
+            metrics["kept"] = token_mean(keep, mask, ctx)
+        metrics["approx_kl"] = token_mean(0.5 * log_ratio.detach() ** 2, mask, ctx)
+        return aggregate(losses, mask, ctx, opts.aggregation), metrics
+
+    def _keep(self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, logp: torch.Tensor,
+              old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """The product of the entropy and off-policy masks (float ``[B, Lr]``), or None."""
+        opts, keep = self.options, None
+        if opts.entropy_floor is not None:
+            keep = ((outputs["entropy"].detach() * mask) >= opts.entropy_floor) & mask
+        if opts.off_policy_threshold is not None:
+            reference = old
+            if opts.off_policy_logprobs == "sampling":
+                if batch.sampling_logprobs is None:
+                    raise BatchError(f"loss {self.name!r} with off_policy_logprobs: sampling needs batch.sampling_logprobs")
+                reference = batch.sampling_logprobs.float()
+            kl = torch.nan_to_num(reference - logp.detach(), nan=0.0) * mask
+            mean_kl = kl.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+            on_policy_enough = (adv >= 0) | (mean_kl <= opts.off_policy_threshold)
+            keep = on_policy_enough if keep is None else keep & on_policy_enough
+        return None if keep is None else keep.to(logp.dtype)
+
+
+class PPOLoss(PolicyTerm):
+    """PPO/GRPO clipped surrogate (clip-higher, dual clip, two-sided clip); level sequence is GSPO.
+
+    Separate low and high clip ranges (DAPO's clip-higher), dual clip (``dual_clip``), and two-sided
+    clipping (``delta``: the unclipped ratio capped too)."""
+
+    name = "ppo"
+    options_model = PPOOptions
+
+    def surrogate(self, ratio, log_ratio, logp, adv, mask, ctx):
+        opts = self.options
+        clipped_ratio = ratio.clamp(1.0 - opts.clip_low, 1.0 + opts.high)
+        unclipped_ratio = ratio if opts.delta is None else ratio.clamp(max=opts.delta)
+        unclipped, clipped = -adv * unclipped_ratio, -adv * clipped_ratio
+        losses = torch.maximum(unclipped, clipped)
+        dual = torch.zeros_like(mask)
+        if getattr(opts, "dual_clip", None) is not None:
             cap = -adv * opts.dual_clip
             dual = (adv < 0) & (losses > cap)
             losses = torch.where(dual, cap, losses)
-        loss = aggregate(losses, mask, ctx, opts.aggregation)
-        metrics = {
-            "clipfrac": token_mean(clipped.float(), mask, ctx),
-            "dual_clipfrac": token_mean(dual.float(), mask, ctx),
-            "approx_kl": token_mean(0.5 * log_ratio.detach() ** 2, mask, ctx),
-        }
-        return loss, metrics
+        metrics = {"clipfrac": token_mean((clipped > unclipped).float(), mask, ctx),
+                   "dual_clipfrac": token_mean(dual.float(), mask, ctx)}
+        if opts.level == "sequence":
+            metrics["seq_ratio_mean"] = float(ratio.detach()[:, 0].sum()) / ctx.num_sequences
+        return losses, metrics
 
 
-class GSPOLoss:
+class GSPOLoss(PPOLoss):
     """GSPO: one length-normalised importance ratio per sequence, clipped per sequence."""
 
+    name = "gspo"
     options_model = GSPOOptions
-    requires = ("logprobs",)
 
-    def __init__(self, **options: object) -> None:
-        self.options = parse_options(self.options_model, "gspo", dict(options))
 
-    def __call__(
-        self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        opts, mask = self.options, batch.loss_mask
-        logp = outputs["logprobs"]
-        adv = batch.token_advantages().to(logp)
-        fmask = mask.to(logp.dtype)
-        log_ratio = (logp - _old_logprobs(batch, "gspo", logp, self.options.old_logprobs)) * fmask
-        seq_log_ratio = log_ratio.sum(-1) / fmask.sum(-1).clamp(min=1)
-        # s_i,t = sg(s_i) * pi_t / sg(pi_t): value s_i for every token, gradient s_i * grad(log pi_t) / |y_i|
-        # once aggregated per sequence, which is GSPO's sequence-level gradient.
-        token_log_ratio = seq_log_ratio.detach()[:, None] + logp - logp.detach()
-        ratio = torch.exp(token_log_ratio)
-        losses, clipped = _clipped_surrogate(ratio, adv, opts.clip_low, opts.high)
-        loss = aggregate(losses, mask, ctx, opts.aggregation)
-        metrics = {
-            "clipfrac": token_mean(clipped.float(), mask, ctx),
-            "seq_ratio_mean": float(torch.exp(seq_log_ratio.detach()).sum()) / ctx.num_sequences,
-        }
-        return loss, metrics
+class CISPOLoss(PolicyTerm):
+    """CISPO: ``-min(ratio, cap).detach() * A * log-prob``; every token keeps a gradient."""
+
+    name = "cispo"
+    options_model = CISPOOptions
+
+    def surrogate(self, ratio, log_ratio, logp, adv, mask, ctx):
+        weight = ratio.clamp(max=self.options.ratio_cap).detach()
+        capped = (ratio > self.options.ratio_cap) & (adv > 0)
+        return -weight * adv * logp, {"capfrac": token_mean(capped.float(), mask, ctx)}
+
+
+class SAPOLoss(PolicyTerm):
+    """SAPO: a smooth sigmoid gate on the ratio in place of the hard clip.
+
+    ``-sigmoid(t (ratio - 1)) * 4 / t * A``, with the temperature ``t`` chosen by the advantage's sign."""
+
+    name = "sapo"
+    options_model = SAPOOptions
+
+    def surrogate(self, ratio, log_ratio, logp, adv, mask, ctx):
+        temperature = torch.where(adv > 0, self.options.temperature_pos, self.options.temperature_neg)
+        gate = torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature
+        return -gate * adv, {}
+
+
+class VESPOLoss(PolicyTerm):
+    """VESPO: -phi(w) * A * log-prob, phi a gamma weight of the sequence's importance ratio.
+
+    ``w`` is the product of the sequence's token ratios; ``phi`` is detached and normalised so that
+    ``phi(1) = 1``."""
+
+    name = "vespo"
+    options_model = VESPOOptions
+
+    def surrogate(self, ratio, log_ratio, logp, adv, mask, ctx):
+        with torch.no_grad():
+            opts = self.options
+            floor = math.log(1e-8)
+            log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(floor, 20.0)
+            nonneg = adv >= 0
+            k = torch.where(nonneg, opts.k_pos, opts.k_neg)
+            lam = torch.where(nonneg, opts.lambda_pos, opts.lambda_neg).clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        return -phi * adv * logp, {"phi_mean": token_mean(phi.expand_as(mask), mask, ctx)}

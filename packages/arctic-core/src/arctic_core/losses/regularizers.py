@@ -17,6 +17,7 @@ from arctic_core.errors import BatchError
 from arctic_core.plugins.interfaces import LossContext
 from arctic_core.losses.aggregation import Aggregation, aggregate, token_mean
 from arctic_core.losses.options import parse_options
+from arctic_core.losses.ratios import at_level, old_logprobs
 
 
 class AggregationOptions(StrictModel):
@@ -30,6 +31,18 @@ class KLOptions(AggregationOptions):
     clamp: Annotated[float, Field(gt=0)] | None = Field(
         10.0, description="Clamp the per-token estimate to [-clamp, clamp] for stability; None disables."
     )
+    ratio_weighted: bool = False
+    """Weigh each token's estimate by the policy's importance ratio (with its gradient): the KL of
+    the current policy when the data came from an older one (TRL's use_bias_correction_kl)."""
+    level: Literal["token", "sequence"] = "token"
+    """With ratio_weighted: the ratio per token, or per sequence (as the policy term's level)."""
+    old_logprobs: Literal["batch", "current"] = "batch"
+    """With ratio_weighted: the old log-probs from the batch, or the current ones detached (on-policy)."""
+
+
+class EntropyOptions(AggregationOptions):
+    entropy_floor: float | None = None
+    """Only tokens whose entropy is at least this count (the policy term's high-entropy tokens)."""
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -56,17 +69,21 @@ class KLLoss:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if batch.ref_logprobs is None:
             raise BatchError("loss 'kl' needs batch.ref_logprobs (reference-model log-probs)")
-        kl = kl_estimate(outputs["logprobs"], batch.ref_logprobs.float(), self.options.estimator)
-        if self.options.clamp is not None:
-            kl = kl.clamp(-self.options.clamp, self.options.clamp)
-        mask = batch.loss_mask
-        return aggregate(kl, mask, ctx, self.options.aggregation), {"kl": token_mean(kl, mask, ctx)}
+        opts, logp, mask = self.options, outputs["logprobs"], batch.loss_mask
+        kl = kl_estimate(logp, batch.ref_logprobs.float(), opts.estimator)
+        if opts.clamp is not None:
+            kl = kl.clamp(-opts.clamp, opts.clamp)
+        metrics = {"kl": token_mean(kl, mask, ctx)}
+        if opts.ratio_weighted:
+            old = old_logprobs(batch, "kl", logp, opts.old_logprobs)
+            kl = kl * torch.exp(at_level((logp - old).masked_fill(~mask, 0.0), mask, opts.level))
+        return aggregate(kl, mask, ctx, opts.aggregation), metrics
 
 
 class EntropyBonus:
     """Entropy bonus: minimises -entropy, so a positive weight raises the policy's entropy."""
 
-    options_model = AggregationOptions
+    options_model = EntropyOptions
     requires = ("entropy",)
 
     def __init__(self, **options: object) -> None:
@@ -76,8 +93,12 @@ class EntropyBonus:
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
     ) -> tuple[torch.Tensor, dict[str, float]]:
         entropy, mask = outputs["entropy"], batch.loss_mask
-        loss = -aggregate(entropy, mask, ctx, self.options.aggregation)
-        return loss, {"entropy": token_mean(entropy, mask, ctx)}
+        metrics = {"entropy": token_mean(entropy, mask, ctx)}
+        if self.options.entropy_floor is not None:
+            kept = ((entropy.detach() * mask) >= self.options.entropy_floor) & mask
+            entropy = entropy * kept
+            metrics["kept"] = token_mean(kept.float(), mask, ctx)
+        return -aggregate(entropy, mask, ctx, self.options.aggregation), metrics
 
 
 class SFTLoss:

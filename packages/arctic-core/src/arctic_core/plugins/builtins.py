@@ -18,6 +18,9 @@ def arctic_losses():
     return {
         "ppo": policy.PPOLoss,
         "gspo": policy.GSPOLoss,
+        "cispo": policy.CISPOLoss,
+        "sapo": policy.SAPOLoss,
+        "vespo": policy.VESPOLoss,
         "kl": regularizers.KLLoss,
         "entropy": regularizers.EntropyBonus,
         "sft": regularizers.SFTLoss,

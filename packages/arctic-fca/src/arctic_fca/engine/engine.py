@@ -31,7 +31,7 @@ from arctic_core.hf import check_prompts, default_stop_tokens
 from arctic_fca.engine.blocks import BlockPool
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.engine.model_runner import ModelRunner
-from arctic_fca.engine.sampling import RowParams, sample
+from arctic_fca.engine.sampling import RowParams, sample, seen_tokens
 from arctic_fca.engine.scheduler import Scheduler
 from arctic_fca.engine.sequence import GenerationOutput, PromptGroup, Sequence
 from arctic_fca.engine.step_planner import StepPlan, StepPlanner
@@ -180,8 +180,9 @@ class EmbeddedEngine:
         self.stats.prefill_tokens += sum(len(g.prompt) - g.cached for g in groups)
         self.stats.prefix_hit_tokens += sum(g.cached for g in groups)
         rows = len(groups) * params.n
-        tokens, logprobs = sample(logits.repeat_interleave(params.n, 0), _row_params(params, rows, self.runner.device),
-                                  generator)
+        prompts = [g.prompt for g in groups for _ in range(params.n)]
+        logits = logits.repeat_interleave(params.n, 0)
+        tokens, logprobs = sample(logits, self._row_params(params, prompts, logits.shape[-1]), generator)
         sequences = []
         for gi, g in enumerate(groups):
             picked = slice(gi * params.n, (gi + 1) * params.n)
@@ -197,7 +198,8 @@ class EmbeddedEngine:
         ids = np.zeros(step.positions.size, dtype=np.int64)
         ids[:count] = [s.tokens[-1] for s in running]
         logits = self.runner.decode(ids, step)
-        tokens, logprobs = sample(logits[:count], _row_params(params, count, self.runner.device), generator)
+        rows = self._row_params(params, [s.tokens for s in running], logits.shape[-1])
+        tokens, logprobs = sample(logits[:count], rows, generator)
         if all(len(s.tokens) + 1 < s.max_len for s in running):  # else the batch changes anyway
             self._next_step = self.planner.plan(running, ahead=1)  # overlaps the GPU's work on this step
         for seq, token, logprob in zip(running, tokens.tolist(), logprobs.tolist(), strict=True):
@@ -208,9 +210,15 @@ class EmbeddedEngine:
         self.stats.generated_tokens += count
         self.stats.decode_prepare_seconds = self.planner.prepare_seconds
 
-
-def _row_params(params: SamplingParams, rows: int, device: torch.device) -> RowParams:
-    return RowParams(temperature=torch.full((rows,), params.temperature, device=device),
-                     top_k=torch.full((rows,), params.top_k, device=device, dtype=torch.long),
-                     top_p=torch.full((rows,), params.top_p, device=device),
-                     any_top_k=params.top_k > 0 and not params.greedy, any_top_p=params.top_p < 1 and not params.greedy)
+    def _row_params(self, params: SamplingParams, rows: list[list[int]], vocab: int) -> RowParams:
+        """The sampling settings of ``rows`` (each row's tokens so far, which the repetition penalty
+        reads; it applies to greedy rows too, as in transformers)."""
+        device, count = self.runner.device, len(rows)
+        seen = seen_tokens(rows, vocab, device) if params.repetition_penalty != 1.0 else None
+        return RowParams(temperature=torch.full((count,), params.temperature, device=device),
+                         top_k=torch.full((count,), params.top_k, device=device, dtype=torch.long),
+                         top_p=torch.full((count,), params.top_p, device=device),
+                         any_top_k=params.top_k > 0 and not params.greedy,
+                         any_top_p=params.top_p < 1 and not params.greedy,
+                         min_p=0.0 if params.greedy else params.min_p,
+                         repetition_penalty=params.repetition_penalty, seen=seen)

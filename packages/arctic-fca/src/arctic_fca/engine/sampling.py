@@ -1,8 +1,9 @@
-"""Next-token sampling for a batch of rows, each with its own temperature / top-k / top-p.
+"""Next-token sampling for a batch of rows, each with its own settings, in transformers' order:
+repetition penalty on the raw logits, then temperature, top-k, top-p and min-p.
 
 Returns the sampled tokens and their log-probs under the distribution actually sampled from
-(after temperature, top-k and top-p; the raw distribution for greedy rows), which is what an RL
-trainer needs for importance ratios against the sampler.
+(after those steps; the raw distribution for greedy rows), which is what an RL trainer needs for
+importance ratios against the sampler.
 """
 
 from __future__ import annotations
@@ -23,15 +24,35 @@ class RowParams:
     # when False the sort that filtering needs is skipped.
     any_top_k: bool = True
     any_top_p: bool = True
+    min_p: float = 0.0  # keep tokens with probability >= min_p x the most likely one's (0: off)
+    repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of seen tokens (1: off)
+    seen: torch.Tensor | None = None  # [rows, vocab] bool: the tokens of each row's prompt and output so far
 
 
 def filtered_log_probs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
-    """log-softmax of ``logits / temperature`` restricted to each row's top-k and top-p set."""
+    """log-softmax of the penalised ``logits / temperature`` restricted to each row's top-k,
+    top-p and min-p set."""
     greedy = params.temperature == 0
-    scaled = logits.float() / torch.where(greedy, 1.0, params.temperature)[:, None]
+    logits = logits.float()
+    if params.repetition_penalty != 1.0 and params.seen is not None:
+        penalised = torch.where(logits < 0, logits * params.repetition_penalty, logits / params.repetition_penalty)
+        logits = torch.where(params.seen, penalised, logits)
+    scaled = logits / torch.where(greedy, 1.0, params.temperature)[:, None]
     if params.any_top_k or params.any_top_p:
         scaled = _filter(scaled, params, greedy)
+    if params.min_p > 0.0:
+        probs = scaled.softmax(-1)
+        below = probs < params.min_p * probs.amax(-1, keepdim=True)
+        scaled = scaled.masked_fill(below & ~greedy[:, None], float("-inf"))
     return scaled.log_softmax(-1)
+
+
+def seen_tokens(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(rows), vocab]`` bool: which tokens each row holds (for the repetition penalty)."""
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.tensor([r + [r[0]] * (width - len(r)) if r else [0] * width for r in rows], device=device)
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    return seen.scatter_(1, ids, True) if any(rows) else seen
 
 
 def _filter(scaled: torch.Tensor, params: RowParams, greedy: torch.Tensor) -> torch.Tensor:
