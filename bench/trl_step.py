@@ -1,13 +1,14 @@
-"""GRPO step time of TRL on Arctic (H200), shaped like the peer harness in
-../shared/scripts/peers/trl_grpo.py: a Qwen3-1.7B-shaped random bf16 model, 8 prompts x 8 samples
-per optimizer step, 512 new tokens, prompts of P random tokens, gradient checkpointing.
+"""GRPO step time of TRL on Arctic on one GPU: a Qwen3-1.7B-shaped random bf16 model, 8 prompts x 8
+samples per optimizer step, 512 new tokens, prompts of P random tokens, gradient checkpointing.
+The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in colocate mode.
 
-    P=2048 STEPS=4 python3 bench/trl_step.py      # then the peer: torchrun ... trl_grpo.py vllm
-    uv run python bench/trl_step.py --smoke       # a tiny model on the CPU, end to end
+    P=2048 STEPS=4 python3 bench/trl_step.py               # the embedded sampler
+    P=2048 STEPS=4 SAMPLER=vllm python3 bench/trl_step.py   # vLLM 0.24 + FCA as Arctic's sampler
+    uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
-The only change from the peer script is the import of GRPOTrainer (and no vLLM settings): the
-backend runs in process, the DeepSpeed trainer and the embedded sampler sharing the GPU (the
-sampler's KV cache is capped so the trainer fits beside it). The last line is a JSON object.
+The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
+the DeepSpeed trainer and the sampler sharing the GPU (the sampler's memory is capped so the
+trainer fits beside it). The last line is a JSON object.
 """
 
 from __future__ import annotations
@@ -85,13 +86,17 @@ def main() -> None:
                       logging_steps=1, max_steps=int(os.environ.get("STEPS", 2 if smoke else 4)), report_to=[], temperature=1.0,
                       beta=0.0, save_strategy="no")
     timer = StepTimer()
-    arctic = {"sampler": {"options": {"gpu_memory_utilization": float(os.environ.get("SAMPLER_MEMORY", 0.35))}}}
+    sampler = {"options": {"gpu_memory_utilization": float(os.environ.get("SAMPLER_MEMORY", 0.35))}}
+    if os.environ.get("SAMPLER", "embedded") == "vllm":  # the same switch a user flips: arctic={"sampler": ...}
+        sampler = {"backend": "vllm", "options": {**sampler["options"], "fca": True}}
+    arctic = {"sampler": sampler}
     trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": texts}),
                           callbacks=[timer], arctic=arctic)
     print("backend ready", round(time.time() - started, 1), "s", flush=True)
     trainer.train()
     steady = timer.steps[1:] or timer.steps
-    print(json.dumps({"system": "trl-1.16 on arctic", "prompts": prompts, "n": samples, "prompt_len": prompt_len,
+    print(json.dumps({"system": "trl-1.16 on arctic", "sampler": arctic["sampler"].get("backend", "embedded"),
+                      "prompts": prompts, "n": samples, "prompt_len": prompt_len,
                       "max_new": new_tokens, "step_s_steady_mean": round(sum(steady) / len(steady), 2),
                       "steps": [round(s, 2) for s in timer.steps]}), flush=True)
 

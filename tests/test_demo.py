@@ -20,7 +20,8 @@ def test_demo_reward_rises_and_outputs_are_written(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"initial_reward", "final_reward", "steps", "seconds"} <= summary.keys()
     assert summary["final_reward"] >= summary["initial_reward"] + 0.3, summary
-    assert "GRPO" in proc.stderr and "step/s" in proc.stderr  # the progress bar, with its rate
+    # The progress bar with its rate (tqdm writes s/step instead when a step takes over a second).
+    assert "GRPO" in proc.stderr and ("step/s" in proc.stderr or "s/step" in proc.stderr)
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "checkpoint" / "arctic_state.json").is_file()

@@ -182,16 +182,17 @@ def test_trls_defaults_with_a_bias_corrected_kl_learn(tmp_path):
 def test_a_second_iteration_on_the_same_batch_equals_plain_trl(policy, tmp_path):
     """num_iterations=2: after one optimizer step the batch is trained on again with the old
     log-probs of before the step, so every ratio differs from 1; Arctic's loss and gradients equal
-    plain TRL's on that second pass, and both took the same first step."""
+    plain TRL's on that second pass, so both took the same first step (weight decay included, which
+    Hugging Face's Trainer does not apply to biases and norm weights)."""
     settings = dict(num_iterations=2, max_grad_norm=0.0, learning_rate=1e-2, beta=0.04, loss_type="grpo",
-                    epsilon_high=0.28, delta=1.5)
+                    epsilon_high=0.28, delta=1.5, weight_decay=0.1)
     plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
                             train_dataset=DATASET)
     plain.current_gradient_accumulation_steps = 1
     plain.model.train()
     inputs = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
     assert inputs["old_per_token_logps"] is not None  # TRL computed them: the data goes off-policy
-    optimizer = torch.optim.AdamW(plain.model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    optimizer = plain.create_optimizer()  # Hugging Face's AdamW: no weight decay for biases and norm weights
     arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
                          train_dataset=DATASET)
     arctic.current_gradient_accumulation_steps = 1
@@ -209,6 +210,38 @@ def test_a_second_iteration_on_the_same_batch_equals_plain_trl(policy, tmp_path)
         optimizer.step()
         arctic.arctic.step(lr=1e-2)
     assert metrics["ppo/clipfrac"] > 0  # the second pass really was off-policy
+    arctic.arctic.close()
+
+
+def test_the_adaptive_entropy_bonus_follows_trls_controller(policy, tmp_path):
+    """use_adaptive_entropy: no bonus until the first measurement; then the coefficient moves by
+    entropy_coef_delta towards entropy_target, and Arctic's loss, gradients and controller state
+    equal TRL's call after call (with entropy masking too)."""
+    settings = dict(use_adaptive_entropy=True, entropy_target=10.0, entropy_coef_delta=0.05, loss_type="grpo",
+                    top_entropy_quantile=0.5)
+    plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
+                            train_dataset=DATASET)
+    plain.current_gradient_accumulation_steps = 1
+    plain.model.train()
+    inputs = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
+    arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
+                         train_dataset=DATASET)
+    arctic.current_gradient_accumulation_steps = 1
+    server = arctic.arctic.transport.server
+    for call in range(3):
+        plain.model.zero_grad(set_to_none=True)
+        expected = plain.compute_loss(plain.model, inputs)
+        expected.backward()
+        metrics = arctic.arctic_fwd_bwd(inputs)
+        assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-5), call
+        grads = server.trainer.full_gradients()
+        server.trainer.discard_gradients()
+        server.gradients_pending = False
+        for name, p in plain.model.named_parameters():
+            assert (grads[name] - p.grad).norm() <= 1e-4 * p.grad.norm(), (call, name)
+        assert arctic.entropy_coef == pytest.approx(plain.entropy_coef) == pytest.approx(0.05 * (call + 1))
+        assert arctic._last_world_entropy == pytest.approx(plain._last_world_entropy, rel=1e-5)
+    assert "entropy/loss" in metrics  # the bonus applied from the second call on
     arctic.arctic.close()
 
 

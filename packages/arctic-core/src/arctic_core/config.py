@@ -48,6 +48,9 @@ class OptimizerConfig(StrictModel):
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's moment decays.")
     eps: Annotated[float, Field(gt=0)] = Field(1e-8, description="Adam's denominator term.")
     weight_decay: Annotated[float, Field(ge=0)] = Field(0.0, description="Decoupled (AdamW) weight decay.")
+    decay: Literal["all", "transformers"] = Field("all", description=(
+        "Which parameters weight decay applies to: all, or those Hugging Face's Trainer decays (not biases, "
+        "not normalisation weights)."))
     max_grad_norm: Annotated[float, Field(gt=0)] | None = Field(
         1.0, description="Clip the global gradient norm to this before each step; None disables clipping.")
 

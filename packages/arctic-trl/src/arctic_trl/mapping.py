@@ -123,7 +123,7 @@ def arctic_config(model_path: str, args: GRPOConfig, overrides: dict[str, Any] |
         "seed": args.seed,
         "trainer": {
             "optimizer": {"lr": args.learning_rate, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
-                          "weight_decay": args.weight_decay,
+                          "weight_decay": args.weight_decay, "decay": "transformers",
                           "max_grad_norm": args.max_grad_norm if args.max_grad_norm else None},
             "gradient_checkpointing": bool(args.gradient_checkpointing),
         },

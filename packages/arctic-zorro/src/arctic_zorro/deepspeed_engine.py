@@ -27,6 +27,7 @@ from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.lr_schedule import lr_factor, set_lr
+from arctic_zorro.param_groups import param_groups
 from arctic_zorro.micro_batches import Align, micro_forward_backward, micro_log_probs
 from arctic_zorro.packed_forward import Forward, ZorroOptions, select_forward
 
@@ -262,7 +263,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         factor = lr_factor(config.scheduler)
         engine, *_ = deepspeed.initialize(
             model=module,
-            model_parameters=[p for p in module.parameters() if p.requires_grad],
+            model_parameters=param_groups(self.model, config.optimizer),
             config=trainer_config(self.options, config, model),
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
         )

@@ -18,6 +18,7 @@ from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_check
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
 from arctic_zorro.lr_schedule import lr_factor, set_lr
+from arctic_zorro.param_groups import param_groups
 from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
 
 STATE_FILE = "trainer_state.pt"
@@ -90,9 +91,7 @@ class TorchTrainer(TorchLogProbEngine):
             enable_gradient_checkpointing(self.model, config.checkpoint_layers)
             self.model.train()  # transformers only checkpoints in training mode
         opt = config.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
-        )
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.scheduler))
         self.steps = 0
 
