@@ -53,6 +53,44 @@ def variety_reward(completion_ids, **kwargs) -> list[float]:
 DATASET = Dataset.from_dict({"prompt": ["count up from 3:", "count down from 9:", "repeat 5:", "count up from 1:"] * 2})
 
 
+def plain_and_arctic(policy: str, tmp_path, **settings):
+    """A plain TRL trainer with its first prepared batch, and an Arctic trainer with the same
+    settings: each test computes the same loss on both sides."""
+    args = grpo_args(tmp_path, **settings)
+    plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+    plain.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by HF's loop
+    plain.model.train()
+    inputs = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
+    assert inputs["advantages"].abs().sum() > 0  # a batch that teaches something
+    arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
+                         train_dataset=DATASET)
+    arctic.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    return plain, inputs, arctic
+
+
+def plain_loss_and_grads(plain, inputs: dict):
+    """Plain TRL's loss on ``inputs`` and the gradients it leaves (earlier ones cleared first)."""
+    plain.model.zero_grad(set_to_none=True)
+    expected = plain.compute_loss(plain.model, inputs)
+    expected.backward()
+    return expected.item(), {n: p.grad.clone() for n, p in plain.model.named_parameters() if p.grad is not None}
+
+
+def take_arctic_grads(arctic) -> dict:
+    """The Arctic server's accumulated gradients, taken out so the next call starts from zero."""
+    server = arctic.arctic.transport.server
+    grads = server.trainer.full_gradients()
+    server.trainer.discard_gradients()
+    server.gradients_pending = False
+    return grads
+
+
+def assert_grads_equal(grads: dict, expected: dict, case) -> None:
+    assert grads.keys() == expected.keys(), case
+    for name, grad in grads.items():
+        assert (grad - expected[name]).norm() <= 1e-4 * expected[name].norm() + 1e-9, (case, name)
+
+
 @pytest.mark.parametrize("overrides", [
     {},  # TRL's defaults: dapo, beta 0
     {"loss_type": "grpo", "beta": 0.04, "use_bias_correction_kl": False, "entropy_coef": 0.01},
@@ -62,25 +100,11 @@ DATASET = Dataset.from_dict({"prompt": ["count up from 3:", "count down from 9:"
 def test_first_step_loss_and_gradients_equal_plain_trl(policy, tmp_path, overrides):
     """Plain TRL prepares a batch and computes its loss and gradients; Arctic computes both from
     the same prepared batch in the backend."""
-    args = grpo_args(tmp_path, **overrides)
-    plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
-    plain.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by HF's loop
-    plain.model.train()
-    inputs = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
-    assert inputs["advantages"].abs().sum() > 0  # a batch that teaches something
-    expected = plain.compute_loss(plain.model, inputs)
-    expected.backward()
-    expected_grads = {n: p.grad for n, p in plain.model.named_parameters() if p.grad is not None}
-
-    arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **overrides),
-                         train_dataset=DATASET)
-    arctic.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    plain, inputs, arctic = plain_and_arctic(policy, tmp_path, **overrides)
+    expected, expected_grads = plain_loss_and_grads(plain, inputs)
     metrics = arctic.arctic_fwd_bwd(inputs)
-    assert metrics["loss"] == pytest.approx(expected.detach().item(), abs=1e-5)
-    grads = arctic.arctic.transport.server.trainer.full_gradients()
-    assert grads.keys() == expected_grads.keys()
-    for name, grad in grads.items():
-        assert (grad - expected_grads[name]).norm() <= 1e-4 * expected_grads[name].norm(), name
+    assert metrics["loss"] == pytest.approx(expected, abs=1e-5)
+    assert_grads_equal(take_arctic_grads(arctic), expected_grads, "first step")
     arctic.arctic.close()
 
 
@@ -91,16 +115,7 @@ KL = {"no-kl": (0.0, True), "kl": (0.04, False), "kl-bias-corrected": (0.04, Tru
 @pytest.fixture(scope="module")
 def pair(policy, tmp_path_factory):
     """A plain TRL trainer, its prepared batch (with reference log-probs), and an Arctic trainer."""
-    tmp = tmp_path_factory.mktemp("pair")
-    args = grpo_args(tmp, beta=0.04)
-    plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
-    plain.current_gradient_accumulation_steps = args.gradient_accumulation_steps
-    plain.model.train()
-    inputs = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
-    assert inputs["advantages"].abs().sum() > 0
-    arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp, beta=0.04),
-                         train_dataset=DATASET)
-    arctic.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    plain, inputs, arctic = plain_and_arctic(policy, tmp_path_factory.mktemp("pair"), beta=0.04)
     yield plain, inputs, arctic
     arctic.arctic.close()
 
@@ -142,7 +157,6 @@ def test_the_loss_matrix_equals_plain_trl(pair, level, kl, entropy_quantile, dat
     plain, inputs, arctic = pair
     if data != "on-policy":
         inputs = off_policy(plain, inputs, sampler=data.endswith("sampler"))
-    server = arctic.arctic.transport.server
     beta, corrected = KL[kl]
     for loss_type in LOSS_TYPES:
         for delta in ([None, 1.5] if AGGREGATION_CLIPPED(loss_type) else [None]):
@@ -152,19 +166,11 @@ def test_the_loss_matrix_equals_plain_trl(pair, level, kl, entropy_quantile, dat
                             off_policy_mask_threshold=0.05 if "masked" in data else None)
             configure(plain, **settings)
             configure(arctic, **settings)
-            plain.model.zero_grad(set_to_none=True)
-            expected = plain.compute_loss(plain.model, inputs)
-            expected.backward()
-            expected_grads = {n: p.grad for n, p in plain.model.named_parameters() if p.grad is not None}
+            expected, expected_grads = plain_loss_and_grads(plain, inputs)
             metrics = arctic.arctic_fwd_bwd(inputs)
             case = f"{loss_type} delta={delta}"
-            assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-5), case
-            grads = server.trainer.full_gradients()
-            server.trainer.discard_gradients()
-            server.gradients_pending = False
-            assert grads.keys() == expected_grads.keys(), case
-            for name, grad in grads.items():
-                assert (grad - expected_grads[name]).norm() <= 1e-4 * expected_grads[name].norm() + 1e-9, (case, name)
+            assert metrics["loss"] == pytest.approx(expected, abs=1e-5), case
+            assert_grads_equal(take_arctic_grads(arctic), expected_grads, case)
 
 
 def AGGREGATION_CLIPPED(loss_type: str) -> bool:  # the loss types delta applies to
@@ -186,27 +192,14 @@ def test_a_second_iteration_on_the_same_batch_equals_plain_trl(policy, tmp_path)
     Hugging Face's Trainer does not apply to biases and norm weights)."""
     settings = dict(num_iterations=2, max_grad_norm=0.0, learning_rate=1e-2, beta=0.04, loss_type="grpo",
                     epsilon_high=0.28, delta=1.5, weight_decay=0.1)
-    plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
-                            train_dataset=DATASET)
-    plain.current_gradient_accumulation_steps = 1
-    plain.model.train()
-    inputs = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
+    plain, inputs, arctic = plain_and_arctic(policy, tmp_path, **settings)
     assert inputs["old_per_token_logps"] is not None  # TRL computed them: the data goes off-policy
     optimizer = plain.create_optimizer()  # Hugging Face's AdamW: no weight decay for biases and norm weights
-    arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
-                         train_dataset=DATASET)
-    arctic.current_gradient_accumulation_steps = 1
-    server = arctic.arctic.transport.server
     for iteration in range(2):
-        plain.model.zero_grad(set_to_none=True)
-        expected = plain.compute_loss(plain.model, inputs)
-        expected.backward()
-        expected_grads = {n: p.grad.clone() for n, p in plain.model.named_parameters() if p.grad is not None}
+        expected, expected_grads = plain_loss_and_grads(plain, inputs)
         metrics = arctic.arctic_fwd_bwd(inputs)
-        assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-5), iteration
-        grads = server.trainer.full_gradients()
-        for name, grad in grads.items():
-            assert (grad - expected_grads[name]).norm() <= 1e-4 * expected_grads[name].norm(), (iteration, name)
+        assert metrics["loss"] == pytest.approx(expected, abs=1e-5), iteration
+        assert_grads_equal(arctic.arctic.transport.server.trainer.full_gradients(), expected_grads, iteration)
         optimizer.step()
         arctic.arctic.step(lr=1e-2)
     assert metrics["ppo/clipfrac"] > 0  # the second pass really was off-policy
@@ -219,26 +212,12 @@ def test_the_adaptive_entropy_bonus_follows_trls_controller(policy, tmp_path):
     equal TRL's call after call (with entropy masking too)."""
     settings = dict(use_adaptive_entropy=True, entropy_target=10.0, entropy_coef_delta=0.05, loss_type="grpo",
                     top_entropy_quantile=0.5)
-    plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
-                            train_dataset=DATASET)
-    plain.current_gradient_accumulation_steps = 1
-    plain.model.train()
-    inputs = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
-    arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
-                         train_dataset=DATASET)
-    arctic.current_gradient_accumulation_steps = 1
-    server = arctic.arctic.transport.server
+    plain, inputs, arctic = plain_and_arctic(policy, tmp_path, **settings)
     for call in range(3):
-        plain.model.zero_grad(set_to_none=True)
-        expected = plain.compute_loss(plain.model, inputs)
-        expected.backward()
+        expected, expected_grads = plain_loss_and_grads(plain, inputs)
         metrics = arctic.arctic_fwd_bwd(inputs)
-        assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-5), call
-        grads = server.trainer.full_gradients()
-        server.trainer.discard_gradients()
-        server.gradients_pending = False
-        for name, p in plain.model.named_parameters():
-            assert (grads[name] - p.grad).norm() <= 1e-4 * p.grad.norm(), (call, name)
+        assert metrics["loss"] == pytest.approx(expected, abs=1e-5), call
+        assert_grads_equal(take_arctic_grads(arctic), expected_grads, call)
         assert arctic.entropy_coef == pytest.approx(plain.entropy_coef) == pytest.approx(0.05 * (call + 1))
         assert arctic._last_world_entropy == pytest.approx(plain._last_world_entropy, rel=1e-5)
     assert "entropy/loss" in metrics  # the bonus applied from the second call on
