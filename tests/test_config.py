@@ -33,7 +33,7 @@ def test_yaml_round_trip(tmp_path):
         ({"model": {"path": "/m"}, "trainer": {"optimiser": {}}},
          "trainer.optimiser: unknown key (did you mean 'optimizer'?); valid keys: backend, checkpoint_layers,"),
         ({"model": {"path": "/m"}, "trainer": {"optimizer": {"betas": [0.9, 0.99], "epss": 1e-8}}},
-         "trainer.optimizer.epss: unknown key (did you mean 'eps'?); valid keys: betas, eps, lr, max_grad_norm"),
+         "trainer.optimizer.epss: unknown key (did you mean 'eps'?); valid keys: betas, decay, eps, lr, max_grad_norm, weight_decay"),
         ({"model": {"path": "/m"}, "reference": {"modle": {}}}, "reference.modle: unknown key (did you mean 'model'?)"),
         ({"model": {"path": "/m", "dtype": "fp8"}}, "model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
         ({"model": {"path": "/m"}, "trainer": {"optimizer": {"lr": -1}}}, "trainer.optimizer.lr: Input should be greater than 0"),
