@@ -31,6 +31,7 @@ from arctic_core.client import ArcticClient, AsyncArcticClient
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import BatchError, PluginNotFoundError, RequestError
 from arctic_core.serving.http import create_app
+from arctic_core.transports.http import wait_until_serving
 from arctic_core.protocol import OPS, GenerateRequest
 from arctic_core.serving.server import ArcticServer
 from arctic_core.errors import RemoteError
@@ -429,15 +430,7 @@ def test_serve_command_answers_with_the_env_token(config, tmp_path):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://{HOST}:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "arctic-rl serve did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_serving(url, timeout=90, alive=lambda: proc.poll() is None)
         assert httpx.post(f"{url}/v1/status", content=b"").status_code == 401
         client = ArcticClient.http(url, token=TOKEN)
         assert client.generate(PROMPTS, n=2, max_tokens=2).batch.num_responses == 6

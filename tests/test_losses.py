@@ -19,7 +19,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import LossTermConfig
 from arctic_core.errors import BatchError, ConfigError, PluginNotFoundError
 from arctic_core.plugins.interfaces import LossContext
-from arctic_core.losses.policy import CISPOLoss, GSPOLoss, PPOLoss, SAPOLoss, VESPOLoss
+from arctic_core.losses.policy import CISPOLoss, GSPOLoss, PolicyGradientLoss, PPOLoss, SAPOLoss, VESPOLoss
 from arctic_core.losses.regularizers import EntropyBonus, KLLoss, SFTLoss
 from arctic_core.losses.objective import build_objective
 from arctic_core.losses.processors import Entropy, LogProbs
@@ -155,6 +155,8 @@ def test_ppo_dual_clip_leaves_positive_advantages_alone() -> None:
 @pytest.mark.parametrize(
     ("aggregation", "ctx", "expected"),
     [
+        # -3.03 + 3.8, no normaliser
+        ("token-sum", LossContext(5, 2, 3), 0.77),
         # (row0 sum / 3 + row1 sum / 2) / 2 = (-1.01 + 1.9) / 2
         ("seq-mean-token-mean", LossContext(5, 2, 3), 0.445),
         # (-3.03 + 3.8) / 2
@@ -194,6 +196,7 @@ def test_ppo_loss_mask_excludes_tokens() -> None:
     ("aggregation", "part0", "part1"),
     [
         ("token-mean", -0.606, 0.76),  # -3.03/5, 3.8/5
+        ("token-sum", -3.03, 3.8),
         ("seq-mean-token-mean", -0.505, 0.95),  # (-3.03/3)/2, (3.8/2)/2
         ("seq-mean-token-sum", -1.515, 1.9),  # -3.03/2, 3.8/2
         ("seq-mean-token-sum-norm", -0.505, 0.6333333333333333),  # -3.03/(2*3), 3.8/(2*3)
@@ -493,6 +496,48 @@ def test_cispo_sapo_vespo_against_their_formulas() -> None:
         assert_rows(grad.tolist(), want.tolist())
     with pytest.raises(ConfigError, match="VESPO"):
         VESPOLoss(level="sequence")
+
+
+def test_cispo_floor_plain_policy_gradient_and_log_ratio_bounds() -> None:
+    """CISPO with a floor clips its detached weight on both sides; pg is -A * log-prob; bounds
+    clamp the log ratio before the exp, leaving no gradient outside them."""
+    batch, logp = ppo_case()
+    ctx, mask = LossContext.of(batch), batch.loss_mask.to(F64)
+    adv = torch.tensor(PPO_ADV, dtype=F64)[:, None]
+    log_ratio = (logp - batch.old_logprobs) * mask
+    ratio = torch.exp(log_ratio)
+    bounded = log_ratio.clamp(-0.5, 0.2)  # ratios 1.25, 1.5, 0.5 / 0.5, 1.1 -> e^0.2 caps 1.25 and 1.5
+    cases = {
+        CISPOLoss(ratio_cap=1.3, ratio_floor=0.8): -ratio.clamp(0.8, 1.3).detach() * adv * logp,
+        PolicyGradientLoss(): -adv * logp,
+        SAPOLoss(log_ratio_bounds=(-0.5, 0.2)): -torch.sigmoid(torch.where(adv > 0, 1.0, 1.05) * (torch.exp(bounded) - 1))
+        * 4 / torch.where(adv > 0, 1.0, 1.05) * adv,
+        PPOLoss(clip_low=10.0, clip_high=10.0, log_ratio_bounds=(None, 0.2)): -adv * torch.exp(log_ratio.clamp(max=0.2)),
+    }
+    for term, per_token in cases.items():
+        loss, _ = term({"logprobs": logp}, batch, ctx)
+        expected = (per_token * mask).sum() / 5
+        assert loss.item() == pytest.approx(expected.item(), abs=TOL), term.name
+        (grad,) = torch.autograd.grad(loss, logp)
+        (want,) = torch.autograd.grad(expected, logp, retain_graph=True)  # the cases share a graph
+        assert_rows(grad.tolist(), want.tolist())
+    (grad,) = torch.autograd.grad(PPOLoss(log_ratio_bounds=(None, 0.2))({"logprobs": logp}, batch, ctx)[0], logp)
+    assert grad[0, 0] == 0 and grad[0, 1] == 0 and grad[0, 2] != 0  # ratios 1.25, 1.5 exceed e^0.2
+
+
+def test_kl_abs_estimator_and_the_k2_gradient_with_the_estimators_value() -> None:
+    """abs is |log pi/ref|; gradient k2 keeps the estimator's value and takes k2's gradient
+    (the straight-through estimate verl calls 'k3+')."""
+    batch, logp = ppo_case(ref_logprobs=[[-1.5, -0.5, -1.0], [-1.0, -0.5]])
+    ctx, mask = LossContext.of(batch), batch.loss_mask.to(F64)
+    diff = logp - batch.ref_logprobs
+    loss, _ = KLLoss(estimator="abs", clamp=None)({"logprobs": logp}, batch, ctx)
+    assert loss.item() == pytest.approx(((diff.abs() * mask).sum() / 5).item(), abs=TOL)
+    loss, _ = KLLoss(estimator="k3", gradient="k2")({"logprobs": logp}, batch, ctx)
+    k3 = torch.exp(-diff) - 1 + diff
+    assert loss.item() == pytest.approx(((k3 * mask).sum() / 5).item(), abs=TOL)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert_rows(grad.tolist(), (diff * mask / 5).tolist())  # d/dlogp of 0.5 * diff^2, token-mean
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

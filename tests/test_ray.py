@@ -198,6 +198,8 @@ def test_ray_clients_connect_by_name_keep_hundreds_of_calls_apart_and_see_errors
     assert "'arctic-shared' died" in str(_first_worker_error(other.status))
     with pytest.raises(WorkerError, match="no Arctic server actor named 'nobody'"):
         ArcticClient.ray(name="nobody")
+    with pytest.raises(WorkerError, match="asks for 64 GPU"):  # Ray would wait for them forever
+        ArcticClient.ray(config, name="arctic-greedy", num_gpus=64)
 
 
 def _first_worker_error(call, seconds: float = 30.0) -> WorkerError:

@@ -49,6 +49,10 @@ class PolicyOptions(StrictModel):
     """Drop a negative-advantage sequence whose mean KL(data's policy || current) exceeds this."""
     off_policy_logprobs: Literal["old", "sampling"] = "old"
     """What that KL compares with: the old log-probs, or the sampler's (batch.sampling_logprobs)."""
+    log_ratio_bounds: tuple[float | None, float | None] | None = None
+    """Clamp the log importance ratio each token carries to [low, high] before the exp (None: no
+    bound on that side); outside the bounds it has no gradient. verl clamps to [-20, 20] for
+    stability (its GSPO to [None, 10])."""
 
 
 class ClipOptions(PolicyOptions):
@@ -85,6 +89,8 @@ class GSPOOptions(ClipOptions):
 class CISPOOptions(PolicyOptions):
     ratio_cap: Annotated[float, Field(gt=0)] = 5.0
     """The importance ratio, detached, is capped at this and weighs -A * log-prob (CISPO)."""
+    ratio_floor: Annotated[float, Field(ge=0)] | None = None
+    """And raised to at least this (verl clips both sides: [1 - clip_low, 1 + clip_high]); None: no floor."""
 
 
 class SAPOOptions(PolicyOptions):
@@ -132,7 +138,10 @@ class PolicyTerm:
         adv = batch.token_advantages().to(logp)
         old = old_logprobs(batch, self.name, logp, opts.old_logprobs)
         log_ratio = (logp - old).masked_fill(~mask, 0.0)
-        ratio = torch.exp(at_level(log_ratio, mask, opts.level))
+        carried = at_level(log_ratio, mask, opts.level)
+        if opts.log_ratio_bounds is not None:
+            carried = carried.clamp(*opts.log_ratio_bounds)
+        ratio = torch.exp(carried)
         losses, metrics = self.surrogate(ratio, log_ratio, logp, adv, mask, ctx)
         keep = self._keep(outputs, batch, logp, old, adv, mask)
         if keep is not None:
@@ -201,9 +210,19 @@ class CISPOLoss(PolicyTerm):
     options_model = CISPOOptions
 
     def surrogate(self, ratio, log_ratio, logp, adv, mask, ctx):
-        weight = ratio.clamp(max=self.options.ratio_cap).detach()
-        capped = (ratio > self.options.ratio_cap) & (adv > 0)
+        opts = self.options
+        weight = ratio.clamp(min=opts.ratio_floor, max=opts.ratio_cap).detach()
+        capped = (ratio > opts.ratio_cap) & (adv > 0)
         return -weight * adv * logp, {"capfrac": token_mean(capped.float(), mask, ctx)}
+
+
+class PolicyGradientLoss(PolicyTerm):
+    """Plain policy gradient (REINFORCE with advantages): ``-A * log-prob``, no ratio (verl's gpg)."""
+
+    name = "pg"
+
+    def surrogate(self, ratio, log_ratio, logp, adv, mask, ctx):
+        return -adv * logp, {}
 
 
 class SAPOLoss(PolicyTerm):

@@ -26,8 +26,12 @@ class AggregationOptions(StrictModel):
 
 
 class KLOptions(AggregationOptions):
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Schulman's estimators of KL(policy || reference) from the policy's samples (k3: low variance, >= 0)."""
+    estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
+    """Schulman's estimators of KL(policy || reference) from the policy's samples (k3: low variance,
+    >= 0), or abs: |log policy/reference|."""
+    gradient: Literal["estimator", "k2"] = "estimator"
+    """k2: the estimator's value with the k2 estimator's gradient (a straight-through estimate whose
+    gradient is the KL's; verl's 'k3+'); estimator: the estimator's own gradient."""
     clamp: Annotated[float, Field(gt=0)] | None = Field(
         10.0, description="Clamp the per-token estimate to [-clamp, clamp] for stability; None disables."
     )
@@ -52,6 +56,8 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
+    if estimator == "abs":
+        return log_ratio.abs()
     return torch.exp(-log_ratio) - 1.0 + log_ratio  # k3: r - 1 - log r with r = ref/pi
 
 
@@ -73,6 +79,9 @@ class KLLoss:
         kl = kl_estimate(logp, batch.ref_logprobs.float(), opts.estimator)
         if opts.clamp is not None:
             kl = kl.clamp(-opts.clamp, opts.clamp)
+        if opts.gradient == "k2":
+            k2 = kl_estimate(logp, batch.ref_logprobs.float(), "k2")
+            kl = k2 - k2.detach() + kl.detach()
         metrics = {"kl": token_mean(kl, mask, ctx)}
         if opts.ratio_weighted:
             old = old_logprobs(batch, "kl", logp, opts.old_logprobs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -99,6 +100,23 @@ class HttpTransport:
 
 
 # ----------------------------------------------------------------- helpers
+def wait_until_serving(base_url: str, timeout: float = 120.0, alive: Callable[[], bool] = lambda: True) -> None:
+    """Wait until the server at ``base_url`` answers ``GET /health`` (a script that starts
+    ``arctic-rl serve`` and then connects); ``alive`` says whether the server process still runs.
+    Raises :class:`RemoteError` after ``timeout`` seconds, or at once when ``alive()`` turns False."""
+    deadline = time.monotonic() + timeout
+    while alive():
+        try:
+            if httpx.get(f"{base_url.rstrip('/')}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RemoteError(f"the Arctic server at {base_url} did not answer /health within {timeout:g} s")
+        time.sleep(0.2)
+    raise RemoteError(f"the Arctic server process for {base_url} ended before it answered /health")
+
+
 def _result(op: str, response: httpx.Response) -> Result:
     if response.status_code == 200:
         return wire.decode_result(op, response.content)

@@ -57,6 +57,11 @@ class RayTransport:
         """Start the server actor ``name`` (in the cluster at ``address``, or a local one). Ray gives
         it ``num_cpus`` compute threads (its OMP_NUM_THREADS)."""
         ray = ensure_ray(address)
+        cluster = ray.cluster_resources()
+        for resource, wanted in (("GPU", num_gpus), ("CPU", num_cpus)):
+            if wanted > cluster.get(resource, 0.0):  # Ray would wait for it forever
+                raise WorkerError(f"the Arctic server actor asks for {wanted:g} {resource}(s) and this Ray cluster "
+                                  f"has {cluster.get(resource, 0.0):g}")
         options = {"name": name, "num_gpus": num_gpus, "num_cpus": num_cpus}
         actor = ray.remote(ServerActor).options(**options).remote(config.model_dump_json())
         transport = cls(actor, name, owns_server=True)

@@ -1,0 +1,11 @@
+"""Collection rules for the whole workspace.
+
+A framework adapter's tests import the framework, which lives in its own environment (a uv extra
+that conflicts with the others): they are collected there (see ``.ci/run``), not in the default one.
+"""
+
+from importlib.util import find_spec
+
+ADAPTER_FRAMEWORKS = {"packages/arctic-verl": "verl"}
+
+collect_ignore = [folder for folder, module in ADAPTER_FRAMEWORKS.items() if find_spec(module) is None]

@@ -1,0 +1,190 @@
+"""verl's settings in Arctic's terms: the backend config, the loss terms, the sampling params.
+
+Each verl setting that shapes the loss, the sampling or the optimizer is honoured exactly (the
+loss terms reproduce verl's ``ppo_loss``: policy loss, entropy bonus, KL loss, each aggregated by
+``loss_agg_mode`` over the mini-batch) or refused by :func:`refusals` with the key that names it.
+Settings of verl's own engines (FSDP/Megatron sharding, micro-batch sizes, vLLM memory) have no
+meaning here: Arctic runs the model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from arctic_core.config import ArcticConfig, SamplingParams
+from arctic_core.errors import ConfigError
+from arctic_verl.settings import ArcticSettings
+
+# verl's policy_loss.loss_mode -> how to build the matching Arctic term from the actor config.
+POLICY_LOSSES = ("vanilla", "gspo", "sapo", "cispo", "gpg")
+# verl's kl_loss_type (without the '+' suffix) -> (Arctic estimator, clamp verl applies).
+KL_TYPES: dict[str, tuple[str, float | None]] = {
+    "kl": ("k1", None), "k1": ("k1", None), "abs": ("abs", None), "mse": ("k2", None), "k2": ("k2", None),
+    "low_var_kl": ("k3", 10.0), "k3": ("k3", 10.0),
+}
+VERL_LOG_RATIO_BOUNDS = (-20.0, 20.0)  # verl clamps log ratios before exp (vanilla, sapo, cispo)
+VERL_GSPO_LOG_RATIO_BOUNDS = (None, 10.0)
+# Keys of arctic.config that verl's own settings own.
+VERL_OWNED = {"model": ("path",), "trainer": ("optimizer", "scheduler", "gradient_checkpointing")}
+SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logprobs", "max_tokens",
+                 "max_new_tokens", "seed", "stop_token_ids"}
+
+
+def get(config: DictConfig, key: str, default: Any = None) -> Any:
+    return OmegaConf.select(config, key, default=default)
+
+
+# --------------------------------------------------------------------------- refusals
+def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
+    """Every setting arctic-verl cannot honour exactly, each as ``key=value: why``."""
+    actor, found = "actor_rollout_ref.actor", []
+
+    def refuse(key: str, why: str) -> None:
+        found.append(f"{key}={get(config, key)!r}: {why}")
+
+    from verl.trainer.ppo.utils import need_critic  # noqa: PLC0415 (verl's own rule for needing a critic)
+
+    with warnings.catch_warnings():  # verl warns that it disables the critic: not news here
+        warnings.simplefilter("ignore")
+        critic = need_critic(config)
+    if critic:
+        found.append(f"algorithm.adv_estimator={get(config, 'algorithm.adv_estimator')!r} / critic.enable: a critic "
+                     "(value model) is not served by Arctic; use a critic-free estimator (grpo, rloo, "
+                     "reinforce_plus_plus, remax, ...)")
+    if get(config, "reward.reward_model.enable"):
+        refuse("reward.reward_model.enable", "model-based rewards run on verl's GPU reward workers; use a "
+               "reward function (reward.custom_reward_function)")
+    if get(config, "distillation.enabled"):
+        refuse("distillation.enabled", "on-policy distillation is not supported")
+    if (get(config, "actor_rollout_ref.model.lora_rank") or 0) > 0 or (get(config, "actor_rollout_ref.model.lora.rank") or 0) > 0:
+        refuse("actor_rollout_ref.model.lora_rank", "Arctic trains full weights (no LoRA)")
+    if get(config, "actor_rollout_ref.model.lora_adapter_path"):
+        refuse("actor_rollout_ref.model.lora_adapter_path", "Arctic trains full weights (no LoRA)")
+    mode = get(config, f"{actor}.policy_loss.loss_mode", "vanilla")
+    if mode not in POLICY_LOSSES:
+        refuse(f"{actor}.policy_loss.loss_mode", f"supported: {', '.join(POLICY_LOSSES)}")
+    if get(config, f"{actor}.loss_agg_mode") == "seq-mean-token-sum-norm" and get(config, f"{actor}.loss_scale_factor") is None:
+        refuse(f"{actor}.loss_agg_mode", "without actor.loss_scale_factor verl divides each micro-batch by its own "
+               "padded width, which depends on how verl would cut micro-batches; set "
+               f"{actor}.loss_scale_factor=<response_length> (verl's recommended constant)")
+    kl_type = str(get(config, f"{actor}.kl_loss_type", "low_var_kl"))
+    if get(config, f"{actor}.use_kl_loss") and kl_type.removesuffix("+") not in KL_TYPES:
+        refuse(f"{actor}.kl_loss_type", f"supported: {', '.join(KL_TYPES)} (each optionally with '+')")
+    for key in ("rollout_is", "rollout_rs"):
+        if get(config, f"algorithm.rollout_correction.{key}") is not None:
+            refuse(f"algorithm.rollout_correction.{key}", "rollout-correction weights are not supported")
+    if get(config, "actor_rollout_ref.rollout.ignore_eos"):
+        refuse("actor_rollout_ref.rollout.ignore_eos", "Arctic's samplers always stop at the end-of-sequence token")
+    optim = f"{actor}.optim"
+    if str(get(config, f"{optim}.optimizer", "AdamW")) != "AdamW" or str(get(config, f"{optim}.optimizer_impl", "torch.optim")) != "torch.optim":
+        refuse(f"{optim}.optimizer", "Arctic's backends step torch's AdamW")
+    if get(config, f"{optim}.override_optimizer_config"):
+        refuse(f"{optim}.override_optimizer_config", "not supported; set lr, betas, weight_decay, clip_grad")
+    if get(config, "global_profiler.steps"):
+        refuse("global_profiler.steps", "verl's profiler drives verl's own GPU workers, which do not run here")
+    for section, keys in VERL_OWNED.items():
+        for key in keys:
+            if key in settings.config.get(section, {}):
+                found.append(f"arctic.config.{section}.{key}: set by verl's own config (actor_rollout_ref...)")
+    return found
+
+
+def check_supported(config: DictConfig, settings: ArcticSettings) -> None:
+    problems = refusals(config, settings)
+    if problems:
+        raise ConfigError("arctic-verl cannot honour these verl settings:\n  " + "\n  ".join(problems))
+
+
+# --------------------------------------------------------------------------- loss
+def policy_term(actor: DictConfig) -> dict[str, Any]:
+    """The Arctic term equal to verl's policy loss ``policy_loss.loss_mode``."""
+    low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+    high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+    mode, aggregation = actor.policy_loss.get("loss_mode", "vanilla"), actor.loss_agg_mode
+    if mode == "vanilla":  # verl always applies its dual clip (clip_ratio_c, default 3)
+        return {"name": "ppo", "clip_low": low, "clip_high": high, "dual_clip": actor.get("clip_ratio_c", 3.0),
+                "aggregation": aggregation, "log_ratio_bounds": VERL_LOG_RATIO_BOUNDS}
+    if mode == "gspo":
+        return {"name": "gspo", "clip_low": low, "clip_high": high, "aggregation": aggregation,
+                "log_ratio_bounds": VERL_GSPO_LOG_RATIO_BOUNDS}
+    if mode == "sapo":  # verl's SAPO always averages per sequence first
+        return {"name": "sapo", "temperature_pos": actor.tau_pos, "temperature_neg": actor.tau_neg,
+                "aggregation": "seq-mean-token-mean", "log_ratio_bounds": VERL_LOG_RATIO_BOUNDS}
+    if mode == "cispo":
+        return {"name": "cispo", "ratio_cap": 1.0 + high, "ratio_floor": 1.0 - low, "aggregation": aggregation,
+                "log_ratio_bounds": VERL_LOG_RATIO_BOUNDS}
+    if mode == "gpg":
+        return {"name": "pg", "aggregation": aggregation}
+    raise ConfigError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: supported: {', '.join(POLICY_LOSSES)}")
+
+
+def kl_term(actor: DictConfig) -> dict[str, Any]:
+    """verl's KL loss: ``kl_loss_coef * agg(kl_penalty(log_prob, ref_log_prob, kl_loss_type))``."""
+    kl_type = str(actor.kl_loss_type)
+    estimator, clamp = KL_TYPES[kl_type.removesuffix("+")]
+    straight_through = kl_type.endswith("+") and estimator != "k2"  # verl: k2's gradient, the estimator's value
+    return {"name": "kl", "weight": actor.kl_loss_coef, "estimator": estimator, "clamp": clamp,
+            "gradient": "k2" if straight_through else "estimator", "aggregation": actor.loss_agg_mode}
+
+
+def loss_terms(actor: DictConfig) -> list[dict[str, Any]]:
+    """verl's actor loss (``verl.workers.utils.losses.ppo_loss``) as Arctic loss terms."""
+    terms = [policy_term(actor)]
+    if actor.entropy_coeff != 0:
+        terms.append({"name": "entropy", "weight": actor.entropy_coeff, "aggregation": actor.loss_agg_mode})
+    if actor.use_kl_loss:
+        terms.append(kl_term(actor))
+    return terms
+
+
+# --------------------------------------------------------------------------- backend
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def arctic_config(config: DictConfig, settings: ArcticSettings, on_gpu: bool) -> ArcticConfig:
+    """The backend the adapter starts: verl's model and optimizer, Arctic's engines
+    (``arctic.config`` overrides engine choices); bf16 on a GPU, fp32 on the CPU."""
+    from verl.trainer.ppo.utils import need_reference_policy  # noqa: PLC0415
+
+    optim = config.actor_rollout_ref.actor.optim
+    base = {
+        "model": {"path": str(get(config, "actor_rollout_ref.model.path")),
+                  "dtype": "bfloat16" if on_gpu else "float32", "device": "cuda" if on_gpu else "cpu"},
+        "trainer": {
+            "optimizer": {"lr": optim.lr, "betas": list(optim.betas), "weight_decay": optim.weight_decay,
+                          "max_grad_norm": optim.clip_grad},
+            "gradient_checkpointing": bool(get(config, "actor_rollout_ref.model.enable_gradient_checkpointing", False)),
+        },
+        "reference": {} if need_reference_policy(config) else None,
+        "seed": int(get(config, "actor_rollout_ref.rollout.seed", 0) or 0),
+    }
+    return ArcticConfig.from_dict(_merge(base, settings.config))
+
+
+def to_sampling_params(request: dict[str, Any], response_length: int) -> tuple[SamplingParams, bool]:
+    """One verl sampling request (``sampling_params`` of ``generate``) as Arctic's params (n=1),
+    and whether the caller asked for the sampler's log-probs."""
+    unknown = sorted(set(request) - SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(f"arctic-verl: sampling params {unknown} have no Arctic meaning "
+                         f"(supported: {', '.join(sorted(SAMPLING_KEYS))})")
+    top_k = request.get("top_k")
+    params = SamplingParams(
+        n=1,
+        temperature=request.get("temperature", 1.0),
+        top_p=request.get("top_p", 1.0),
+        top_k=0 if top_k is None or top_k < 0 else int(top_k),  # verl's -1 means no top-k
+        min_p=request.get("min_p", 0.0),
+        repetition_penalty=request.get("repetition_penalty", 1.0),
+        max_tokens=request.get("max_tokens") or request.get("max_new_tokens") or response_length,
+        seed=request.get("seed"),
+        stop_token_ids=list(request.get("stop_token_ids") or []),
+    )
+    return params, bool(request.get("logprobs"))

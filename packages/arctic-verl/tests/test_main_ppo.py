@@ -1,0 +1,52 @@
+"""verl's unmodified ``python -m verl.trainer.main_ppo`` with ``trainer.v1.trainer_mode=arctic``.
+
+A tiny random policy, a GSM8K-format dataset scored by verl's own ``gsm8k`` reward function,
+GRPO with verl's KL loss: three steps on the Arctic backend (started by the adapter as a Ray actor
+in verl's Ray cluster), validation, a checkpoint, and a second run that resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from verl_run import gsm8k_rows, logged_steps, main_ppo_args, run_main_ppo, write_parquet
+
+VERL_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr", "actor/entropy",
+                "critic/score/mean", "critic/advantages/mean", "response_length/mean", "timing_s/step")
+ARCTIC_METRICS = ("arctic/train/loss", "arctic/train/tokens", "arctic/step/grad_norm", "arctic/policy_version",
+                  "arctic/sync/seconds")
+
+
+def test_three_grpo_steps_checkpoint_and_resume(policy, tmp_path):
+    train = write_parquet(gsm8k_rows(8), tmp_path / "train.parquet")
+    val = write_parquet(gsm8k_rows(4), tmp_path / "val.parquet")
+    extra = ("actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.optim.lr=1e-4",
+             "trainer.save_freq=3", "trainer.test_freq=3", "data.max_prompt_length=128")
+
+    first = run_main_ppo(main_ppo_args(policy, train, val, tmp_path, steps=3, extra=extra), cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
+    steps = logged_steps(first.stdout + first.stderr)
+    assert sorted(steps) == [1, 2, 3]
+    validation = [key for key in steps[3] if key.startswith("val-core/openai/gsm8k/")]
+    assert validation, steps[3].keys()  # verl's validation ran, sampled by Arctic
+    for step, metrics in steps.items():
+        missing = [key for key in VERL_METRICS + ARCTIC_METRICS if key not in metrics]
+        assert not missing, (step, missing)
+        assert metrics["arctic/step/step"] == step  # one optimizer step per training step (one mini-batch)
+        assert metrics["arctic/train/tokens"] > 0 and metrics["arctic/step/grad_norm"] >= 0
+    # sync_weights once per step: each step's samples come from the weights of the step before.
+    versions = [steps[step]["arctic/policy_version"] for step in (1, 2, 3)]
+    assert versions == [versions[0], versions[0] + 1, versions[0] + 2]
+    checkpoint = tmp_path / "checkpoints" / "global_step_3"
+    assert json.loads((checkpoint / "actor" / "arctic_state.json").read_text())["step"] == 3
+    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert list((tmp_path / "tensorboard_log").rglob("events.out.tfevents.*"))  # verl's TensorBoard logger
+
+    second = run_main_ppo(main_ppo_args(policy, train, val, tmp_path, steps=4, extra=extra), cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-6000:]
+    output = second.stdout + second.stderr
+    assert f"Resuming from {checkpoint}" in output
+    resumed = logged_steps(output)
+    assert sorted(resumed) == [4]  # steps 1-3 are not redone
+    assert resumed[4]["arctic/step/step"] == 4  # the optimizer state came back with the weights
+    assert (tmp_path / "checkpoints" / "global_step_4" / "actor" / "arctic_state.json").exists()

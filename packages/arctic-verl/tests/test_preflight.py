@@ -1,0 +1,108 @@
+"""Bad input stops verl's start in seconds with one line naming the problem and the fix.
+
+The unmodified ``main_ppo`` exits with status 2 before Ray starts (no traceback, no hang) for a
+setting Arctic cannot honour, a missing model, or a server that does not answer; the server
+checks (token, served model, reference model) run against a real ``arctic-rl serve`` on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import pytest
+import yaml
+
+from arctic_core.errors import ArcticError
+from arctic_core.transports.http import wait_until_serving
+from arctic_verl import plugin
+from arctic_verl.preflight import preflight
+from verl_run import gsm8k_rows, main_ppo_args, run_main_ppo, verl_config, write_parquet
+
+TOKEN = "t0ken-for-tests"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(("override", "named"), [
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+     "actor_rollout_ref.actor.policy_loss.loss_mode='clip_cov': supported: vanilla, gspo, sapo, cispo, gpg"),
+    ("algorithm.adv_estimator=gae", "a critic (value model) is not served by Arctic"),
+    ("+arctic.url=http://127.0.0.1:{port}", "127.0.0.1:{port}"),
+    ("actor_rollout_ref.model.path=/nonexistent/model", "/nonexistent/model"),
+], ids=["loss-mode", "critic", "unreachable-url", "missing-model"])
+def test_main_ppo_stops_with_one_line(policy, tmp_path, override, named):
+    port = free_port()
+    data = write_parquet(gsm8k_rows(2), tmp_path / "data.parquet")
+    args = main_ppo_args(policy, data, data, tmp_path, steps=1, extra=(override.format(port=port),))
+    result = run_main_ppo(args, cwd=tmp_path, timeout=180)
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert result.stderr.count("arctic-verl: error:") == 1, result.stderr[-4000:]
+    message = result.stderr[result.stderr.index("arctic-verl: error:"):]
+    assert named.format(port=port) in message, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.fixture(scope="module")
+def server(policy, tmp_path_factory):
+    """``arctic-rl serve`` of the tiny policy, with a token and no reference model."""
+    folder = tmp_path_factory.mktemp("server")
+    config = folder / "arctic.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": str(policy), "device": "cpu"}, "trainer": {"backend": "torch"}}))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "arctic_core.cli", "serve", "--config", str(config), "--port", str(port)],
+                            env={**os.environ, "ARCTIC_RL_TOKEN": TOKEN}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_until_serving(url, timeout=120, alive=lambda: proc.poll() is None)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def served_config(policy, url: str, *overrides: str):
+    return verl_config(f"actor_rollout_ref.model.path={policy}", f"+arctic.url={url}", *overrides)
+
+
+def test_the_server_checks(server, policy, tmp_path):
+    preflight(served_config(policy, server, f"+arctic.token={TOKEN}"))  # all well
+
+    with pytest.raises(ArcticError, match="token"):
+        preflight(served_config(policy, server, "+arctic.token=wrong"))
+    other = tmp_path / "other-model"
+    other.mkdir()
+    with pytest.raises(ArcticError, match=f"serves {policy}, but actor_rollout_ref.model.path is {other}"):
+        preflight(verl_config(f"actor_rollout_ref.model.path={other}", f"+arctic.url={server}", f"+arctic.token={TOKEN}"))
+    with pytest.raises(ArcticError, match="needs reference log-probs.*has no reference model"):
+        preflight(served_config(policy, server, f"+arctic.token={TOKEN}", "actor_rollout_ref.actor.use_kl_loss=True"))
+
+
+def test_settings_refused_by_name(policy):
+    with pytest.raises(ArcticError, match="arctic.nmu_gpus: unknown key .*did you mean 'num_gpus'"):
+        preflight(verl_config(f"actor_rollout_ref.model.path={policy}", "+arctic.nmu_gpus=1"))
+    config = verl_config(f"actor_rollout_ref.model.path={policy}", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+                         "actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.rollout.ignore_eos=True",
+                         "+arctic.config.model.path=/elsewhere")
+    with pytest.raises(ArcticError) as refused:
+        preflight(config)
+    for named in ("actor_rollout_ref.actor.loss_agg_mode='seq-mean-token-sum-norm'", "actor_rollout_ref.actor.optim.optimizer",
+                  "actor_rollout_ref.rollout.ignore_eos=True", "arctic.config.model.path"):
+        assert named in str(refused.value)
+
+
+def test_an_unsupported_verl_version_stops_runs_that_ask_for_arctic(monkeypatch, policy, capsys):
+    import verl.utils.config as verl_config_module
+
+    monkeypatch.setattr(verl_config_module, "validate_config", verl_config_module.validate_config)
+    monkeypatch.setattr(plugin, "version", lambda name: "0.8.0")
+    plugin._install()
+    with pytest.raises(SystemExit) as stopped:
+        verl_config_module.validate_config(verl_config(f"actor_rollout_ref.model.path={policy}",
+                                                       "trainer.v1.trainer_mode=arctic"))
+    assert stopped.value.code == 2
+    assert "arctic-verl supports verl >=0.9.1,<0.10; verl 0.8.0 is installed" in capsys.readouterr().err
