@@ -30,7 +30,8 @@ import pandas as pd
 from shapes import QWEN3_1_7B, SMOKE_SHAPE, make_model
 
 HERE = Path(__file__).resolve()
-STEP_TIME = re.compile(r"step:(\d+) - .*?timing_s/step:([0-9.]+)")
+STEP_LINE = re.compile(r"step:(\d+) - (.*)$", re.M)
+TIMING = re.compile(r"timing_s/(\w+):([0-9.]+)")
 
 
 def length_reward(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
@@ -89,13 +90,16 @@ def main() -> None:
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         sys.exit(f"main_ppo failed ({proc.returncode}):\n{output[-6000:]}")
-    steps = {int(step): float(seconds) for step, seconds in STEP_TIME.findall(output)}
-    times = [steps[step] for step in sorted(steps)]
+    timings = {int(step): {name: float(value) for name, value in TIMING.findall(line)}
+               for step, line in STEP_LINE.findall(output)}
+    times = [timings[step]["step"] for step in sorted(timings)]
     steady = times[1:] or times
+    last = timings[max(timings)]
     print(json.dumps({"system": "verl-0.9.1 " + ("native (FSDP + vLLM)" if native else "on arctic"),
                       "prompts": 8, "n": 8, "prompt_len": int(os.environ.get("P", 64 if smoke else 2048)),
                       "max_new": int(os.environ.get("T", 16 if smoke else 512)),
-                      "step_s_steady_mean": round(sum(steady) / len(steady), 2), "steps": times}), flush=True)
+                      "step_s_steady_mean": round(sum(steady) / len(steady), 2), "steps": times,
+                      "gen_s": [timings[step].get("gen") for step in sorted(timings)], "last_step_timing_s": last}), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 As in the demo, a short SFT warm-up teaches the tiny random policy the answer format (its sampled
 reward stays low, about 0.1); verl's own loop then runs GRPO through the Arctic switch and must
-raise the mean reward verl logs (``critic/score/mean``) by at least 0.3. The task is the demo's
-"repeat a digit" part, which GRPO teaches the tiny policy within a few minutes of CPU time.
+raise the mean reward verl logs (``critic/score/mean``) by at least 0.3 (its first three steps
+against its last three). The task is the demo's "repeat a digit" part, which GRPO teaches the tiny
+policy within a few minutes of CPU time (sampling is not seeded: the margin covers run-to-run noise).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from arctic_core.serving.server import HF_EXPORT
 from verl_run import COUNTING_REWARD, counting_rows, logged_steps, main_ppo_args, run_main_ppo, write_parquet
 
 OPS = ("repeat",)
-STEPS = 20
+STEPS = 35
 WINDOW = 3
 
 

@@ -38,7 +38,7 @@ class RequestGrouper:
         self.pending: dict[str, dict[tuple[int, ...], list[asyncio.Future[Sample]]]] = defaultdict(lambda: defaultdict(list))
         self.params: dict[str, SamplingParams] = {}
         self.flusher: asyncio.Task | None = None
-        self.last_submit = 0.0
+        self.submitted = 0
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams) -> Sample:
         key = params.model_dump_json()
@@ -46,17 +46,22 @@ class RequestGrouper:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Sample] = loop.create_future()
         self.pending[key][tuple(prompt_ids)].append(future)
-        self.last_submit = loop.time()
+        self.submitted += 1
         if self.flusher is None:
             self.flusher = asyncio.ensure_future(self._flush_when_quiet())
         return await future
 
     async def _flush_when_quiet(self) -> None:
-        # verl's agent loop issues a batch's requests one by one over a while: wait for the lull.
+        # verl's agent loop issues a batch's requests one by one over a while: wait for a whole
+        # quiet period with no new request (counted, not timed: a stalled event loop or a slow
+        # tokenizer thread must not pass for a lull).
         loop = asyncio.get_running_loop()
         latest = loop.time() + self.max_wait_s
-        while (now := loop.time()) < (due := min(self.last_submit + self.quiet_s, latest)):
-            await asyncio.sleep(due - now)
+        while True:
+            seen = self.submitted
+            await asyncio.sleep(max(0.0, min(self.quiet_s, latest - loop.time())))
+            if self.submitted == seen or loop.time() >= latest:
+                break
         await self.flush()
 
     async def flush(self) -> None:

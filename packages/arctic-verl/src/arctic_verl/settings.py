@@ -37,10 +37,10 @@ class ArcticSettings(StrictModel):
     """CPUs Ray reserves for the started server actor (its compute threads)."""
     timeout: float = Field(600.0, gt=0)
     """Seconds one backend call may take (HTTP only)."""
-    group_quiet_ms: float = Field(50.0, ge=0)
+    group_quiet_ms: float = Field(200.0, ge=0)
     """The rollout client gathers verl's per-sample requests into prompt groups until none has
     come for this long (verl's agent loop sends a batch's requests one after another)..."""
-    group_max_wait_ms: float = Field(1000.0, ge=0)
+    group_max_wait_ms: float = Field(5000.0, ge=0)
     """... or until this long after the first request of the gathering."""
 
     @model_validator(mode="after")

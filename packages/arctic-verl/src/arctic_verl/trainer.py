@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 import transfer_queue as tq
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 from verl.experimental.reward_loop import RewardLoopManager
@@ -113,6 +113,10 @@ class ArcticTrainer(PPOTrainer):
     def _setup(self) -> None:
         self.settings = read_settings(self.config)
         check_supported(self.config, self.settings)
+        with open_dict(self.config):
+            # One agent-loop worker: every request of a step then meets in one rollout client,
+            # which sends them to Arctic as one batch (the server runs one call at a time).
+            self.config.actor_rollout_ref.rollout.agent.num_workers = 1
         actor = self.config.actor_rollout_ref.actor
         self.loss = loss_terms(actor)
         self.temperature = float(self.config.actor_rollout_ref.rollout.temperature)
