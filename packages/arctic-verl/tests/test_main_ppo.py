@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from verl_run import gsm8k_rows, logged_steps, main_ppo_args, run_main_ppo, write_parquet
 
 VERL_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr", "actor/entropy",
@@ -17,6 +19,7 @@ ARCTIC_METRICS = ("arctic/train/loss", "arctic/train/tokens", "arctic/step/grad_
                   "arctic/sync/seconds")
 
 
+@pytest.mark.timeout(1500)  # two whole verl runs
 def test_three_grpo_steps_checkpoint_and_resume(policy, tmp_path):
     train = write_parquet(gsm8k_rows(8), tmp_path / "train.parquet")
     val = write_parquet(gsm8k_rows(4), tmp_path / "val.parquet")

@@ -66,12 +66,13 @@ class RequestGrouper:
 
     async def flush(self) -> None:
         pending, self.pending, self.flusher = self.pending, defaultdict(lambda: defaultdict(list)), None
+        params, self.params = self.params, {}
         calls = []
         for key, by_prompt in pending.items():
             by_count: dict[int, dict[tuple[int, ...], list[asyncio.Future[Sample]]]] = defaultdict(dict)
             for prompt, futures in by_prompt.items():
                 by_count[len(futures)][prompt] = futures
-            calls += [self._generate(group, self.params[key].model_copy(update={"n": n})) for n, group in by_count.items()]
+            calls += [self._generate(group, params[key].model_copy(update={"n": n})) for n, group in by_count.items()]
         await asyncio.gather(*calls)
 
     async def _generate(self, group: dict[tuple[int, ...], list[asyncio.Future[Sample]]], params: SamplingParams) -> None:
