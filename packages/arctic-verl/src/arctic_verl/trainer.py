@@ -62,6 +62,16 @@ class ArcticActor:
         self.arctic.load_checkpoint(local_path)
 
 
+def read_rows(batch: KVBatchMeta, fields: list[str]) -> TensorDict:
+    """The batch's rows from verl's TransferQueue, with ``fields`` only."""
+    return tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+
+
+def write_rows(batch: KVBatchMeta, **fields: torch.Tensor) -> None:
+    """Store per-row ``fields`` (jagged tensors in row order) for the batch in verl's TransferQueue."""
+    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(fields, batch_size=len(batch)))
+
+
 def learning_rates(optim: DictConfig):
     """verl's learning rate after ``n`` scheduler steps: its schedule functions, chosen and set up
     as verl's engines do, on a stand-in optimizer (verl steps the schedule once per training step)."""
@@ -160,14 +170,12 @@ class ArcticTrainer(PPOTrainer):
             return super()._compute_old_log_prob(batch, metrics)  # the sampler's log-probs serve: no forward
         with_rollout = bool(self.config.actor_rollout_ref.rollout.calculate_log_probs)
         fields = ["prompts", "responses", "response_mask"] + (["rollout_log_probs"] if with_rollout else [])
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        data = read_rows(batch, fields)
         outputs = self.arctic.log_probs(to_rollout_batch(data), processors=("logprobs", "entropy"),
                                         temperature=self.temperature).outputs
         mask = data["response_mask"]
-        written = {"old_log_probs": response_to_nested(outputs["logprobs"], mask),
-                   "entropy": response_to_nested(outputs["entropy"], mask)}
-        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                        fields=TensorDict(written, batch_size=len(batch)))
+        write_rows(batch, old_log_probs=response_to_nested(outputs["logprobs"], mask),
+                   entropy=response_to_nested(outputs["entropy"], mask))
         actor = self.config.actor_rollout_ref.actor
         padded_mask = mask.to_padded_tensor(0)
         entropy = agg_loss(loss_mat=outputs["entropy"], loss_mask=padded_mask, loss_agg_mode=actor.loss_agg_mode,
@@ -181,12 +189,9 @@ class ArcticTrainer(PPOTrainer):
         return batch
 
     def _compute_ref_log_prob(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=["prompts", "responses", "response_mask"])
+        data = read_rows(batch, ["prompts", "responses", "response_mask"])
         outputs = self.arctic.log_probs(to_rollout_batch(data), model="reference", temperature=self.temperature).outputs
-        written = {"ref_log_prob": response_to_nested(outputs["logprobs"], data["response_mask"])}
-        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                        fields=TensorDict(written, batch_size=len(batch)))
+        write_rows(batch, ref_log_prob=response_to_nested(outputs["logprobs"], data["response_mask"]))
         return batch
 
     def _update_actor(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
@@ -195,8 +200,7 @@ class ArcticTrainer(PPOTrainer):
         actor = self.config.actor_rollout_ref.actor
         fields = ["prompts", "responses", "response_mask", "old_log_probs", "advantages"]
         fields += ["ref_log_prob"] if actor.use_kl_loss else []
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        rollout = to_rollout_batch(data)
+        rollout = to_rollout_batch(read_rows(batch, fields))
         lr = self.learning_rate(self.global_steps - 1)  # verl's schedule has stepped once per earlier step
         train, steps = [], []
         for rows in self._mini_batches(rollout.num_responses):
