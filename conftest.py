@@ -6,6 +6,6 @@ that conflicts with the others): they are collected there (see ``.ci/run``), not
 
 from importlib.util import find_spec
 
-ADAPTER_FRAMEWORKS = {"packages/arctic-verl": "verl"}
+ADAPTER_FRAMEWORKS = {"packages/arctic-verl": "verl", "packages/arctic-skyrl": "skyrl"}
 
 collect_ignore = [folder for folder, module in ADAPTER_FRAMEWORKS.items() if find_spec(module) is None]

@@ -28,3 +28,14 @@ def make_model(folder: str, shape: dict) -> None:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def random_prompt_texts(tokenizer_folder: str, prompt_len: int, rows: int) -> list[str]:
+    """``rows`` texts of about ``prompt_len`` tokens each, decoded from random token ids (seeded)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    rng = random.Random(0)
+    return [tokenizer.decode([rng.randrange(3, 999) for _ in range(prompt_len)]) for _ in range(rows)]

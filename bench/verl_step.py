@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from shapes import QWEN3_1_7B, SMOKE_SHAPE, make_model
+from shapes import QWEN3_1_7B, SMOKE_SHAPE, make_model, random_prompt_texts
 
 HERE = Path(__file__).resolve()
 STEP_LINE = re.compile(r"step:(\d+) - (.*)$", re.M)
@@ -40,11 +39,7 @@ def length_reward(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 def write_dataset(folder: Path, tokenizer_folder: str, prompt_len: int, rows: int) -> Path:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    random.seed(0)
-    texts = [tokenizer.decode([random.randrange(3, 999) for _ in range(prompt_len)]) for _ in range(rows)]
+    texts = random_prompt_texts(tokenizer_folder, prompt_len, rows)
     path = folder / "prompts.parquet"
     pd.DataFrame([{"data_source": "random", "prompt": [{"role": "user", "content": text}], "ability": "none",
                    "reward_model": {"style": "rule", "ground_truth": ""}} for text in texts]).to_parquet(path)

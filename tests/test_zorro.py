@@ -40,7 +40,7 @@ def test_forest_stores_each_prefix_once_and_encodes_ancestry(make):
     forest = build_forest(batch)
     sequences = row_sequences(batch)
     distinct_prefixes = {tuple(s[: i + 1].tolist()) for s in sequences for i in range(len(s))}
-    assert forest.num_nodes == len(distinct_prefixes)
+    assert forest.num_nodes == len(distinct_prefixes) == batch.packed_tokens()  # the metric fwd_bwd reports
     assert forest.naive_tokens == batch.total_tokens()
     for seq, path in zip(sequences, forest.row_paths):
         assert torch.equal(forest.input_ids[path], seq)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from arctic_core.demo.grpo import DemoSettings, GRPODemo
+from arctic_core.demo.grpo import warmed_up_policy
 from arctic_core.demo.task import CountingTask
-from arctic_core.serving.server import HF_EXPORT
 from verl_run import COUNTING_REWARD, counting_rows, logged_steps, main_ppo_args, run_main_ppo, write_parquet
 
 OPS = ("repeat",)
@@ -23,10 +22,7 @@ WINDOW = 3
 
 @pytest.mark.timeout(1500)  # verl's own start-up and per-sample agent loop dominate on 2 cores
 def test_verl_grpo_on_arctic_raises_the_task_reward(tmp_path):
-    demo = GRPODemo(tmp_path / "demo", DemoSettings(seed=0, ops=OPS, warmup_steps=20))
-    demo.warm_up()
-    demo.client.close()
-    policy = tmp_path / "demo" / "sft" / HF_EXPORT
+    policy = warmed_up_policy(tmp_path / "demo", OPS)
     data = write_parquet(counting_rows(CountingTask(ops=OPS)), tmp_path / "task.parquet")
     extra = (f"reward.custom_reward_function.path={COUNTING_REWARD}", "reward.custom_reward_function.name=compute_score",
              "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.clip_grad=1.0",

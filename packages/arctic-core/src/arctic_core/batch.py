@@ -220,6 +220,18 @@ class RolloutBatch:
         """Tokens of the plain (non-deduplicated) batch: sum of prompt + response lengths."""
         return int(self.prompt_lens[self.prompt_index].sum() + self.response_lens.sum())
 
+    def packed_tokens(self) -> int:
+        """Tokens once every shared prefix is stored once (a group's prompt, a multi-turn history
+        that later steps extend): what a prefix-forest packing computes on. In sorted order each
+        sequence adds only the tokens past its longest common prefix with the one before it."""
+        sequences = sorted(self.prompt(i) + self.response(i) for i in range(self.num_responses))
+        packed, previous = 0, []
+        for tokens in sequences:
+            common = next((k for k, (a, b) in enumerate(zip(tokens, previous)) if a != b), min(len(tokens), len(previous)))
+            packed += len(tokens) - common
+            previous = tokens
+        return packed
+
     def replace(self, **changes: object) -> RolloutBatch:
         """A copy with some fields replaced (validated again)."""
         return dataclasses.replace(self, **changes)

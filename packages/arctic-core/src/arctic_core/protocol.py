@@ -61,9 +61,10 @@ class Empty(Message):
 
 
 class StepRequest(Message):
-    lr: Annotated[float, Field(gt=0)] | None = Field(
+    lr: Annotated[float, Field(ge=0)] | None = Field(
         None, description="Learning rate for this step, for a framework that drives its own schedule "
-        "(it then replaces the configured schedule's value)."
+        "(it then replaces the configured schedule's value; 0, as at a warm-up's first step, still "
+        "advances the optimizer's moments)."
     )
 
 

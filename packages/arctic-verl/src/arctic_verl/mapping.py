@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, overlay, vllm_sampling_params
 from arctic_core.config import ArcticConfig, SamplingParams
 from arctic_core.errors import ConfigError
 from arctic_verl.settings import ArcticSettings
@@ -29,8 +30,7 @@ VERL_LOG_RATIO_BOUNDS = (-20.0, 20.0)  # verl clamps log ratios before exp (vani
 VERL_GSPO_LOG_RATIO_BOUNDS = (None, 10.0)
 # Keys of arctic.config that verl's own settings own.
 VERL_OWNED = {"model": ("path",), "trainer": ("optimizer", "scheduler", "gradient_checkpointing")}
-SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logprobs", "max_tokens",
-                 "max_new_tokens", "seed", "stop_token_ids"}
+SAMPLING_KEYS = VLLM_SAMPLING_KEYS | {"logprobs", "max_new_tokens"}
 
 
 def get(config: DictConfig, key: str, default: Any = None) -> Any:
@@ -141,13 +141,6 @@ def loss_terms(actor: DictConfig) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- backend
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in extra.items():
-        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
-    return merged
-
-
 def arctic_config(config: DictConfig, settings: ArcticSettings, on_gpu: bool) -> ArcticConfig:
     """The backend the adapter starts: verl's model and optimizer, Arctic's engines
     (``arctic.config`` overrides engine choices); bf16 on a GPU, fp32 on the CPU."""
@@ -165,7 +158,7 @@ def arctic_config(config: DictConfig, settings: ArcticSettings, on_gpu: bool) ->
         "reference": {} if need_reference_policy(config) else None,
         "seed": int(get(config, "actor_rollout_ref.rollout.seed", 0) or 0),
     }
-    return ArcticConfig.from_dict(_merge(base, settings.config))
+    return ArcticConfig.from_dict(overlay(base, settings.config))
 
 
 def to_sampling_params(request: dict[str, Any], response_length: int) -> tuple[SamplingParams, bool]:
@@ -175,16 +168,5 @@ def to_sampling_params(request: dict[str, Any], response_length: int) -> tuple[S
     if unknown:
         raise ValueError(f"arctic-verl: sampling params {unknown} have no Arctic meaning "
                          f"(supported: {', '.join(sorted(SAMPLING_KEYS))})")
-    top_k = request.get("top_k")
-    params = SamplingParams(
-        n=1,
-        temperature=request.get("temperature", 1.0),
-        top_p=request.get("top_p", 1.0),
-        top_k=0 if top_k is None or top_k < 0 else int(top_k),  # verl's -1 means no top-k
-        min_p=request.get("min_p", 0.0),
-        repetition_penalty=request.get("repetition_penalty", 1.0),
-        max_tokens=request.get("max_tokens") or request.get("max_new_tokens") or response_length,
-        seed=request.get("seed"),
-        stop_token_ids=list(request.get("stop_token_ids") or []),
-    )
+    params = vllm_sampling_params(request, request.get("max_new_tokens") or response_length)
     return params, bool(request.get("logprobs"))

@@ -161,3 +161,12 @@ class GRPODemo:
 def run_demo(out: Path, settings: DemoSettings) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     return GRPODemo(out, settings).run()
+
+
+def warmed_up_policy(out: Path, ops: tuple[str, ...], steps: int = 20) -> Path:
+    """The demo's SFT warm-up alone: a Hugging Face folder whose policy writes the answer format but
+    still answers wrongly (reward ~0.1 when sampled), where a framework's own GRPO on the task starts."""
+    demo = GRPODemo(out, DemoSettings(seed=0, ops=ops, warmup_steps=steps))
+    demo.warm_up()
+    demo.client.close()
+    return out / "sft" / HF_EXPORT

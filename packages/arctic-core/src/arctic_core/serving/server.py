@@ -127,6 +127,7 @@ class ArcticServer:
             raise
         self.gradients_pending = True
         metrics["tokens"] = float(req.batch.total_tokens())
+        metrics["packed_tokens"] = float(req.batch.packed_tokens())  # tokens / packed_tokens: the dedup ratio
         return Result(metrics=metrics)
 
     def _op_step(self, req: StepRequest) -> Result:

@@ -1,0 +1,41 @@
+"""Start-up checks every adapter runs before its framework starts, so a bad run fails in seconds
+with one line naming the problem and exit status 2, not a traceback from deep inside the framework."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+from arctic_core.adapters.settings import BackendSettings
+from arctic_core.client import ArcticClient
+from arctic_core.errors import ArcticError
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.expanduser(path))
+
+
+def check_server(settings: BackendSettings, model_path: str, model_key: str, reference_needed_by: str | None) -> None:
+    """The server at ``settings.url`` answers, accepts the token, serves ``model_path`` (the
+    framework's ``model_key``) and, when ``reference_needed_by`` names a setting, reference log-probs."""
+    client = ArcticClient.http(settings.url, token=settings.token, timeout=CONNECT_TIMEOUT_S)
+    try:
+        served = client.status().info.get("config", {})
+    finally:
+        client.close()
+    served_model = str(served.get("model", {}).get("path", ""))
+    if served_model and _real(served_model) != _real(model_path):
+        raise ArcticError(f"the server at {settings.url} serves {served_model}, but {model_key} is {model_path}: "
+                          "the framework's tokenizer and data must match the served model")
+    if reference_needed_by and served.get("reference") is None:
+        raise ArcticError(f"{reference_needed_by} needs reference log-probs, and the server at {settings.url} has no "
+                          "reference model: start it with `reference: {}` in its config")
+
+
+def exit_with(adapter: str, problem: str) -> NoReturn:
+    """End the process with one line on stderr and exit status 2."""
+    print(f"{adapter}: error: {problem}", file=sys.stderr, flush=True)
+    raise SystemExit(2)

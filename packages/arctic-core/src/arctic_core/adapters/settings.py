@@ -1,0 +1,45 @@
+"""Where a framework adapter's Arctic backend runs, and how its rollout requests are grouped.
+
+Each adapter adds these keys to its framework's config as an ``arctic`` section (verl:
+``+arctic.url=...``; SkyRL: ``arctic.url=...``). Everything else (model, optimizer, loss,
+sampling) comes from the framework's own settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from arctic_core.config import StrictModel
+
+
+class BackendSettings(StrictModel):
+    """With no ``url`` the adapter starts the backend itself, configured from the framework's
+    settings plus ``config``."""
+
+    url: str | None = None
+    """An ``arctic-rl serve`` server to use (it keeps its own config); None: start one."""
+    token: str | None = None
+    """The server's bearer token; None reads $ARCTIC_RL_TOKEN."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """ArcticConfig settings for the backend the adapter starts (trainer, sampler, reference,
+    weight_sync, colocate, model.dtype, ...); model path and optimizer come from the framework."""
+    timeout: float = Field(600.0, gt=0)
+    """Seconds one backend call may take (HTTP only)."""
+    group_quiet_ms: float = Field(200.0, ge=0)
+    """The rollout client gathers the framework's per-sample requests into prompt groups until none
+    has come for this long (agent loops send a batch's requests one after another)..."""
+    group_max_wait_ms: float = Field(5000.0, ge=0)
+    """... or until this long after the first request of the gathering."""
+
+    @model_validator(mode="after")
+    def _config_only_when_started(self) -> BackendSettings:
+        if not self.starts_backend and self.config:
+            raise ValueError("arctic.config configures a backend the adapter starts; a server named by "
+                             "arctic.url (or arctic.actor) keeps its own config")
+        return self
+
+    @property
+    def starts_backend(self) -> bool:
+        return not self.url

@@ -1,0 +1,40 @@
+"""Framework settings in Arctic's terms, where frameworks speak the same dialect.
+
+verl and SkyRL both describe sampling with vLLM's parameter names, and both adapters start a
+backend from the framework's settings with the user's ``arctic.config`` laid over them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arctic_core.config import SamplingParams
+
+# vLLM's names that have an Arctic meaning.
+VLLM_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed",
+                      "stop_token_ids"}
+
+
+def overlay(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` laid over it, nested mappings merged key by key."""
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = overlay(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def vllm_sampling_params(request: dict[str, Any], max_tokens: int) -> SamplingParams:
+    """One sample (``n=1``) of a request in vLLM's names (``top_k=-1``: no top-k; ``max_tokens``
+    when the request names none)."""
+    top_k = request.get("top_k")
+    return SamplingParams(
+        n=1,
+        temperature=request.get("temperature", 1.0),
+        top_p=request.get("top_p", 1.0),
+        top_k=0 if top_k is None or top_k < 0 else int(top_k),
+        min_p=request.get("min_p", 0.0),
+        repetition_penalty=request.get("repetition_penalty", 1.0),
+        max_tokens=request.get("max_tokens") or max_tokens,
+        seed=request.get("seed"),
+        stop_token_ids=list(request.get("stop_token_ids") or []),
+    )

@@ -1,0 +1,202 @@
+"""SkyRL's settings in Arctic's terms: the backend config, the loss terms, the sampling params.
+
+SkyRL's trainer scales each mini-batch's advantages by its ``loss_reduction`` (token_mean,
+sequence_mean, seq_mean_token_sum_norm, prompt_mean, token_mean_legacy) before its workers see
+them, and its workers then *sum* the per-token policy loss; the KL loss is a mean over sequences of
+per-sequence token means, and the entropy bonus a token mean per worker micro-batch weighted by the
+micro-batch's share of rows. The terms below reproduce exactly that; every setting that would make
+them differ is refused by :func:`refusals` with the key that names it. Settings of SkyRL's own
+engines (FSDP/Megatron sharding, vLLM memory, placement) have no meaning here: Arctic runs the model.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from skyrl.train.config import SkyRLTrainConfig
+
+from arctic_core.adapters.settings import BackendSettings
+from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, overlay, vllm_sampling_params
+from arctic_core.config import ArcticConfig, SamplingParams
+from arctic_core.errors import ConfigError
+
+# SkyRL's policy_loss_type -> Arctic term name (the options come from SkyRL's algorithm config).
+POLICY_LOSSES = ("regular", "dual_clip", "gspo", "sapo", "cispo")
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
+SKYRL_LOG_RATIO_BOUNDS = (-20.0, 20.0)  # SkyRL clamps log ratios before exp (safe_exp_delta, sapo)
+SKYRL_GSPO_LOG_RATIO_BOUNDS = (None, 10.0)
+K3_CLAMP = 10.0  # SkyRL's compute_approx_kl clamps k3 to [-10, 10]
+# Keys of arctic.config that SkyRL's own settings own.
+SKYRL_OWNED = {"model": ("path",), "trainer": ("optimizer", "scheduler", "gradient_checkpointing")}
+# Keys of SkyRL's vLLM sampling dict that only shape text decoding or are always on here.
+SAMPLING_TEXT_KEYS = {"skip_special_tokens", "include_stop_str_in_output", "min_tokens", "stop", "logprobs"}
+SAMPLING_KEYS = VLLM_SAMPLING_KEYS | SAMPLING_TEXT_KEYS
+
+
+# --------------------------------------------------------------------------- refusals
+def refusals(cfg: SkyRLTrainConfig, settings: BackendSettings) -> list[str]:
+    """Every setting arctic-skyrl cannot honour exactly, each as ``key=value: why``."""
+    trainer, algorithm, generator = cfg.trainer, cfg.trainer.algorithm, cfg.generator
+    found: list[str] = []
+
+    def refuse(key: str, value: Any, why: str) -> None:
+        found.append(f"{key}={value!r}: {why}")
+
+    if trainer.critic.model.path:
+        refuse("trainer.critic.model.path", trainer.critic.model.path, "a critic (value model) is not served by "
+               "Arctic; use a critic-free estimator (grpo, rloo, reinforce++, maxrl)")
+    if algorithm.policy_loss_type not in POLICY_LOSSES:
+        refuse("trainer.algorithm.policy_loss_type", algorithm.policy_loss_type, f"supported: {', '.join(POLICY_LOSSES)}")
+    if algorithm.policy_loss_type == "cispo" and algorithm.cispo.cispo_anchor != "old":
+        refuse("trainer.algorithm.cispo.cispo_anchor", algorithm.cispo.cispo_anchor, "only the 'old' anchor is supported")
+    if algorithm.use_kl_loss and algorithm.kl_estimator_type not in KL_ESTIMATORS:
+        refuse("trainer.algorithm.kl_estimator_type", algorithm.kl_estimator_type, f"supported: {', '.join(KL_ESTIMATORS)}")
+    _refuse_off_policy_correction(cfg, refuse)
+    if algorithm.use_entropy_loss and (trainer.max_tokens_per_microbatch > 0 or not entropy_is_exact(cfg)):
+        refuse("trainer.micro_train_batch_size_per_gpu", trainer.micro_train_batch_size_per_gpu, "SkyRL's entropy "
+               "bonus is a token mean per worker micro-batch; Arctic reproduces it for micro-batches of 1 row or "
+               "of the whole mini-batch (policy_mini_batch_size x n_samples_per_prompt rows), with "
+               "trainer.max_tokens_per_microbatch=-1")
+    if algorithm.enable_sample_support_replay:
+        refuse("trainer.algorithm.enable_sample_support_replay", True, "sample-support replay is not supported")
+    if trainer.policy.model.lora.rank > 0:
+        refuse("trainer.policy.model.lora.rank", trainer.policy.model.lora.rank, "Arctic trains full weights (no LoRA)")
+    if _real(trainer.ref.model.path) != _real(trainer.policy.model.path):
+        refuse("trainer.ref.model.path", trainer.ref.model.path, "Arctic's reference model is the initial policy "
+               "(trainer.policy.model.path)")
+    if trainer.update_ref_every_epoch:
+        refuse("trainer.update_ref_every_epoch", True, "Arctic's reference model stays the initial policy")
+    if trainer.policy.optimizer_config.scheduler not in SCHEDULERS:
+        refuse("trainer.policy.optimizer_config.scheduler", trainer.policy.optimizer_config.scheduler,
+               f"supported: {', '.join(SCHEDULERS)}")
+    if trainer.policy.torch_profiler_config.enable:
+        refuse("trainer.policy.torch_profiler_config.enable", True, "SkyRL's profiler drives its own GPU workers, "
+               "which do not run here")
+    if trainer.fully_async.enabled:
+        refuse("trainer.fully_async.enabled", True, "the synchronous trainer only")
+    if generator.vision_language_generator:
+        refuse("generator.vision_language_generator", True, "Arctic samples text only")
+    if generator.inference_engine.enable_return_routed_experts:
+        refuse("generator.inference_engine.enable_return_routed_experts", True, "router replay is not supported")
+    for phase, params in (("sampling_params", generator.sampling_params), ("eval_sampling_params", generator.eval_sampling_params)):
+        if params is not None and params.stop:
+            refuse(f"generator.{phase}.stop", list(params.stop), "Arctic's samplers stop on tokens, not strings: set "
+                   f"generator.{phase}.additional_kwargs.stop_token_ids")
+        unknown = sorted(set(params.additional_kwargs or {}) - SAMPLING_KEYS) if params is not None else []
+        if unknown:
+            refuse(f"generator.{phase}.additional_kwargs", unknown, f"supported: {', '.join(sorted(SAMPLING_KEYS))}")
+    for section, keys in SKYRL_OWNED.items():
+        for key in keys:
+            if key in settings.config.get(section, {}):
+                found.append(f"arctic.config.{section}.{key}: set by SkyRL's own config (trainer.policy...)")
+    return found
+
+
+def _refuse_off_policy_correction(cfg: SkyRLTrainConfig, refuse) -> None:
+    correction = cfg.trainer.algorithm.off_policy_correction
+    for key in ("tis_ratio_type", "sequence_mask_metric", "outlier_token_is_threshold_low",
+                "outlier_token_is_threshold_high", "token_mask_is_threshold_low", "token_mask_is_threshold_high"):
+        if getattr(correction, key) is not None:
+            refuse(f"trainer.algorithm.off_policy_correction.{key}", getattr(correction, key),
+                   "off-policy correction weights are not supported")
+    if cfg.trainer.algorithm.use_tis:
+        refuse("trainer.algorithm.use_tis", True, "off-policy correction weights are not supported")
+
+
+def _real(path: str | None) -> str:
+    return os.path.realpath(os.path.expanduser(str(path)))
+
+
+def check_supported(cfg: SkyRLTrainConfig, settings: BackendSettings) -> None:
+    problems = refusals(cfg, settings)
+    if problems:
+        raise ConfigError("arctic-skyrl cannot honour these SkyRL settings:\n  " + "\n  ".join(problems))
+
+
+# --------------------------------------------------------------------------- loss
+def policy_term(cfg: SkyRLTrainConfig) -> dict[str, Any]:
+    """The Arctic term equal to SkyRL's ``policy_loss_type``, summed over tokens: SkyRL's trainer
+    has already scaled the advantages by its loss reduction."""
+    algorithm = cfg.trainer.algorithm
+    mode, low, high = algorithm.policy_loss_type, algorithm.eps_clip_low, algorithm.eps_clip_high
+    if mode in ("regular", "dual_clip"):
+        term = {"name": "ppo", "clip_low": low, "clip_high": high, "aggregation": "token-sum",
+                "log_ratio_bounds": SKYRL_LOG_RATIO_BOUNDS}
+        return term | ({"dual_clip": algorithm.clip_ratio_c} if mode == "dual_clip" else {})
+    if mode == "gspo":
+        return {"name": "gspo", "clip_low": low, "clip_high": high, "aggregation": "token-sum",
+                "log_ratio_bounds": SKYRL_GSPO_LOG_RATIO_BOUNDS}
+    if mode == "sapo":
+        return {"name": "sapo", "temperature_pos": algorithm.sapo.tau_pos, "temperature_neg": algorithm.sapo.tau_neg,
+                "aggregation": "token-sum", "log_ratio_bounds": SKYRL_LOG_RATIO_BOUNDS}
+    if mode == "cispo":
+        cispo = algorithm.cispo
+        return {"name": "cispo", "ratio_cap": 1.0 + cispo.cispo_eps_clip_high,
+                "ratio_floor": 1.0 - cispo.cispo_eps_clip_low, "aggregation": "token-sum",
+                "log_ratio_bounds": SKYRL_LOG_RATIO_BOUNDS}
+    raise ConfigError(f"trainer.algorithm.policy_loss_type={mode!r}: supported: {', '.join(POLICY_LOSSES)}")
+
+
+def entropy_aggregation(cfg: SkyRLTrainConfig) -> str:
+    """SkyRL's entropy bonus: a token mean per worker micro-batch (``micro_train_batch_size_per_gpu``
+    rows), each weighted by its share of the mini-batch's rows: one row per micro-batch makes that
+    a mean over sequences, one micro-batch for the whole mini-batch a mean over tokens."""
+    return "seq-mean-token-mean" if cfg.trainer.micro_train_batch_size_per_gpu == 1 else "token-mean"
+
+
+def entropy_is_exact(cfg: SkyRLTrainConfig) -> bool:
+    """Whether :func:`entropy_aggregation` is SkyRL's: micro-batches of one row, or one micro-batch."""
+    micro = cfg.trainer.micro_train_batch_size_per_gpu
+    mini_batch_rows = cfg.trainer.policy_mini_batch_size * cfg.generator.n_samples_per_prompt
+    return micro == 1 or (micro >= mini_batch_rows and not cfg.generator.step_wise_trajectories)
+
+
+def loss_terms(cfg: SkyRLTrainConfig) -> list[dict[str, Any]]:
+    """SkyRL's policy worker loss (``PolicyWorkerBase._forward_backward_micro``) as Arctic terms."""
+    algorithm = cfg.trainer.algorithm
+    terms = [policy_term(cfg)]
+    if algorithm.use_kl_loss:
+        estimator = algorithm.kl_estimator_type
+        terms.append({"name": "kl", "weight": algorithm.kl_loss_coef, "estimator": estimator,
+                      "clamp": K3_CLAMP if estimator == "k3" else None, "aggregation": "seq-mean-token-mean"})
+    if algorithm.use_entropy_loss:
+        terms.append({"name": "entropy", "weight": algorithm.entropy_loss_coef,
+                      "aggregation": entropy_aggregation(cfg)})
+    return terms
+
+
+# --------------------------------------------------------------------------- backend
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+
+
+def arctic_config(cfg: SkyRLTrainConfig, settings: BackendSettings, on_gpu: bool) -> ArcticConfig:
+    """The backend the adapter starts: SkyRL's model and optimizer, Arctic's engines
+    (``arctic.config`` overrides engine choices); bf16 on a GPU, fp32 on the CPU."""
+    policy, algorithm = cfg.trainer.policy, cfg.trainer.algorithm
+    optim = policy.optimizer_config
+    base = {
+        "model": {"path": str(policy.model.path), "dtype": "bfloat16" if on_gpu else "float32",
+                  "device": "cuda" if on_gpu else "cpu"},
+        "trainer": {
+            "optimizer": {"lr": optim.lr, "betas": list(optim.adam_betas), "weight_decay": optim.weight_decay,
+                          "max_grad_norm": optim.max_grad_norm},
+            "gradient_checkpointing": bool(cfg.trainer.gradient_checkpointing),
+        },
+        "reference": {} if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) else None,
+        "seed": int(cfg.trainer.seed),
+    }
+    return ArcticConfig.from_dict(overlay(base, settings.config))
+
+
+def to_sampling_params(request: dict[str, Any]) -> tuple[SamplingParams, bool]:
+    """SkyRL's sampling dict (vLLM's names, ``get_sampling_params_for_backend``) as Arctic's params
+    (n=1), and whether the caller asked for the sampler's log-probs."""
+    unknown = sorted(key for key, value in request.items() if key not in SAMPLING_KEYS and value is not None)
+    if unknown:
+        raise ValueError(f"arctic-skyrl: sampling params {unknown} have no Arctic meaning "
+                         f"(supported: {', '.join(sorted(SAMPLING_KEYS))})")
+    if request.get("stop"):
+        raise ValueError(f"arctic-skyrl: stop strings {request['stop']} are not supported; use stop_token_ids")
+    params = vllm_sampling_params(request, request["max_tokens"])
+    return params, request.get("logprobs") is not None

@@ -1,0 +1,33 @@
+"""Bad settings end SkyRL's start within seconds with one line naming the problem (exit status 2)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from skyrl_run import gsm8k_rows, main_base_args, run_main_base, write_parquet
+
+CASES = {
+    "unsupported loss": (("trainer.algorithm.policy_loss_type=clip_cov",),
+                         "trainer.algorithm.policy_loss_type='clip_cov': supported: regular, dual_clip"),
+    "critic": (("trainer.critic.model.path=/somewhere", "trainer.algorithm.advantage_estimator=gae"),
+               "trainer.critic.model.path='/somewhere': a critic (value model) is not served"),
+    "stop strings": (("generator.sampling_params.stop=['###']",), "generator.sampling_params.stop=['###']"),
+    "unknown arctic key": (("arctic.urll=http://x",), "Invalid fields {'urll'} for ArcticSection"),
+    "unreachable server": (("arctic.url=http://127.0.0.1:9",), "127.0.0.1:9"),
+    "missing model": (("trainer.policy.model.path=/no/such/model",), "/no/such/model"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_settings_exit_fast_with_one_message(policy, tmp_path, case):
+    overrides, message = CASES[case]
+    data = write_parquet(gsm8k_rows(4), tmp_path / "train.parquet")
+    start = time.monotonic()
+    result = run_main_base(main_base_args(policy, data, tmp_path, steps=1, extra=overrides), cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("arctic-skyrl: error:")]
+    assert len(errors) == 1 and message in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - start < 60  # no Ray, no model load, no data
