@@ -11,8 +11,8 @@ FSDP workers and vLLM engine, colocated, with the same data and settings.
     uv run --extra skyrl python bench/skyrl_step.py --smoke      # a tiny model on the CPU, end to end
 
 Prompts are scored by skyrl-gym's gsm8k environment (a random model scores 0; the step's work is
-the same). The last line is a JSON object: the step times SkyRL logs (``timing/step``) and their
-steady mean.
+the same). The last line is a JSON object: the step times SkyRL logs (``timing/step``), their
+steady mean, and the steady means of the step's parts (generation, log-probs, training, sync).
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ PROMPTS, SAMPLES = 8, 8
 
 
 def write_dataset(folder: Path, tokenizer_folder: str, prompt_len: int, rows: int) -> Path:
-    texts = random_prompt_texts(tokenizer_folder, prompt_len, rows)
+    from transformers import AutoTokenizer
+
+    # SkyRL filters prompts longer than trainer.max_prompt_length and never truncates: cut each
+    # text to prompt_len tokens (a decoded text re-encodes to about its token count).
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    texts = [tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:prompt_len])
+             for text in random_prompt_texts(tokenizer_folder, prompt_len, rows)]
     path = folder / "prompts.parquet"
     pd.DataFrame([{"data_source": "random", "prompt": [{"role": "user", "content": text}], "env_class": "gsm8k",
                    "reward_spec": {"method": "rule", "ground_truth": "0"}} for text in texts]).to_parquet(path)
@@ -45,7 +51,7 @@ def main_base_args(model: str, data: Path, out: Path, smoke: bool, native: bool)
         sys.executable, "-m", "skyrl.train.entrypoints.main_base",
         f"data.train_data=['{data}']", f"trainer.policy.model.path={model}",
         f"trainer.train_batch_size={PROMPTS}", f"trainer.policy_mini_batch_size={PROMPTS}",
-        f"generator.n_samples_per_prompt={SAMPLES}", f"trainer.max_prompt_length={prompt_len + 64}",
+        f"generator.n_samples_per_prompt={SAMPLES}", f"trainer.max_prompt_length={2 * prompt_len}",
         f"generator.sampling_params.max_generate_length={new_tokens}",
         "trainer.algorithm.advantage_estimator=grpo", "trainer.algorithm.use_kl_loss=false",
         "trainer.gradient_checkpointing=true", "trainer.micro_train_batch_size_per_gpu=8",
@@ -62,16 +68,21 @@ def main_base_args(model: str, data: Path, out: Path, smoke: bool, native: bool)
     return args
 
 
-def step_times(folder: Path) -> list[float]:
+BREAKDOWN = ("timing/generate", "timing/fwd_logprobs_values_reward", "timing/policy_train", "timing/sync_weights",
+             "generate/batch_padded_seq_len")
+
+
+def logged(folder: Path) -> dict[str, list[float]]:
+    """The step time and its parts as SkyRL logged them, per step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    times: dict[int, float] = {}
+    scalars: dict[str, dict[int, float]] = {}
     for events in folder.rglob("events.out.tfevents.*"):
         accumulator = EventAccumulator(str(events))
         accumulator.Reload()
-        if "timing/step" in accumulator.Tags()["scalars"]:
-            times.update({e.step: e.value for e in accumulator.Scalars("timing/step")})
-    return [times[step] for step in sorted(times)]
+        for tag in set(accumulator.Tags()["scalars"]) & {"timing/step", *BREAKDOWN}:
+            scalars.setdefault(tag, {}).update({e.step: e.value for e in accumulator.Scalars(tag)})
+    return {tag: [values[step] for step in sorted(values)] for tag, values in scalars.items()}
 
 
 def main() -> None:
@@ -86,12 +97,16 @@ def main() -> None:
     proc = subprocess.run(main_base_args(model, data, out, smoke, native), cwd=out, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"main_base failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
-    times = step_times(out / "tensorboard")
+    series = logged(out / "tensorboard")
+    times = series["timing/step"]
     steady = times[1:] or times
+    parts = {tag: round(sum(values[1:] or values) / len(values[1:] or values), 2) for tag, values in series.items()
+             if tag in BREAKDOWN}
     print(json.dumps({"system": "skyrl-0.4.0 " + ("native (FSDP + vLLM)" if native else "on arctic"),
                       "prompts": PROMPTS, "n": SAMPLES, "prompt_len": int(os.environ.get("P", 64 if smoke else 2048)),
                       "max_new": int(os.environ.get("T", 16 if smoke else 512)),
-                      "step_s_steady_mean": round(sum(steady) / len(steady), 2), "steps": times}), flush=True)
+                      "step_s_steady_mean": round(sum(steady) / len(steady), 2), "steps": [round(t, 2) for t in times],
+                      "steady_means": parts}), flush=True)
 
 
 if __name__ == "__main__":

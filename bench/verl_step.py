@@ -66,6 +66,9 @@ def main_ppo_args(model: str, data: Path, out: Path, smoke: bool, native: bool) 
     ]
     if not native:
         args += ["trainer.v1.trainer_mode=arctic"]
+    else:  # flash-attn has no wheel for the GPU machine's torch: verl's FSDP workers on SDPA, padded
+        args += ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+                 "actor_rollout_ref.model.use_remove_padding=False"]
     if smoke:
         args += ["trainer.device=cpu", "actor_rollout_ref.rollout.agent.num_workers=1", "reward.num_workers=1",
                  "transfer_queue.backend.SimpleStorage.num_data_storage_units=1", "+ray_kwargs.ray_init.num_cpus=8"]

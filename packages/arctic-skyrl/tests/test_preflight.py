@@ -31,3 +31,15 @@ def test_bad_settings_exit_fast_with_one_message(policy, tmp_path, case):
     assert len(errors) == 1 and message in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert time.monotonic() - start < 60  # no Ray, no model load, no data
+
+
+def test_an_unsupported_skyrl_version_is_refused(monkeypatch, policy):
+    from arctic_core.adapters import preflight as adapter_preflight
+    from arctic_core.errors import ArcticError
+    from arctic_skyrl.preflight import preflight
+    from arctic_skyrl.settings import ArcticSkyRLConfig
+
+    monkeypatch.setattr(adapter_preflight, "version", lambda name: "0.3.0")
+    cfg = ArcticSkyRLConfig.from_cli_overrides([f"trainer.policy.model.path={policy}"])
+    with pytest.raises(ArcticError, match=r"arctic-skyrl supports skyrl >=0.4.0,<0.5; skyrl 0.3.0 is installed"):
+        preflight(cfg)

@@ -14,6 +14,7 @@ import sys
 import pytest
 import yaml
 
+from arctic_core.adapters import preflight as adapter_preflight
 from arctic_core.errors import ArcticError
 from arctic_core.transports.http import wait_until_serving
 from arctic_verl import plugin
@@ -99,7 +100,7 @@ def test_an_unsupported_verl_version_stops_runs_that_ask_for_arctic(monkeypatch,
     import verl.utils.config as verl_config_module
 
     monkeypatch.setattr(verl_config_module, "validate_config", verl_config_module.validate_config)
-    monkeypatch.setattr(plugin, "version", lambda name: "0.8.0")
+    monkeypatch.setattr(adapter_preflight, "version", lambda name: "0.8.0")
     plugin._install()
     with pytest.raises(SystemExit) as stopped:
         verl_config_module.validate_config(verl_config(f"actor_rollout_ref.model.path={policy}",

@@ -1,22 +1,28 @@
 """Checks that run before SkyRL starts Ray or loads anything, so a bad run fails in seconds.
 
-SkyRL's own config checks (``validate_cfg``), settings arctic-skyrl cannot honour, a model folder
-that does not exist, a server URL that does not answer or refuses the token, a server that serves
-another model or no reference model for the KL: each ends the process with one line on stderr and
-exit status 2.
+An unsupported SkyRL version, settings arctic-skyrl cannot honour, SkyRL's own config checks
+(``validate_cfg``, run after these), a model folder that does not exist, a server URL that does not
+answer or refuses the token, a server that serves another model or no reference model for the KL:
+each ends the process with one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
-from arctic_core.adapters.preflight import check_server
+from arctic_core.adapters.preflight import check_server, version_problem
 from arctic_core.adapters.settings import BackendSettings
 from arctic_skyrl.mapping import arctic_config, check_supported
+from arctic_core.errors import ArcticError
 from arctic_skyrl.settings import ArcticSkyRLConfig, read_settings
+
+SUPPORTED = ("0.4.0", "0.5")  # SkyRL releases this adapter is tested with
 
 
 def preflight(cfg: ArcticSkyRLConfig) -> BackendSettings:
     """The validated ``arctic`` settings; raises :class:`~arctic_core.errors.ArcticError` naming
     the first problem that would stop the run."""
+    problem = version_problem("arctic-skyrl", "skyrl", *SUPPORTED)
+    if problem:
+        raise ArcticError(problem)
     settings = read_settings(cfg)
     check_supported(cfg, settings)
     algorithm = cfg.trainer.algorithm

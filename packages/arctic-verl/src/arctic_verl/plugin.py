@@ -10,12 +10,9 @@ setting Arctic cannot honour, an unreachable server, a missing model).
 from __future__ import annotations
 
 import sys
-from importlib.metadata import version
-
-from packaging.version import Version
 
 MODE = "arctic"
-SUPPORTED = (Version("0.9.1"), Version("0.10"))
+SUPPORTED = ("0.9.1", "0.10")  # verl releases this adapter is tested with
 
 
 def _asks_for_arctic(config) -> bool:
@@ -43,10 +40,11 @@ def _check_at_start(problem: str | None) -> None:
 
 
 def _install() -> None:
-    found = Version(version("verl"))
-    if not SUPPORTED[0] <= found < SUPPORTED[1]:
-        _check_at_start(f"arctic-verl supports verl >={SUPPORTED[0]},<{SUPPORTED[1]}; verl {found} is installed "
-                        f"(pip install 'verl>={SUPPORTED[0]},<{SUPPORTED[1]}')")
+    from arctic_core.adapters.preflight import version_problem
+
+    problem = version_problem("arctic-verl", "verl", *SUPPORTED)
+    if problem:
+        _check_at_start(problem)
         return
     from arctic_core.ray.actors import ray_environment
 

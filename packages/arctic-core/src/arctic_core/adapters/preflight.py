@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import sys
+from importlib.metadata import version
 from typing import NoReturn
+
+from packaging.version import Version
 
 from arctic_core.adapters.settings import BackendSettings
 from arctic_core.client import ArcticClient
@@ -33,6 +36,15 @@ def check_server(settings: BackendSettings, model_path: str, model_key: str, ref
     if reference_needed_by and served.get("reference") is None:
         raise ArcticError(f"{reference_needed_by} needs reference log-probs, and the server at {settings.url} has no "
                           "reference model: start it with `reference: {}` in its config")
+
+
+def version_problem(adapter: str, distribution: str, minimum: str, below: str) -> str | None:
+    """Why the installed ``distribution`` is outside ``>=minimum,<below`` (None when it is inside)."""
+    found = Version(version(distribution))
+    if Version(minimum) <= found < Version(below):
+        return None
+    return (f"{adapter} supports {distribution} >={minimum},<{below}; {distribution} {found} is installed "
+            f"(pip install '{distribution}>={minimum},<{below}')")
 
 
 def exit_with(adapter: str, problem: str) -> NoReturn:
