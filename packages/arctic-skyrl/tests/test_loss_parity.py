@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from skyrl.backends.skyrl_train.distributed.dispatch import loss_fn_outputs_to_tensor
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.utils import ppo_utils
 from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
@@ -142,3 +143,25 @@ def test_loss_and_gradients_equal_skyrl_policy_worker(policy, case):
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
         assert (grad - expected_grads[name]).norm() <= 1e-4 * expected_grads[name].norm() + 1e-9, (case, name)
+
+
+def test_forward_log_probs_line_up_with_skyrl_layout(policy):
+    """The old/reference log-probs SkyRL reads: right-aligned under ``response_mask``, equal to the
+    plain forward's; a forward-only batch (sequences and attention mask only, as SkyRL's trainer
+    sends its workers) gives the same values at every response position."""
+    cfg = skyrl_config(policy, "regular-token-mean-k3")
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    with torch.no_grad():
+        expected = batch_tensors(model, cfg.trainer.algorithm.temperature)["log_probs"]
+    data = training_input(cfg, policy)
+    forward_only = data.select(keys=["sequences", "attention_mask"], metadata_keys=["response_length"])
+    settings = BackendSettings(config={"trainer": {"backend": "torch"}})
+    with ArcticClient.in_process(arctic_config(cfg, settings, on_gpu=False)) as arctic:
+        dispatch = ArcticDispatch(cfg, arctic, num_training_steps=10)
+        full = dispatch.log_probs("policy", data)
+        windowed = loss_fn_outputs_to_tensor(dispatch.forward("policy", forward_only).loss_fn_outputs)
+    mask = data["response_mask"].bool()
+    assert full.shape == windowed.shape == expected.shape
+    assert torch.allclose(full[mask], expected[mask], atol=1e-5)
+    assert torch.allclose(windowed[mask], expected[mask], atol=1e-5)
+    assert not full[~mask].any()  # nothing outside the responses
