@@ -11,7 +11,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.demo.tiny_model import TINY_SHAPES, build_tiny_model, build_tokenizer
 from arctic_core.errors import ConfigError
 from arctic_core.losses.processors import Entropy, LogProbs
-from arctic_zorro.forest import build_forest, response_gather_index, row_sequences
+from arctic_zorro.forest import build_forest, response_gather_index
 from arctic_zorro.forest_attention import forest_block_mask
 from arctic_zorro.forward import response_outputs
 from arctic_zorro.packed_forward import (ZorroOptions, check_supported, enable_forest_attention,
@@ -38,7 +38,7 @@ def brute_force_visible(forest) -> torch.Tensor:
 def test_forest_stores_each_prefix_once_and_encodes_ancestry(make):
     batch = make()
     forest = build_forest(batch)
-    sequences = row_sequences(batch)
+    sequences = batch.sequences()
     distinct_prefixes = {tuple(s[: i + 1].tolist()) for s in sequences for i in range(len(s))}
     assert forest.num_nodes == len(distinct_prefixes) == batch.packed_tokens()  # the metric fwd_bwd reports
     assert forest.naive_tokens == batch.total_tokens()

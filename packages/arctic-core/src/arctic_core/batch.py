@@ -220,17 +220,32 @@ class RolloutBatch:
         """Tokens of the plain (non-deduplicated) batch: sum of prompt + response lengths."""
         return int(self.prompt_lens[self.prompt_index].sum() + self.response_lens.sum())
 
+    def sequences(self) -> list[torch.Tensor]:
+        """``prompt + response`` token ids of every row (int64, CPU)."""
+        prompts = [self.prompt_ids[p, : int(n)] for p, n in enumerate(self.prompt_lens)]
+        return [torch.cat([prompts[int(p)], self.response_ids[i, : int(self.response_lens[i])]])
+                for i, p in enumerate(self.prompt_index)]
+
+    def prefix_order(self) -> tuple[list[torch.Tensor], list[int], list[int]]:
+        """The rows' sequences, the rows in lexicographic order of them, and for each row in that
+        order how many leading tokens it shares with the row before it: the row adds only the rest
+        as new nodes of the prefix forest (one sort builds the whole trie)."""
+        sequences = self.sequences()
+        as_lists = [s.tolist() for s in sequences]
+        order = sorted(range(len(sequences)), key=as_lists.__getitem__)
+        shared = [0] * len(order)
+        for k in range(1, len(order)):
+            a, b = sequences[order[k - 1]], sequences[order[k]]
+            n = min(a.shape[0], b.shape[0])
+            differ = (a[:n] != b[:n]).nonzero()
+            shared[k] = int(differ[0]) if differ.numel() else n
+        return sequences, order, shared
+
     def packed_tokens(self) -> int:
         """Tokens once every shared prefix is stored once (a group's prompt, a multi-turn history
-        that later steps extend): what a prefix-forest packing computes on. In sorted order each
-        sequence adds only the tokens past its longest common prefix with the one before it."""
-        sequences = sorted(self.prompt(i) + self.response(i) for i in range(self.num_responses))
-        packed, previous = 0, []
-        for tokens in sequences:
-            common = next((k for k, (a, b) in enumerate(zip(tokens, previous)) if a != b), min(len(tokens), len(previous)))
-            packed += len(tokens) - common
-            previous = tokens
-        return packed
+        that later steps extend): the node count of the prefix forest a packed forward computes on."""
+        sequences, order, shared = self.prefix_order()
+        return sum(sequences[row].shape[0] - common for row, common in zip(order, shared, strict=True))
 
     def replace(self, **changes: object) -> RolloutBatch:
         """A copy with some fields replaced (validated again)."""

@@ -63,34 +63,16 @@ class PackedForest:
         )
 
 
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(a.shape[0], b.shape[0])
-    differ = (a[:n] != b[:n]).nonzero()
-    return int(differ[0]) if differ.numel() else n
-
-
-def row_sequences(batch: RolloutBatch) -> list[torch.Tensor]:
-    """``prompt + response`` token ids of every row (int64, CPU)."""
-    prompts = [batch.prompt_ids[p, : int(n)] for p, n in enumerate(batch.prompt_lens)]
-    return [
-        torch.cat([prompts[int(p)], batch.response_ids[i, : int(batch.response_lens[i])]])
-        for i, p in enumerate(batch.prompt_index)
-    ]
-
-
 def build_forest(batch: RolloutBatch) -> PackedForest:
     """Pack ``batch`` as a prefix forest (see module doc)."""
-    sequences = row_sequences(batch)
-    as_lists = [s.tolist() for s in sequences]
-    order = sorted(range(len(sequences)), key=as_lists.__getitem__)
+    sequences, order, shared_with_previous = batch.prefix_order()
     new_tokens: list[torch.Tensor] = []
     new_positions: list[torch.Tensor] = []
     paths: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * len(sequences)
     previous: int | None = None
     packed = 0
-    for row in order:
+    for row, shared in zip(order, shared_with_previous, strict=True):
         seq = sequences[row]
-        shared = 0 if previous is None else _common_prefix(sequences[previous], seq)
         fresh = seq.shape[0] - shared
         new_tokens.append(seq[shared:])
         new_positions.append(torch.arange(shared, seq.shape[0]))
@@ -100,7 +82,7 @@ def build_forest(batch: RolloutBatch) -> PackedForest:
         previous = row
     input_ids = torch.cat(new_tokens) if new_tokens else torch.empty(0, dtype=torch.long)
     position_ids = torch.cat(new_positions) if new_positions else torch.empty(0, dtype=torch.long)
-    return PackedForest(input_ids, position_ids, _subtree_ends(paths, packed), paths, sum(len(s) for s in as_lists))
+    return PackedForest(input_ids, position_ids, _subtree_ends(paths, packed), paths, sum(s.shape[0] for s in sequences))
 
 
 def _subtree_ends(paths: list[torch.Tensor], num_nodes: int) -> torch.Tensor:
