@@ -11,6 +11,18 @@ from arctic_core.config import SamplingParams
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
 
 
+def recording_sender(policy, calls: list[tuple[list[list[int]], int]]):
+    """A grouper's ``send`` through an in-process backend, recording each call's prompts and n."""
+    client = AsyncArcticClient.in_process({"model": {"path": str(policy), "device": "cpu"}, "seed": 0,
+                                           "trainer": {"backend": "torch"}})
+
+    async def send(prompts, params):
+        calls.append((prompts, params.n))
+        return (await client.generate(prompts, params)).batch
+
+    return send
+
+
 def test_per_sample_requests_become_one_generate_per_group_size(tiny_policy):
     """Eight samples of each of two prompts and two of a third, asked one at a time a few ms apart
     as an agent loop asks: two ``generate`` calls (n=8 with both prompts, n=2), every caller a
@@ -18,13 +30,7 @@ def test_per_sample_requests_become_one_generate_per_group_size(tiny_policy):
     calls: list[tuple[list[list[int]], int]] = []
 
     async def run():
-        client = AsyncArcticClient.in_process({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
-                                               "trainer": {"backend": "torch"}})
-
-        async def send(prompts, params):
-            calls.append((prompts, params.n))
-            return (await client.generate(prompts, params)).batch
-
+        send = recording_sender(tiny_policy, calls)
         grouper = RequestGrouper(send, quiet_s=0.05, max_wait_s=10.0)
         params = SamplingParams(n=1, max_tokens=4, temperature=1.0, seed=1)
         prompt_of = [index for index, count in {0: 8, 1: 8, 2: 2}.items() for _ in range(count)]
@@ -77,3 +83,24 @@ def test_requests_that_keep_coming_are_sent_after_the_longest_wait():
 
     start = asyncio.run(run())
     assert len(sent) >= 2 and sent[0] - start < 0.2  # the first gathering did not wait for the lull
+
+
+def test_a_batch_is_sent_at_once_with_the_requests_already_waiting(tiny_policy):
+    """A batched call (prompts repeated n times) goes out without waiting for a lull, grouped with
+    the single requests that were waiting; each caller gets samples of its own prompts, in order."""
+    calls: list[tuple[list[list[int]], int]] = []
+
+    async def run():
+        send = recording_sender(tiny_policy, calls)
+        grouper = RequestGrouper(send, quiet_s=30.0, max_wait_s=60.0)  # only the batch can send these
+        params = SamplingParams(n=1, max_tokens=4, seed=1)
+        single = asyncio.ensure_future(grouper.submit(PROMPTS[2], params))
+        await asyncio.sleep(0)
+        batch = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[1]]
+        return batch, await asyncio.wait_for(grouper.submit_batch(batch, params), 30), await single
+
+    batch, answers, single = asyncio.run(run())
+    assert sorted((n, sorted(map(tuple, prompts))) for prompts, n in calls) == [
+        (1, [tuple(PROMPTS[2])]), (2, sorted([tuple(PROMPTS[0]), tuple(PROMPTS[1])]))]
+    assert [sample.prompt(row) for sample, row in answers] == batch
+    assert single[0].prompt(single[1]) == PROMPTS[2]

@@ -158,7 +158,7 @@ def test_forward_log_probs_line_up_with_skyrl_layout(policy):
     settings = BackendSettings(config={"trainer": {"backend": "torch"}})
     with ArcticClient.in_process(arctic_config(cfg, settings, on_gpu=False)) as arctic:
         dispatch = ArcticDispatch(cfg, arctic, num_training_steps=10)
-        full = dispatch.log_probs("policy", data)
+        full = dispatch.log_probs(data, ("policy",))["policy"]
         windowed = loss_fn_outputs_to_tensor(dispatch.forward("policy", forward_only).loss_fn_outputs)
     mask = data["response_mask"].bool()
     assert full.shape == windowed.shape == expected.shape

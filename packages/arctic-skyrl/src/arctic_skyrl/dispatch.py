@@ -24,7 +24,7 @@ from skyrl.train.config import SkyRLTrainConfig
 from transformers import get_scheduler
 
 from arctic_core.client import ArcticClient
-from arctic_skyrl.data import response_lengths, right_aligned, to_rollout_batch
+from arctic_skyrl.data import right_aligned, to_rollout_batch
 from arctic_skyrl.mapping import loss_terms
 
 MODELS = ("policy", "ref")
@@ -47,19 +47,23 @@ class ArcticDispatch:
     def forward(self, model: str, data: TrainingInputBatch, loss_fn: str | None = None,
                 loss_fn_config: dict[str, Any] | None = None, **worker_kwargs: Any) -> WorkerOutput:
         """Per-row log-probs (``policy`` or ``ref``), right-aligned over the response window."""
-        self._check_model(model)
         if loss_fn is not None:
             raise ValueError(f"arctic-skyrl: forward with loss_fn={loss_fn!r} (the Tinker API) is not supported")
-        logprobs = self.log_probs(model, data)
+        logprobs = self.log_probs(data, (model,))[model]
         return WorkerOutput(loss_fn_outputs=[{"logprobs": row.tolist()} for row in logprobs])
 
-    def log_probs(self, model: str, data: TrainingInputBatch) -> torch.Tensor:
-        """``[rows, response_length]`` log-probs of ``model`` in SkyRL's right-aligned layout."""
-        lengths = response_lengths(data)
+    def log_probs(self, data: TrainingInputBatch, models: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """``[rows, response_length]`` log-probs of each of ``models`` (``policy``, ``ref``) in
+        SkyRL's right-aligned layout, from one conversion of the rows."""
         batch = to_rollout_batch(data, with_fields=False)
-        outputs = self.arctic.log_probs(batch, model="reference" if model == "ref" else "policy",
-                                        temperature=self.temperature).outputs
-        return right_aligned(outputs["logprobs"].float(), lengths, int(data.metadata["response_length"]))
+        width = int(data.metadata["response_length"])
+        out = {}
+        for model in models:
+            self._check_model(model)
+            outputs = self.arctic.log_probs(batch, model="reference" if model == "ref" else "policy",
+                                            temperature=self.temperature).outputs
+            out[model] = right_aligned(outputs["logprobs"].float(), batch.response_lens, width)
+        return out
 
     def stage_data(self, model: str, data: TrainingInputBatch,
                    mini_batch_boundaries: list[tuple[int, int]]) -> list[list[TrainingInputBatch]]:

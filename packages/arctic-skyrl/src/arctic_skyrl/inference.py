@@ -11,7 +11,6 @@ Arctic's own business: the server puts engines to sleep and pushes weights itsel
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from typing import Any
 
 from skyrl.backends.skyrl_train.inference_servers.base import InferenceEngineInput, InferenceEngineInterface, InferenceEngineOutput
@@ -64,21 +63,9 @@ class ArcticInferenceClient(InferenceEngineInterface):
         self.client()
         if len(prompts) == 1:  # one trajectory's turn: regrouped with its siblings
             samples = [await self._grouper.submit(prompts[0], params)]
-        else:  # a whole batch: each distinct prompt once, n = its copies
-            samples = await self._generate_batch(prompts, params)
+        else:  # a whole batch: each distinct prompt once, n = its copies, sent now
+            samples = await self._grouper.submit_batch(prompts, params)
         return self._output(samples, params, want_logprobs)
-
-    async def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[tuple[RolloutBatch, int]]:
-        counts = Counter(map(tuple, prompts))
-        by_n: dict[int, list[tuple[int, ...]]] = {}
-        for prompt, n in counts.items():
-            by_n.setdefault(n, []).append(prompt)
-        rows: dict[tuple[int, ...], list[tuple[RolloutBatch, int]]] = {}
-        for n, group in by_n.items():
-            batch = await self._send([list(p) for p in group], params.model_copy(update={"n": n}))
-            for prompt, members in zip(group, batch.groups(), strict=True):
-                rows[prompt] = [(batch, row) for row in members]
-        return [rows[tuple(p)].pop(0) for p in prompts]
 
     def _output(self, samples: list[tuple[RolloutBatch, int]], params: SamplingParams,
                 want_logprobs: bool) -> InferenceEngineOutput:

@@ -27,8 +27,9 @@ class ArcticTrainer(RayPPOTrainer):
         KL needs them) for every row, in SkyRL's right-aligned layout; no critic values."""
         algorithm = self.cfg.trainer.algorithm
         needs_reference = algorithm.use_kl_loss or algorithm.use_kl_in_reward
-        training_input["base_action_log_probs"] = self.dispatch.log_probs("ref", training_input) if needs_reference else None
-        training_input["action_log_probs"] = policy = self.dispatch.log_probs("policy", training_input)
+        log_probs = self.dispatch.log_probs(training_input, ("policy", "ref") if needs_reference else ("policy",))
+        training_input["base_action_log_probs"] = log_probs.get("ref")
+        training_input["action_log_probs"] = policy = log_probs["policy"]
         training_input["values"] = None
         rollout = training_input.get("rollout_logprobs")
         mask = training_input["loss_mask"] > 0

@@ -33,16 +33,28 @@ class RequestGrouper:
         self.flusher: asyncio.Task | None = None
         self.submitted = 0
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> Sample:
+    def _enqueue(self, prompt_ids: list[int], params: SamplingParams) -> asyncio.Future[Sample]:
         key = params.model_dump_json()
         self.params[key] = params
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Sample] = loop.create_future()
+        future: asyncio.Future[Sample] = asyncio.get_running_loop().create_future()
         self.pending[key][tuple(prompt_ids)].append(future)
         self.submitted += 1
+        return future
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> Sample:
+        future = self._enqueue(prompt_ids, params)
         if self.flusher is None:
             self.flusher = asyncio.ensure_future(self._flush_when_quiet())
         return await future
+
+    async def submit_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
+        """Many requests in one call (a framework's batched generate): grouped as :meth:`submit`'s,
+        with whatever else is pending, and sent at once; samples in the order of ``prompts``."""
+        futures = [self._enqueue(prompt, params) for prompt in prompts]
+        if self.flusher is not None:
+            self.flusher.cancel()  # this flush sends what it was waiting to send
+        await self.flush()
+        return list(await asyncio.gather(*futures))
 
     async def _flush_when_quiet(self) -> None:
         # An agent loop issues a batch's requests one by one over a while: wait for a whole
