@@ -4,10 +4,13 @@
 transformers; greedy outputs must agree token for token; prints timings.
 
 GPU (no flag): a Qwen3-1.7B-shaped random bf16 model, 512 new tokens per sample (no stop token,
-as vLLM's ``ignore_eos``), temperature 1: 64 prompts x 8 samples at prompt 2048, 16 x 16 at 4096,
-32 x 8 at 7680. Generated tokens per second (wall clock, prefill included) with the cost model
-choosing FCA per step ("auto"), with plain paged decode ("plain"), and, with --hf, transformers
-``generate`` on the same prompts. vLLM's figures for the same shapes: bench/vllm_fca.py.
+as vLLM's ``ignore_eos``), temperature 1, at the GRPO shapes of ``SHAPES``. Generated tokens per
+second (wall clock, prefill included) with the cost model choosing FCA per step ("auto"), with
+plain paged decode ("plain"), and, with --hf, transformers ``generate`` on the same prompts; per
+decoder (--decoders: the engine's fused decoder, transformers' modules). Each decode step's time is
+reported against its bytes floor: the weights plus the KV the step must read at least (each
+prompt once, each sample's own tokens), at the device-to-device copy rate measured in the same run.
+vLLM's figures for the same shapes: bench/vllm_fca.py.
 
 The last line printed is a JSON object of all results.
 """
@@ -29,7 +32,8 @@ from arctic_core.hf import set_attention_implementation
 from arctic_fca.engine import EmbeddedEngine, EngineOptions
 from shapes import QWEN3_1_7B
 
-SHAPES = [(64, 8, 2048), (16, 16, 4096), (32, 8, 7680)]  # prompts x samples @ prompt length
+# prompts x samples @ prompt length
+SHAPES = [(8, 8, 2048), (8, 8, 4096), (64, 8, 2048), (16, 16, 4096), (32, 8, 7680), (128, 1, 2048)]
 NEW_TOKENS = 512
 NO_STOP = [10**9]
 
@@ -109,29 +113,113 @@ def gpu(args) -> dict:
     if args.hf:
         hf_model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16).cuda()
         hf_model.load_state_dict(model.state_dict())
+    fp32 = fp32_greedy(model, config.vocab_size)  # before the engine takes the memory
     engine = EmbeddedEngine(model, EngineOptions(max_num_seqs=args.max_num_seqs, cuda_graphs=not args.eager,
                                                  gpu_memory_utilization=args.gpu_memory_utilization, progress=False))
     print(f"KV cache: {engine.pool.num_blocks * engine.options.block_size} tokens", flush=True)
     if hf_model is not None:  # the engine switched the shared config to its paged attention
         set_attention_implementation(hf_model, "sdpa")
-    checks = graph_check(engine, config.vocab_size)
-    print(json.dumps({"graph_check": checks}), flush=True)
+    decoders = Decoders(engine)
+    checks = {}
+    for name in args.decoders:
+        decoders.use(name)
+        checks[f"{name}_graphs_equal_eager"] = graph_check(engine, config.vocab_size)
+    checks["fused_vs_transformers"] = decoder_check(engine, decoders, config.vocab_size, fp32)
+    print(json.dumps({"greedy_checks": checks}), flush=True)
     if args.profile:
         return profile(engine, args, config.vocab_size)
+    copy_rate = device_copy_rate()
     results = []
     for prompts_count, samples, length in args.shapes:
         prompts = random_prompts(prompts_count, length, config.vocab_size)
         params = SamplingParams(n=samples, temperature=1.0, max_tokens=args.new_tokens, stop_token_ids=NO_STOP, seed=0)
-        row = {"prompts": prompts_count, "samples": samples, "prompt_len": length, "new_tokens": args.new_tokens}
-        for mode in args.modes:
-            result = run_engine(engine, mode, prompts, params)
-            result.pop("tokens")
-            row[mode] = result
+        row = {"prompts": prompts_count, "samples": samples, "prompt_len": length, "new_tokens": args.new_tokens,
+               "decode_floor_ms": round(1e3 * step_bytes(model, prompts_count, samples, length, args.new_tokens)
+                                        / copy_rate, 2)}
+        for name in args.decoders:
+            decoders.use(name)
+            for mode in args.modes:
+                run_engine(engine, mode, prompts, params.model_copy(update={"max_tokens": 4}))  # captures this batch's graph
+                result = run_engine(engine, mode, prompts, params)
+                result.pop("tokens")
+                row[f"{name}/{mode}"] = result
         if hf_model is not None:
             row["hf_generate"] = run_hf_batches(hf_model, prompts, params, args.hf_prompts_per_batch, args.hf_batches)
         print(json.dumps(row), flush=True)
         results.append(row)
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
+
+
+class Decoders:
+    """Switches one engine between its fused decoder and transformers' modules (same weights)."""
+
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        self.engine, self.fused = engine, engine.runner.decoder
+
+    def use(self, name: str) -> None:
+        self.engine.runner.decoder = self.fused if name == "fused" else None
+        if self.engine.runner.graphs is not None:
+            self.engine.runner.graphs.clear()  # they captured the other forward
+
+
+CHECK_PROMPTS, CHECK_PARAMS = (16, 300, 2), SamplingParams(n=4, temperature=0, max_tokens=64, stop_token_ids=NO_STOP)
+
+
+def fp32_greedy(model, vocab: int) -> dict:
+    """Greedy tokens of an fp32 copy of ``model`` through both decoders (they must be identical: the
+    same math, only summation orders differ); the fused decoder's tokens are the reference for bf16."""
+    model32 = copy.deepcopy(model).float()
+    engine = EmbeddedEngine(model32, EngineOptions(kv_cache_tokens=1 << 15, progress=False))
+    decoders, prompts, tokens = Decoders(engine), random_prompts(*CHECK_PROMPTS[:2], vocab, seed=CHECK_PROMPTS[2]), {}
+    for name in ("fused", "transformers"):
+        decoders.use(name)
+        tokens[name] = run_engine(engine, "auto", prompts, CHECK_PARAMS)["tokens"]
+    del engine, model32, decoders
+    torch.cuda.empty_cache()
+    return tokens
+
+
+def agreeing_prefix(runs: list, reference: list) -> float:
+    """Mean share of each sequence's tokens before its first difference from the reference."""
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) / len(a)
+              for a, b in zip(runs, reference, strict=True)]
+    return round(sum(prefix) / len(prefix), 3)
+
+
+def decoder_check(engine: EmbeddedEngine, decoders: Decoders, vocab: int, fp32: dict) -> dict:
+    """fp32: both decoders' greedy tokens identical. bf16: each decoder's agreement with the fp32
+    tokens (rounding parts them at near-ties; the fused decoder should agree as well as
+    transformers' modules do)."""
+    prompts = random_prompts(*CHECK_PROMPTS[:2], vocab, seed=CHECK_PROMPTS[2])
+    result = {"fp32_identical": fp32["fused"] == fp32["transformers"]}
+    for name in ("fused", "transformers"):
+        decoders.use(name)
+        tokens = run_engine(engine, "auto", prompts, CHECK_PARAMS)["tokens"]
+        result[f"bf16_{name}_agreeing_prefix_with_fp32"] = agreeing_prefix(tokens, fp32["fused"])
+    return result
+
+
+def device_copy_rate() -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted once each)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * 10 * src.numel() / (time.perf_counter() - start)
+
+
+def step_bytes(model, prompts: int, samples: int, prompt_len: int, new_tokens: int) -> float:
+    """What a decode step must read at least, averaged over the rollout: every weight once and the
+    KV of each prompt once plus each sample's own tokens (half the new tokens on average)."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * model.dtype.itemsize
+    return weights + per_token * (prompts * prompt_len + prompts * samples * new_tokens / 2)
 
 
 def graph_check(engine: EmbeddedEngine, vocab: int) -> dict:
@@ -174,7 +262,8 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="also time transformers generate")
     parser.add_argument("--hf-prompts-per-batch", type=int, default=8)
     parser.add_argument("--hf-batches", type=int, default=1)
-    parser.add_argument("--modes", nargs="+", default=["auto", "plain"], choices=["auto", "fca", "plain"])
+    parser.add_argument("--modes", nargs="+", default=["auto"], choices=["auto", "fca", "plain"])
+    parser.add_argument("--decoders", nargs="+", default=["fused", "transformers"], choices=["fused", "transformers"])
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")

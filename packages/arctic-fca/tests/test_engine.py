@@ -167,6 +167,49 @@ def test_weight_update_sleep_and_wake(tokenizer):
         engine.generate(prompts, params)
     engine.wake()
     assert [o.tokens for o in engine.generate(prompts, params)] == [o.tokens for o in outputs]
+    assert_weights_shared(engine)
+
+
+def assert_weights_shared(engine):
+    """The fused decoder holds no second copy: the model's projections are views of its tensors."""
+    decoder = engine.runner.decoder
+    for layer, fused in zip(engine.model.base_model.layers, decoder.layers, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.q_proj.weight.data_ptr() == fused.qkv.data_ptr()
+        assert attn.v_proj.weight.data_ptr() == fused.qkv[-attn.v_proj.weight.shape[0]:].data_ptr()
+        assert mlp.up_proj.weight.data_ptr() == fused.gate_up[mlp.gate_proj.weight.shape[0]:].data_ptr()
+
+
+FAMILIES = {"qwen3": {}, "qwen2": {}, "llama": {}, "mistral": {"sliding_window": None}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_decoder_equals_transformers_modules(tokenizer, family):
+    """The engine's own decoder against the same engine running transformers' modules (fp32): the
+    same greedy tokens and log-probs, for every family it takes, biases and query/key norms included."""
+    model = build_tiny_model(tokenizer, family=family, seed=4, **FAMILIES[family])
+    prompts = random_prompts((9, 30, 17), len(tokenizer), seed=3)
+    params = SamplingParams(n=3, temperature=0, max_tokens=20, stop_token_ids=NO_STOP)
+    runs = {}
+    for fused in (True, False):
+        engine = EmbeddedEngine(copy.deepcopy(model), EngineOptions(kv_cache_tokens=2048, fused_decoder=fused))
+        assert (engine.runner.decoder is not None) == fused
+        runs[fused] = engine.generate(prompts, params)
+    assert [o.tokens for o in runs[True]] == [o.tokens for o in runs[False]]
+    for fused_out, plain_out in zip(runs[True], runs[False], strict=True):
+        assert torch.allclose(torch.tensor(fused_out.logprobs), torch.tensor(plain_out.logprobs), atol=1e-5)
+    out = runs[True][4]
+    assert out.tokens == hf_greedy(model, prompts[out.prompt_index], 20)
+
+
+def test_models_the_fused_decoder_does_not_take_run_on_transformers_modules(tokenizer):
+    model = build_tiny_model(tokenizer, seed=5, hidden_act="gelu")
+    reference = copy.deepcopy(model)
+    engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=2048))
+    assert engine.runner.decoder is None
+    prompts = random_prompts((12,), len(tokenizer))
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=10, stop_token_ids=NO_STOP))
+    assert all(o.tokens == hf_greedy(reference, prompts[0], 10) for o in out)
 
 
 def test_bad_requests_and_unsupported_models_get_clear_errors(tokenizer):
@@ -211,5 +254,5 @@ def test_triton_kernels_and_engine_under_the_interpreter():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["cases"] == 33 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
+    assert result["cases"] == 38 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
     assert result["plain_kernel_equals_torch_build"]

@@ -1,6 +1,7 @@
 """Run under ``TRITON_INTERPRET=1`` (the CPU test suite starts it as a subprocess): the Triton
-decode kernels against the exact torch path on random forests, split-K forced, GQA and MHA, and
-the embedded engine's greedy output with the Triton kernels against transformers ``generate``.
+decode kernels against the exact torch path on random forests, split-K forced, GQA and MHA, the
+engine decoder's fused kernels against their torch reference, and the embedded engine's greedy
+output with all these kernels against transformers ``generate``.
 Prints one JSON line."""
 
 from __future__ import annotations
@@ -148,6 +149,40 @@ def plain_work_cases() -> tuple[float, int, bool]:
     return worst, cases, same
 
 
+def fused_op_cases() -> tuple[float, int]:
+    """The engine decoder's fused kernels against their torch reference: residual add + RMSNorm,
+    query/key norm + rotary + cache store (with and without the norms, padding slot 0 included),
+    SiLU x up."""
+    from arctic_fca.engine import fused_ops
+    from arctic_fca.engine.kv_cache import PagedKVCache
+
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)
+    worst, cases = 0.0, 0
+    x, residual, weight = rand(5, 48), rand(5, 48), rand(48)
+    for res in (None, residual):
+        got = fused_ops.add_rms_norm(x, res, weight, 1e-6, triton=True)
+        want = fused_ops.add_rms_norm(x, res, weight, 1e-6, triton=False)
+        worst = max(worst, *(max_abs_diff(g, w) for g, w in zip(got, want, strict=True)))
+        cases += 1
+    heads, tokens, max_len = (4, 2, 16), 6, 40
+    cos, sin = rand(max_len, 16), rand(max_len, 16)
+    positions, slots = torch.tensor([0, 3, 39, 7, 7, 1]), torch.tensor([17, 2, 30, 9, 0, 25])
+    qkv = rand(tokens, (4 + 2 * 2) * 16)
+    for norms in (None, (rand(16), rand(16))):
+        caches = [PagedKVCache(1, 4, 8, 2, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
+        results = [fused_ops.qk_rope_store(qkv, heads, positions, cos, sin, *(norms or (None, None)), 1e-6, cache, 0,
+                                           slots, triton=triton) for cache, triton in zip(caches, (True, False))]
+        worst = max(worst, *(max_abs_diff(g, w) for g, w in zip(*results, strict=True)),
+                    max_abs_diff(caches[0].keys[0], caches[1].keys[0]),
+                    max_abs_diff(caches[0].values[0], caches[1].values[0]))
+        cases += 1
+    gate_up = rand(3, 2 * 40)
+    worst = max(worst, max_abs_diff(fused_ops.silu_and_mul(gate_up, triton=True),
+                                    fused_ops.silu_and_mul(gate_up, triton=False)))
+    return worst, cases + 1
+
+
 def engine_matches_generate() -> bool:
     import copy
 
@@ -176,6 +211,7 @@ if __name__ == "__main__":
     static_worst, static_cases = static_work_cases()
     device_worst, device_cases = device_work_cases()
     plain_worst, plain_cases, plain_same = plain_work_cases()
-    print(json.dumps({"max_abs_diff": max(worst, static_worst, device_worst, plain_worst),
-                      "cases": cases + static_cases + device_cases + plain_cases,
+    fused_worst, fused_cases = fused_op_cases()
+    print(json.dumps({"max_abs_diff": max(worst, static_worst, device_worst, plain_worst, fused_worst),
+                      "cases": cases + static_cases + device_cases + plain_cases + fused_cases,
                       "plain_kernel_equals_torch_build": plain_same, "engine_greedy_matches": engine_matches_generate()}))

@@ -1,7 +1,7 @@
 """The engine's attention, plugged into transformers' attention registry.
 
 Each layer's attention module computes its query/key/value (norms and rotary included, the model's
-own code) and calls this function, which writes the step's keys/values into the paged cache and
+own code) and calls ``paged_attention``, which writes the step's keys/values into the paged cache and
 attends over it:
 
 - prefill: per sequence, its new tokens attend causally to its cached prefix (blocks another
@@ -9,7 +9,8 @@ attends over it:
 - decode: one token per sequence, through the step's prepared FCA / plain decode
   (``arctic_fca.fca.decode``), planned once per step for all layers.
 
-Step metadata reaches every layer through the model's ``**kwargs`` (``paged=...``).
+Step metadata reaches every layer through the model's ``**kwargs`` (``paged=...``). The engine's
+own decoder (``decoder``) stores its keys/values itself and calls ``attend``.
 """
 
 from __future__ import annotations
@@ -63,13 +64,20 @@ def paged_attention(
     if sliding_window is not None:
         raise NotImplementedError("the embedded engine has no sliding-window attention; use another sampler")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = module.layer_idx
-    paged.cache.write(layer, paged.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
+    paged.cache.write(module.layer_idx, paged.slots, k, v)
+    return attend(q, k, v, module.layer_idx, paged, scale)[None], None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, paged: StepMetadata,
+           scale: float) -> torch.Tensor:
+    """Attention of the step's queries ``q [T, H, D]`` (their keys/values ``k, v [T, Hkv, D]``
+    already in the cache) -> ``[T, H, D]``."""
     if paged.decode is not None:
-        out = paged.decode(query[0].transpose(0, 1), paged.cache.keys[layer], paged.cache.values[layer], scale)
-        return out[None], None
+        return paged.decode(q, paged.cache.keys[layer], paged.cache.values[layer], scale)
+    query, key, value = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
     parts = [_prefill_span(query, key, value, paged.cache, layer, span, scale) for span in paged.spans]
-    return torch.cat(parts, dim=2).transpose(1, 2), None
+    return torch.cat(parts, dim=2)[0].transpose(0, 1)
 
 
 def _prefill_span(query, key, value, cache: PagedKVCache, layer: int, span: PrefillSpan, scale: float) -> torch.Tensor:

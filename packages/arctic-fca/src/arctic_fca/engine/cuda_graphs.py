@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step: the model's forward and LM head replayed without the host.
 
-An eager decode step of a 28-layer transformers model costs tens of milliseconds of Python and
-kernel-launch time, more than its GPU work at RL batch sizes. Each graph here is captured once per
+An eager decode step of a 28-layer model costs tens of milliseconds of Python and kernel-launch
+time, more than its GPU work at RL batch sizes. Each graph here is captured once per
 (batch-size bucket, FCA or plain) and replayed every step: the batch is padded to the bucket with
 dummy sequences that read and write only the reserved scratch block 0, and the attention's work
 items go through fixed-capacity buffers (``arctic_fca.fca.graph_work``).
@@ -10,12 +10,11 @@ items go through fixed-capacity buffers (``arctic_fca.fca.graph_work``).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
-
 from arctic_fca.engine.attention import StepMetadata
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.fca.decode import PreparedDecode
@@ -30,17 +29,16 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 102
 class _Graph:
     graph: torch.cuda.CUDAGraph
     work: StaticDecodeWork
-    input_ids: torch.Tensor  # [1, B]
-    positions: torch.Tensor  # [1, B]
-    slots: torch.Tensor  # [B]
+    inputs: torch.Tensor  # [3, B]: token ids, positions, cache slots (one copy in per step)
+    inputs_host: torch.Tensor  # [3, B] pinned
     logits: torch.Tensor  # [B, vocab] fp32
     tables_key: object = None  # whose block tables the work's kv_index holds
 
 
 class DecodeGraphs:
-    def __init__(self, model: PreTrainedModel, cache: PagedKVCache, *, table_width: int, max_num_seqs: int,
+    def __init__(self, logits: Callable[..., torch.Tensor], cache: PagedKVCache, *, table_width: int, max_num_seqs: int,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, tuning: Tuning) -> None:
-        self.model, self.cache, self.tuning = model, cache, tuning
+        self.logits, self.cache, self.tuning = logits, cache, tuning  # logits(input_ids, positions, meta)
         self.table_width, self.heads = table_width, (num_q_heads, num_kv_heads, head_dim)
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.graphs: dict[tuple[int, bool], _Graph] = {}
@@ -50,8 +48,9 @@ class DecodeGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, num_requests)]
 
     def clear(self) -> None:
-        """Drop every graph (they hold pointers into the KV cache, freed by sleep)."""
+        """Drop every graph (they hold pointers into the KV cache, freed by sleep, and the weights)."""
         self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()  # the freed graphs' pool cannot take new captures
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, work: DecodeWork,
             tables: np.ndarray, tables_key: object) -> torch.Tensor | None:
@@ -65,8 +64,10 @@ class DecodeGraphs:
         if not graph.work.load(work, tables if graph.tables_key != tables_key else None):
             return None
         graph.tables_key = tables_key
-        for target, values in ((graph.input_ids[0], ids), (graph.positions[0], positions), (graph.slots, slots)):
-            target.copy_(torch.from_numpy(values.astype(np.int64)), non_blocking=True)
+        # Safe to overwrite the pinned buffer: the previous step's copy finished before its tokens were read.
+        for row, values in enumerate((ids, positions, slots)):
+            graph.inputs_host[row].numpy()[:] = values
+        graph.inputs.copy_(graph.inputs_host, non_blocking=True)
         if fresh:
             self._capture(graph)
             self.graphs[key] = graph
@@ -80,17 +81,14 @@ class DecodeGraphs:
                                 num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
                                 tuning=self.tuning)
 
-        def zeros(*shape):
-            return torch.zeros(*shape, dtype=torch.long, device=device)
-
-        return _Graph(torch.cuda.CUDAGraph(), work, zeros(1, batch), zeros(1, batch), zeros(batch), logits=None)
+        inputs = torch.zeros(3, batch, dtype=torch.long, device=device)
+        return _Graph(torch.cuda.CUDAGraph(), work, inputs, torch.zeros_like(inputs, device="cpu").pin_memory(),
+                      logits=None)
 
     def _forward(self, graph: _Graph) -> torch.Tensor:
         decode = PreparedDecode(None, None, None, "triton", graph.work.work)
-        meta = StepMetadata(self.cache, graph.slots, decode=decode)
-        hidden = self.model.base_model(input_ids=graph.input_ids, position_ids=graph.positions, paged=meta,
-                                       use_cache=False).last_hidden_state[0]
-        return self.model.get_output_embeddings()(hidden).float()
+        input_ids, positions, slots = graph.inputs
+        return self.logits(input_ids, positions, StepMetadata(self.cache, slots, decode=decode))
 
     def _capture(self, graph: _Graph) -> None:
         # Warm up on a side stream (compiles the Triton kernels, settles the allocator), then record.

@@ -51,6 +51,8 @@ class EngineOptions(StrictModel):
                                                        "Triton on CUDA, the exact torch path elsewhere.")
     progress: bool | None = Field(None, description="Progress bar; None: only on a terminal.")
     cuda_graphs: bool = Field(True, description="Replay decode steps as CUDA graphs (CUDA only).")
+    fused_decoder: bool = Field(True, description="Run Qwen3, Qwen2, Llama and Mistral models on the engine's own "
+                                "decoder (fused kernels, same math); False: transformers' modules.")
     max_model_len: int | None = Field(None, gt=0, description="Prompt + new tokens at most; default: the model's "
                                       "max_position_embeddings.")
 
@@ -84,6 +86,7 @@ class EmbeddedEngine:
         self.policy_version = 0
         self.stats = EngineStats()
         self._next_step: StepPlan | None = None
+        self._row_params_cache: tuple[tuple, RowParams] | None = None
 
     @property
     def model(self) -> PreTrainedModel:
@@ -132,7 +135,7 @@ class EmbeddedEngine:
         check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, self.max_model_len)
         self.scheduler.check(prompts, params)
         stops = set(params.stop_token_ids or default_stop_tokens(self.model))
-        self._next_step = None  # options may have changed since the last call
+        self._next_step = self._row_params_cache = None  # options and settings may have changed since the last call
         seed = params.seed if params.seed is not None else self.seed + self.calls
         self.calls += 1
         generator = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -179,10 +182,9 @@ class EmbeddedEngine:
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += sum(len(g.prompt) - g.cached for g in groups)
         self.stats.prefix_hit_tokens += sum(g.cached for g in groups)
-        rows = len(groups) * params.n
         prompts = [g.prompt for g in groups for _ in range(params.n)]
         logits = logits.repeat_interleave(params.n, 0)
-        tokens, logprobs = sample(logits, self._row_params(params, prompts, logits.shape[-1]), generator)
+        tokens, logprobs = sample(logits, row_settings(params, prompts, logits.shape[-1], self.runner.device), generator)
         sequences = []
         for gi, g in enumerate(groups):
             picked = slice(gi * params.n, (gi + 1) * params.n)
@@ -198,27 +200,39 @@ class EmbeddedEngine:
         ids = np.zeros(step.positions.size, dtype=np.int64)
         ids[:count] = [s.tokens[-1] for s in running]
         logits = self.runner.decode(ids, step)
-        rows = self._row_params(params, [s.tokens for s in running], logits.shape[-1])
-        tokens, logprobs = sample(logits[:count], rows, generator)
+        tokens, logprobs = sample(logits[:count], self._row_params(params, running, logits.shape[-1]), generator)
         if all(len(s.tokens) + 1 < s.max_len for s in running):  # else the batch changes anyway
             self._next_step = self.planner.plan(running, ahead=1)  # overlaps the GPU's work on this step
-        for seq, token, logprob in zip(running, tokens.tolist(), logprobs.tolist(), strict=True):
-            seq.tokens.append(token)
+        # One transfer (one wait for the device) for both; token ids are exact in fp32.
+        sampled, sampled_logprobs = torch.stack((tokens.to(logprobs.dtype), logprobs)).tolist()
+        for seq, token, logprob in zip(running, sampled, sampled_logprobs, strict=True):
+            seq.tokens.append(int(token))
             seq.logprobs.append(logprob)
         self.stats.decode_steps += 1
         self.stats.fca_steps += step.plan is not None
         self.stats.generated_tokens += count
         self.stats.decode_prepare_seconds = self.planner.prepare_seconds
 
-    def _row_params(self, params: SamplingParams, rows: list[list[int]], vocab: int) -> RowParams:
-        """The sampling settings of ``rows`` (each row's tokens so far, which the repetition penalty
-        reads; it applies to greedy rows too, as in transformers)."""
-        device, count = self.runner.device, len(rows)
-        seen = seen_tokens(rows, vocab, device) if params.repetition_penalty != 1.0 else None
-        return RowParams(temperature=torch.full((count,), params.temperature, device=device),
-                         top_k=torch.full((count,), params.top_k, device=device, dtype=torch.long),
-                         top_p=torch.full((count,), params.top_p, device=device),
-                         any_top_k=params.top_k > 0 and not params.greedy,
-                         any_top_p=params.top_p < 1 and not params.greedy,
-                         min_p=0.0 if params.greedy else params.min_p,
-                         repetition_penalty=params.repetition_penalty, seen=seen)
+    def _row_params(self, params: SamplingParams, rows: list[Sequence], vocab: int) -> RowParams:
+        """The sampling settings of the running ``rows``; kept while the batch and settings stay
+        (the repetition penalty reads each row's tokens so far, so it is rebuilt every step)."""
+        key = tuple(s.seq_id for s in rows)
+        if params.repetition_penalty == 1.0 and self._row_params_cache is not None and self._row_params_cache[0] == key:
+            return self._row_params_cache[1]
+        row_params = row_settings(params, [s.tokens for s in rows], vocab, self.runner.device)
+        self._row_params_cache = key, row_params
+        return row_params
+
+
+def row_settings(params: SamplingParams, rows: list[list[int]], vocab: int, device: torch.device) -> RowParams:
+    """Per-row settings for ``rows`` (each row's tokens so far, which the repetition penalty
+    reads; it applies to greedy rows too, as in transformers)."""
+    count = len(rows)
+    seen = seen_tokens(rows, vocab, device) if params.repetition_penalty != 1.0 else None
+    return RowParams(temperature=torch.full((count,), params.temperature, device=device),
+                     top_k=torch.full((count,), params.top_k, device=device, dtype=torch.long),
+                     top_p=torch.full((count,), params.top_p, device=device),
+                     any_top_k=params.top_k > 0 and not params.greedy,
+                     any_top_p=params.top_p < 1 and not params.greedy,
+                     min_p=0.0 if params.greedy else params.min_p,
+                     repetition_penalty=params.repetition_penalty, seen=seen)

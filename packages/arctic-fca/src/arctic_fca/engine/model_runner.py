@@ -1,9 +1,10 @@
 """The model on the device: its paged KV cache sized to the memory it may take, the packed prefill
 pass, and the decode pass (replayed from a CUDA graph where one fits, eager otherwise).
 
-The model is any transformers causal LM whose attention goes through the attention registry; the
-runner points it at the engine's paged attention (``arctic_fca.engine.attention``) and calls the
-model's decoder and LM head itself, so logits are computed only where tokens are sampled.
+Qwen3, Qwen2, Llama and Mistral models run on the engine's own decoder (``decoder``: fused
+kernels, the model's weights); any other transformers causal LM runs its own modules with the
+attention registry pointed at the engine's paged attention (``arctic_fca.engine.attention``).
+Either way the runner applies the LM head itself, only where tokens are sampled.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from transformers import PreTrainedModel
 from arctic_core.errors import ConfigError
 from arctic_core.hf import copy_weights_, set_attention_implementation
 from arctic_fca.engine.attention import ATTENTION_NAME, PrefillSpan, StepMetadata
+from arctic_fca.engine.decoder import FusedDecoder
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.engine.sequence import PromptGroup
 from arctic_fca.engine.step_planner import StepPlan
@@ -38,11 +40,12 @@ class ModelRunner:
         self.cache = PagedKVCache(config.num_hidden_layers, self._num_blocks(), options.block_size, self.num_kv_heads,
                                   self.head_dim, model.dtype, self.device)
         self.max_model_len = options.max_model_len or getattr(config, "max_position_embeddings", None) or 1 << 16
+        self.decoder = FusedDecoder.of(model, self.max_model_len) if options.fused_decoder else None
         self.graphs = None
         if self.device.type == "cuda" and options.cuda_graphs and options.kernel != "torch":
             from arctic_fca.engine.cuda_graphs import DecodeGraphs  # imports Triton
 
-            self.graphs = DecodeGraphs(model, self.cache, table_width=-(-self.max_model_len // options.block_size),
+            self.graphs = DecodeGraphs(self.logits, self.cache, table_width=-(-self.max_model_len // options.block_size),
                                        max_num_seqs=options.max_num_seqs, num_q_heads=self.num_q_heads,
                                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, tuning=tuning)
 
@@ -56,6 +59,8 @@ class ModelRunner:
         self.cache.free()
         if self.graphs is not None:
             self.graphs.clear()  # they point into the freed cache and the moved weights
+        if self.decoder is not None:
+            self.decoder.release()
         self.model.to("cpu")
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -63,6 +68,8 @@ class ModelRunner:
     def wake(self) -> None:
         self.model.to(self.device)
         self.cache.allocate()
+        if self.decoder is not None:
+            self.decoder.bind()
 
     # ---- forward passes ----------------------------------------------------------------------
 
@@ -101,10 +108,16 @@ class ModelRunner:
     def forward(self, ids: np.ndarray, positions: np.ndarray, meta: StepMetadata,
                 rows: torch.Tensor | None) -> torch.Tensor:
         """Logits ``[rows, vocab]`` (fp32) of the packed step, at ``rows`` (all rows when None)."""
-        input_ids = torch.from_numpy(ids.astype(np.int64)).to(self.device)[None]
-        position_ids = torch.from_numpy(positions.astype(np.int64)).to(self.device)[None]
-        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids, paged=meta,
-                                       use_cache=False).last_hidden_state[0]
+        as_tensor = lambda a: torch.from_numpy(a.astype(np.int64)).to(self.device)
+        return self.logits(as_tensor(ids), as_tensor(positions), meta, rows)
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        if self.decoder is not None:
+            hidden = self.decoder(input_ids, positions, meta)
+        else:
+            hidden = self.model.base_model(input_ids=input_ids[None], position_ids=positions[None], paged=meta,
+                                           use_cache=False).last_hidden_state[0]
         if rows is not None:
             hidden = hidden[rows]
         return self.model.get_output_embeddings()(hidden).float()
