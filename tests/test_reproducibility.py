@@ -57,7 +57,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(arctic_config, tm
 def test_two_demo_runs_with_one_seed_end_with_identical_weights(tmp_path):
     for run in ("a", "b"):
         proc = subprocess.run([sys.executable, "-m", "arctic_core.cli", "demo", "--out", str(tmp_path / run),
-                               "--steps", "8", "--warmup-steps", "3", "--seed", "4"],
+                               "--steps", "3", "--warmup-steps", "2", "--seed", "4"],
                               capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = (load_file(tmp_path / run / "checkpoint" / "hf" / "model.safetensors") for run in ("a", "b"))

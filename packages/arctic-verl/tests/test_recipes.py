@@ -1,0 +1,101 @@
+"""The recipes through verl on Arctic: each recipe's data, prepared from its public format by its
+own script, and each recipe's reward, in one ``main_ppo`` run of two GRPO steps on a tiny model
+(validation reports a score per recipe); and every recipe YAML's dry run (verl's config composed
+as main_ppo composes it, arctic-verl's checks, the engines placed on the cluster)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+from recipes import launch  # noqa: E402
+from recipes.gsm8k import prepare_data as gsm8k_prep  # noqa: E402
+from recipes.long_context_qa import prepare_data as qa_prep  # noqa: E402
+from recipes.text_to_sql import prepare_data as sql_prep  # noqa: E402
+from verl_run import logged_steps, main_ppo_args, run_main_ppo  # noqa: E402
+
+
+def recipe_test_module(name: str):
+    """A helper module of the recipes' own tests (tests/recipe_tests), by its file."""
+    spec = importlib.util.spec_from_file_location(f"recipe_tests_{name}", ROOT / "tests" / "recipe_tests" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gsm8k_data, qa_data, sql_tests = (recipe_test_module(n) for n in ("gsm8k_data", "qa_data", "test_text_to_sql"))
+
+RECIPE_REWARD = Path(__file__).with_name("recipe_reward.py")
+YAMLS = sorted(ROOT.glob("recipes/*/verl_*.yaml"))
+
+
+def prepared_rows(tmp_path: Path) -> list[dict]:
+    """One row per recipe, each written by the recipe's own preparation script."""
+    gsm8k = gsm8k_data.write_release(tmp_path / "gsm8k", gsm8k_data.arithmetic_records(1),
+                                     gsm8k_data.arithmetic_records(1, seed=1))
+    gsm8k_prep.main(["--source", str(gsm8k), "--out", str(tmp_path / "gsm8k_out")])
+    sql_tests.make_database(tmp_path / "bird_db" / "concert" / "concert.sqlite", rows=30)
+    bird = tmp_path / "bird.json"
+    bird.write_text(json.dumps([{"db_id": "concert", "question": "How many singers are from Peru?", "evidence": "",
+                                 "SQL": sql_tests.GOLD}]))
+    sql_prep.main(["--records", str(bird), "--databases", str(tmp_path / "bird_db"), "--out", str(tmp_path / "sql_out")])
+    hotpot = tmp_path / "hotpot.json"
+    hotpot.write_text(json.dumps(qa_data.hotpot_records(1)))
+    qa_prep.main(["--records", str(hotpot), "--target-tokens", "90", "--out", str(tmp_path / "qa_out")])
+    frames = [pd.read_parquet(tmp_path / folder / "train.parquet") for folder in ("gsm8k_out", "sql_out", "qa_out")]
+    return [row for frame in frames for row in frame[["data_source", "prompt", "ability", "reward_model",
+                                                       "extra_info"]].to_dict("records")]
+
+
+@pytest.mark.timeout(1200)
+def test_each_recipes_data_and_reward_train_through_verl_on_arctic(policy, tmp_path):
+    rows = prepared_rows(tmp_path)
+    assert [r["data_source"] for r in rows] == ["openai/gsm8k", "bird", "multihop_qa"]
+    data = tmp_path / "recipes.parquet"
+    pd.DataFrame(rows).to_parquet(data)
+    extra = (f"reward.custom_reward_function.path={RECIPE_REWARD}", "reward.custom_reward_function.name=compute_score",
+             "data.max_prompt_length=448", "trainer.test_freq=2", "data.filter_overlong_prompts=False")
+    args = main_ppo_args(policy, data, data, tmp_path, steps=2, batch=3, n=2, response_length=16, extra=extra)
+    result = run_main_ppo(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    steps = logged_steps(result.stdout + result.stderr)
+    assert sorted(steps) == [1, 2]
+    assert all(metrics["arctic/train/tokens"] > 0 for metrics in steps.values())
+    validated = {key.split("/")[1] for key in steps[2] if key.startswith("val-core/")}
+    assert {"openai", "bird", "multihop_qa"} <= validated, sorted(steps[2])
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_recipe_yamls_dry_run(path, capsys):
+    assert launch.main([str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    recipe = yaml.safe_load(path.read_text())
+    gpus = recipe["cluster"]["nodes"] * recipe["cluster"]["gpus_per_node"]
+    assert f"placement on {recipe['cluster']['nodes']} nodes" in out and "command:" in out
+    assert f"reward.custom_reward_function.path={ROOT / recipe['reward']}" in out
+    used = sum(float(line.split("GPUs")[0].split(":")[1].split("/")[0]) for line in out.splitlines()
+               if line.strip().startswith("node "))
+    assert used == gpus  # the 32-GPU recipes use every GPU, the 1-GPU one its GPU
+
+
+def test_dry_run_refuses_what_does_not_fit_or_verl_cannot_honour(tmp_path):
+    recipe = yaml.safe_load((ROOT / "recipes/text_to_sql/verl_32gpu.yaml").read_text())
+    recipe["cluster"]["nodes"] = 3
+    small = tmp_path / "small.yaml"
+    small.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(SystemExit, match="the engines need 32 GPUs .* the cluster has 3 x 8"):
+        launch.main([str(small), "--dry-run"])
+    from arctic_core.errors import ArcticError
+
+    with pytest.raises(ArcticError, match="lora_rank"):
+        launch.main([str(ROOT / "recipes/gsm8k/verl_1gpu.yaml"), "--dry-run",
+                     "--set", "actor_rollout_ref.model.lora_rank=8"])

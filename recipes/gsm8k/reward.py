@@ -1,0 +1,94 @@
+"""GSM8K's reward: the completion's final number against the reference answer, numerically.
+
+The final answer is read, in order of preference, from the last ``\\boxed{...}``, the last
+``#### ...`` line, the last "answer is ..." phrase, and otherwise the last number in the text.
+Numbers are compared as exact fractions after removing thousands separators, currency signs,
+percent signs and trailing units ("$1,200.50", "1200.5 dollars" and "\\frac{2401}{2}" all match
+1200.5).
+
+Two entry points: ``reward`` for TRL (``reward_funcs=[reward]``, the dataset's ``answer`` column
+arrives as a keyword) and ``compute_score`` for verl (``custom_reward_function.path=<this file>``).
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+"
+_BOXED = re.compile(r"\\boxed\s*\{")
+_HASHES = re.compile(r"####\s*([^\n]*)")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*([^\n]*)", re.IGNORECASE)
+_FRAC = re.compile(r"\\d?frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}")
+_NUMBER = re.compile(NUMBER)
+
+
+def extract_answer(text: str) -> str | None:
+    """The text of the completion's final answer (None when it has no number at all)."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    for pattern in (_HASHES, _ANSWER_IS):
+        found = [m.group(1) for m in pattern.finditer(text) if _NUMBER.search(_FRAC.sub(r"\1/\2", m.group(1)))]
+        if found:
+            return found[-1]
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def parse_number(text: str | None) -> Fraction | None:
+    """The first number in ``text`` as an exact fraction ("$1,200.50" -> 2401/2, "\\frac{3}{4}" -> 3/4)."""
+    if text is None:
+        return None
+    match = _NUMBER.search(_FRAC.sub(r"\1/\2", text.replace("\\!", "").replace("{,}", ",")))
+    if match is None:
+        return None
+    number = match.group(0).replace(",", "")
+    try:
+        if "/" in number:
+            top, bottom = number.split("/")
+            return Fraction(top) / Fraction(bottom) if Fraction(bottom) != 0 else None
+        return Fraction(number)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def gold_answer(answer_field: str) -> str:
+    """The reference number of a GSM8K ``answer`` field (the text after its ``####``)."""
+    marker = answer_field.rfind("####")
+    if marker < 0:
+        raise ValueError("no '####' in the answer")
+    value = answer_field[marker + 4 :].strip()
+    if parse_number(value) is None:
+        raise ValueError(f"the answer after '####' is not a number: {value!r}")
+    return value.replace(",", "")
+
+
+def score(completion: str, reference: str) -> float:
+    """1.0 when the completion's final answer equals ``reference`` as a number, else 0.0."""
+    predicted, expected = parse_number(extract_answer(completion)), parse_number(reference)
+    return float(predicted is not None and expected is not None and predicted == expected)
+
+
+def reward(completions: list, answer: list[str], **kwargs) -> list[float]:
+    """TRL reward function: ``completions`` as strings or as chat messages."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [score(text, ref) for text, ref in zip(texts, answer, strict=True)]
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """verl custom reward function."""
+    return score(solution_str, ground_truth)
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}``, braces balanced."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    depth, start = 1, starts[-1]
+    for index in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            return text[start:index]
+    return None

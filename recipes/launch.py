@@ -1,0 +1,168 @@
+"""Run a recipe through verl on Arctic from its YAML, or check it first without GPUs.
+
+    python -m recipes.launch recipes/text_to_sql/verl_32gpu.yaml --set data.train_files=~/data/bird/train.parquet
+    python -m recipes.launch recipes/text_to_sql/verl_32gpu.yaml --dry-run
+
+A recipe YAML holds ``cluster`` (``nodes``, ``gpus_per_node``), ``reward`` (the recipe's reward file,
+relative to the repository root), ``verl`` (``main_ppo``'s settings as dotted keys), ``arctic``
+(the backend's configuration, ``+arctic.config.*``) and ``arctic_server`` (``+arctic.num_gpus``
+and the like). ``--dry-run`` composes verl's config exactly as ``main_ppo`` would, runs
+arctic-verl's checks on it, validates every Ray engine's options, places the engines' Ray actors
+on the cluster's GPUs and prints that plan with the command; it needs verl's environment, no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Actor:
+    engine: str
+    index: int
+    gpus: float
+    hosts: tuple[str, ...] = ()  # engines running inside this actor
+
+    def label(self) -> str:
+        inside = f" ({', '.join(self.hosts)})" if self.hosts else ""
+        return f"{self.engine}[{self.index}]:{self.gpus:g}{inside}"
+
+
+def hydra_value(value: object) -> str:
+    """A value as Hydra reads it on the command line."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else str(value)
+
+
+def flatten(section: dict, prefix: str) -> list[str]:
+    items = []
+    for key, value in section.items():
+        if isinstance(value, dict) and value:
+            items += flatten(value, f"{prefix}{key}.")
+        else:
+            items.append(f"{prefix}{key}={hydra_value(value)}")
+    return items
+
+
+def load(path: Path, overrides: list[str]) -> dict:
+    recipe = yaml.safe_load(path.read_text())
+    missing = {"cluster", "verl"} - set(recipe)
+    if missing:
+        raise SystemExit(f"{path}: missing sections {sorted(missing)}")
+    for item in overrides:  # --set verl keys (dotted, as verl's own command line)
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected key=value")
+        recipe["verl"][key] = yaml.safe_load(value)
+    return recipe
+
+
+def overrides(recipe: dict) -> list[str]:
+    """``main_ppo``'s command-line overrides for the recipe."""
+    cluster = recipe["cluster"]
+    items = ["trainer.v1.trainer_mode=arctic", f"trainer.nnodes={cluster['nodes']}",
+             f"trainer.n_gpus_per_node={cluster['gpus_per_node']}"]
+    if recipe.get("reward"):
+        items += [f"reward.custom_reward_function.path={ROOT / recipe['reward']}",
+                  "reward.custom_reward_function.name=compute_score"]
+    items += [f"{key}={hydra_value(value)}" for key, value in recipe["verl"].items()]
+    items += ["+" + item for item in flatten(recipe.get("arctic") or {}, "arctic.config.")]
+    items += ["+" + item for item in flatten(recipe.get("arctic_server") or {}, "arctic.")]
+    return items
+
+
+def engine_actors(config, settings, cluster_has_gpus: bool) -> list[Actor]:
+    """The Ray actors the backend will start and the GPUs each asks for (engines that are not Ray
+    backends run inside the server actor)."""
+    from arctic_core.config import validate_options
+    from arctic_core.ray.logprob import RayLogProbOptions
+    from arctic_core.ray.sampler import RaySamplerOptions
+    from arctic_core.ray.trainer import RayTrainerOptions
+
+    server_gpus = settings.num_gpus if settings.num_gpus is not None else float(cluster_has_gpus)
+    engines = {"trainer": config.trainer, "sampler": config.sampler, "reference": config.reference}
+    inside = tuple(name for name, engine in engines.items() if engine is not None and engine.backend != "ray")
+    actors = [Actor("server", 0, server_gpus, inside)]
+    if config.trainer.backend == "ray":
+        options = validate_options(RayTrainerOptions, config.trainer, "trainer")
+        actors += [Actor("trainer", i, options.gpus_per_worker) for i in range(options.workers)]
+    if config.sampler.backend == "ray":
+        options = validate_options(RaySamplerOptions, config.sampler, "sampler")
+        actors += [Actor("sampler", i, options.gpus_per_replica) for i in range(options.replicas)]
+    if config.reference is not None and config.reference.backend == "ray":
+        actors.append(Actor("reference", 0, validate_options(RayLogProbOptions, config.reference, "reference").gpus))
+    return actors
+
+
+def place(actors: list[Actor], nodes: int, gpus_per_node: int) -> dict[int, list[Actor]]:
+    """First-fit of the actors (largest first) onto the nodes' GPUs, as Ray's resource accounting
+    allows; SystemExit when they do not fit."""
+    free, plan = [float(gpus_per_node)] * nodes, {n: [] for n in range(nodes)}
+    for actor in sorted(actors, key=lambda a: -a.gpus):
+        node = next((n for n in range(nodes) if free[n] + 1e-9 >= actor.gpus), None)
+        if node is None:
+            need = sum(a.gpus for a in actors)
+            raise SystemExit(f"the engines need {need:g} GPUs ({actor.engine} {actor.index} asks for {actor.gpus:g}); "
+                             f"the cluster has {nodes} x {gpus_per_node}")
+        free[node] -= actor.gpus
+        plan[node].append(actor)
+    return plan
+
+
+def dry_run(recipe: dict) -> str:
+    """Compose verl's config, run arctic-verl's checks and place the engines; the plan as text."""
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    from arctic_verl.mapping import arctic_config, check_supported
+    from arctic_verl.settings import read_settings
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        config = compose("ppo_trainer", overrides=overrides(recipe))
+    settings = read_settings(config)
+    check_supported(config, settings)
+    arctic = arctic_config(config, settings, on_gpu=True)
+    cluster = recipe["cluster"]
+    plan = place(engine_actors(arctic, settings, cluster_has_gpus=True), cluster["nodes"], cluster["gpus_per_node"])
+    lines = [f"model: {arctic.model.path} ({arctic.model.dtype}); trainer: {arctic.trainer.backend} "
+             f"{arctic.trainer.options}; sampler: {arctic.sampler.backend} {arctic.sampler.options}",
+             f"placement on {cluster['nodes']} nodes x {cluster['gpus_per_node']} GPUs:"]
+    for node, actors in plan.items():
+        used = sum(a.gpus for a in actors)
+        names = ", ".join(a.label() for a in sorted(actors, key=lambda a: (a.engine, a.index)))
+        lines.append(f"  node {node}: {used:g}/{cluster['gpus_per_node']} GPUs  {names or '-'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", type=Path, help="the recipe's YAML")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a verl setting")
+    parser.add_argument("--dry-run", action="store_true", help="check the config and print the placement plan")
+    args = parser.parse_args(argv)
+    recipe = load(args.recipe, args.set)
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(recipe)]
+    if args.dry_run:
+        print(dry_run(recipe))
+        print("command:", " ".join(command))
+        return 0
+    return subprocess.run(command, cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

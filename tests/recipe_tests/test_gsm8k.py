@@ -1,0 +1,100 @@
+"""The GSM8K recipe: its reward on hand-written cases, its data preparation from the public format
+(bad records counted and kept aside), and GRPO through TRL on Arctic end to end on a tiny model,
+where the reward rises on a task the model can learn."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from recipes.gsm8k import prepare_data, train_trl
+from recipes.gsm8k.reward import compute_score, extract_answer, gold_answer, reward, score
+
+from .gsm8k_data import arithmetic_records, write_release
+
+
+@pytest.mark.parametrize(("completion", "reference", "expected"), [
+    ("3 + 4 = 7\n#### 7", "7", 1.0),
+    ("The answer is $1,200.50.", "1200.5", 1.0),
+    ("So the total is \\boxed{1{,}200} dollars", "1200", 1.0),
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("she has 12 apples, then 5 more: the answer is 17 apples", "17", 1.0),
+    ("#### 72\nbut first I counted 3", "72", 1.0),  # the #### line wins over a later number
+    ("\\boxed{8} #### 9", "8", 1.0),  # and \boxed over ####
+    ("it costs 50%", "50", 1.0),
+    ("answer: -3 degrees", "-3", 1.0),
+    ("8.00", "8", 1.0),
+    ("#### 7", "8", 0.0),
+    ("no number here", "3", 0.0),
+    ("", "3", 0.0),
+    ("\\boxed{", "3", 0.0),
+    ("2/0", "2", 0.0),
+    ("1,000,000", "1000000", 1.0),
+])
+def test_reward_cases(completion, reference, expected):
+    assert score(completion, reference) == expected
+    assert compute_score("openai/gsm8k", completion, reference) == expected
+
+
+def test_reward_entry_points_take_trls_and_verls_shapes():
+    chat = [[{"role": "assistant", "content": "#### 5"}], [{"role": "assistant", "content": "six"}]]
+    assert reward(chat, answer=["5", "6"]) == [1.0, 0.0]
+    assert reward(["#### 5"], answer=["5"], prompts=["q"], trainer_state=None) == [1.0]
+    assert extract_answer("a 1 b 2") == "2" and gold_answer("x\n#### 1,234") == "1234"
+
+
+def test_prepare_data_counts_and_keeps_bad_records(tmp_path):
+    broken = ["not json", json.dumps({"question": "Q?", "answer": "no marker"}),
+              json.dumps({"question": "Q?", "answer": "#### seven"}), json.dumps({"answer": "#### 3"}),
+              json.dumps([1, 2])]
+    source = write_release(tmp_path / "gsm8k", arithmetic_records(6), arithmetic_records(3, seed=1), broken)
+    reports = prepare_data.main(["--source", str(source), "--out", str(tmp_path / "out")])
+    train = reports["train"]
+    assert train.kept == 6 and sum(train.rejected.values()) == 5
+    assert train.rejected == {"not a JSON object": 2, "no '####' in the answer": 1,
+                              "the answer after '####' is not a number": 1, "no question": 1}
+    rejected = [json.loads(line) for line in (tmp_path / "out" / "train.rejected.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rejected] == [6, 7, 8, 9, 10]
+    rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    first = arithmetic_records(6)[0]
+    assert rows[0]["prompt"][0]["content"].startswith(first["question"])
+    assert rows[0]["reward_model"] == {"style": "rule", "ground_truth": first["answer"].split("#### ")[1]}
+    assert reports["test"].kept == 3 and not reports["test"].rejected
+
+
+def cpu_config(tmp_path, steps: int, **trl) -> str:
+    """The recipe's H200 config with what a CPU run changes (fp32, no checkpointing, small lengths)."""
+    config = yaml.safe_load(train_trl.DEFAULT_CONFIG.read_text())
+    config["trl"].update(max_steps=steps, bf16=False, use_cpu=True, gradient_checkpointing=False,
+                         max_completion_length=8, report_to="none", save_strategy="no", **trl)
+    config["arctic"] = {"sampler": {"backend": "embedded"}, "trainer": {"options": {"zero_stage": 2}}}
+    path = tmp_path / "cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_trl_recipe_runs_end_to_end_on_a_tiny_model(tiny_policy, tmp_path):
+    source = write_release(tmp_path / "gsm8k", arithmetic_records(16), arithmetic_records(4, seed=1))
+    prepare_data.main(["--source", str(source), "--out", str(tmp_path / "data")])
+    trainer = train_trl.main(["--model", str(tiny_policy), "--data", str(tmp_path / "data"), "--out",
+                              str(tmp_path / "run"), "--config", cpu_config(tmp_path, steps=2),
+                              "--set", "trl.gradient_accumulation_steps=2"])
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(history) == 2 and all("arctic/loss" in h for h in history)
+    assert trainer.arctic.status().policy_version == 2
+
+
+@pytest.mark.slow
+def test_the_gsm8k_reward_rises_on_a_learnable_task(tiny_policy, tmp_path):
+    """Every question's answer is 4: a tiny random model learns to end its answer with 4."""
+    source = write_release(tmp_path / "gsm8k", arithmetic_records(64, answer=4), arithmetic_records(4, seed=1))
+    prepare_data.main(["--source", str(source), "--out", str(tmp_path / "data")])
+    trainer = train_trl.main(["--model", str(tiny_policy), "--data", str(tmp_path / "data"), "--out",
+                              str(tmp_path / "run"), "--config", cpu_config(tmp_path, steps=16, learning_rate=3e-3),
+                              "--set", "trl.per_device_train_batch_size=16", "--set", "trl.gradient_accumulation_steps=1"])
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards

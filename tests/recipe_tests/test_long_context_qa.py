@@ -1,0 +1,105 @@
+"""The long-context multi-hop QA recipe: EM/F1 reward with standard normalisation, and packing
+HotpotQA / MuSiQue records into contexts of a target length with distractors."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from recipes.long_context_qa import prepare_data
+from recipes.long_context_qa.reward import compute_score, exact_match, extract_answer, f1, reward, score
+
+from .qa_data import hotpot_records, musique_records
+
+
+@pytest.mark.parametrize(("completion", "answers", "expected"), [
+    ("Thinking...\nAnswer: The Violin.", ["violin"], 1.0),
+    ("Answer: a fiddle", ["violin", "fiddle"], 1.0),
+    ("Answer: City3", "City3", 1.0),
+    ("Answer: in Paris, France", ["Paris"], 2 * (1 / 3) * 1 / (1 / 3 + 1)),
+    ("Answer: London", ["Paris"], 0.0),
+    ("no marker\nParis", ["Paris"], 1.0),
+    ("", ["Paris"], 0.0),
+])
+def test_reward_cases(completion, answers, expected):
+    assert score(completion, answers) == pytest.approx(expected)
+    assert compute_score("multihop_qa", completion, answers) == pytest.approx(expected)
+
+
+def test_metrics_and_trl_entry_point():
+    assert exact_match("The  Eiffel tower!", "eiffel tower") == 1.0 and exact_match("Eiffel", "eiffel tower") == 0.0
+    assert f1("Eiffel", "eiffel tower") == pytest.approx(2 / 3)
+    assert extract_answer("a\nanswer: x\ny") == "x"
+    chat = [[{"role": "assistant", "content": "Answer: violin"}], [{"role": "assistant", "content": "Answer: drum"}]]
+    assert reward(chat, answers=[["violin"], ["violin"]]) == [1.0, 0.0]
+
+
+def count_words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.mark.parametrize("fmt", ["hotpotqa", "musique"])
+def test_prepare_packs_supporting_paragraphs_and_distractors_to_the_target(tmp_path, fmt):
+    records = hotpot_records(6) if fmt == "hotpotqa" else musique_records(6)
+    broken = [{"question": "Q?", "answer": ""}, {"question": "Q?", "answer": "x", "paragraphs": [], "answerable": False},
+              {"question": "Q?", "answer": "x", "context": [["T", ["text"]]], "supporting_facts": []}, 7]
+    if fmt == "hotpotqa":
+        source = tmp_path / "hotpot.json"
+        source.write_text(json.dumps(records + broken))
+    else:
+        source = tmp_path / "musique.jsonl"
+        source.write_text("\n".join(json.dumps(r) for r in records + broken) + "\n")
+    target = 400
+    report = prepare_data.main(["--records", str(source), "--target-tokens", str(target), "--out", str(tmp_path / "out")])
+    assert report.kept == 6
+    assert report.rejected == {"missing question or answer": 1, "unanswerable": 1, "no supporting paragraph": 1,
+                               "not a JSON object": 1}
+    rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    for row, record in zip(rows, records, strict=True):
+        content = row["prompt"][0]["content"]
+        documents = content.split("\n\nQuestion: ")[0].split("\n\n")
+        texts = [d.split("\n", 1)[1] for d in documents]
+        assert sum(map(count_words, texts)) + count_words(record["question"]) <= target
+        assert sum(map(count_words, texts)) > target - 60  # filled up to the last paragraph that fits
+        supporting = row["extra_info"]["supporting"]
+        assert len(supporting) == 2 and all(f"Document [{n}]" in content for n in supporting)
+        titles = [d.split("(Title: ")[1].split(")")[0] for d in documents]
+        assert any(t.startswith(("Other", "Noise")) and t[len("Other"):].split("_")[0] not in record["question"]
+                   for t in titles)  # distractors of other questions too
+        for answer in row["answers"]:  # aliases too, through verl's entry point
+            assert compute_score("multihop_qa", f"Answer: {answer}", row["reward_model"]["ground_truth"],
+                                 row["extra_info"]) == 1.0
+
+
+@pytest.mark.slow
+def test_the_qa_reward_rises_on_a_learnable_task(tiny_policy, tmp_path):
+    """Every question's answer is 4: through TRL on Arctic, a tiny random model learns to end its
+    completion with the answer (F1 rewards a last line that holds it among other words)."""
+    from datasets import load_dataset
+    from trl import GRPOConfig
+
+    from arctic_trl import GRPOTrainer
+
+    source = tmp_path / "hotpot.json"
+    source.write_text(json.dumps(hotpot_records(32, answer="4", words=(3, 6))))
+    prepare_data.main(["--records", str(source), "--target-tokens", "160", "--tokenizer", str(tiny_policy),
+                       "--out", str(tmp_path / "data")])
+    train = load_dataset("json", data_files=str(tmp_path / "data" / "train.jsonl"), split="train")
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=40, learning_rate=3e-3, per_device_train_batch_size=16,
+                      num_generations=8, max_completion_length=8, temperature=1.0, logging_steps=1, report_to="none",
+                      use_cpu=True, bf16=False, seed=0, save_strategy="no", gradient_checkpointing=False,
+                      lr_scheduler_type="constant", beta=0.0)
+    trainer = GRPOTrainer(model=str(tiny_policy), reward_funcs=reward, args=args, train_dataset=train)
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    print("QA F1 reward per step:", [round(r, 3) for r in rewards])
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
+
+
+def test_supporting_paragraphs_longer_than_the_target_are_rejected(tmp_path):
+    source = tmp_path / "hotpot.json"
+    source.write_text(json.dumps(hotpot_records(2)))
+    report = prepare_data.main(["--records", str(source), "--target-tokens", "20", "--out", str(tmp_path / "out")])
+    assert report.kept == 0 and report.rejected == {"supporting paragraphs exceed the target": 2}

@@ -1,0 +1,123 @@
+"""The text-to-SQL recipe: execution-match reward, its read-only sandbox against adversarial
+queries (each scores 0 within the time limit and the database file stays byte for byte the same),
+and BIRD-format data preparation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from recipes.text_to_sql import prepare_data
+from recipes.text_to_sql import reward as sql_reward
+from recipes.text_to_sql.reward import compute_score, execute, extract_sql, reward, score
+
+
+def make_database(path, rows: int = 3200):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE singer (id INTEGER PRIMARY KEY, name TEXT, country TEXT, age INTEGER)")
+    db.executemany("INSERT INTO singer VALUES (?, ?, ?, ?)",
+                   [(i, f"singer{i}", ["France", "Peru", "Japan"][i % 3], 20 + i % 40) for i in range(rows)])
+    db.commit()
+    db.close()
+    return str(path)
+
+
+@pytest.fixture
+def database(tmp_path):
+    return make_database(tmp_path / "concert" / "concert.sqlite")
+
+
+def digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+GOLD = "SELECT count(*) FROM singer WHERE country = 'Peru'"
+
+
+@pytest.mark.parametrize(("completion", "expected"), [
+    ("```sql\nSELECT COUNT(id) FROM singer WHERE country='Peru'\n```", 1.0),
+    ("Here it is. SQL: select count(*) from singer where country = 'Peru'", 1.0),
+    ("select count(*) from singer where country = 'Japan'", 0.0),
+    ("SELECT name FROM nowhere", 0.0),
+    ("not sql at all", 0.0),
+])
+def test_execution_match(database, completion, expected):
+    assert score(completion, GOLD, database) == expected
+    assert compute_score("bird", completion, GOLD, {"db_path": database}) == expected
+
+
+def test_rows_compare_as_sets_and_trl_entry_point(database):
+    gold = "SELECT id FROM singer WHERE id < 3 ORDER BY id"
+    assert reward(["SELECT id FROM singer WHERE id IN (2, 1, 0) ORDER BY id DESC", "SELECT 0, 1, 2"],
+                  gold_sql=[gold] * 2, db_path=[database] * 2) == [1.0, 0.0]
+    assert extract_sql("text\n```sql\nSELECT 1\n```\nmore ```SELECT 2```") == "SELECT 2"
+    with pytest.raises(ValueError, match="db_path"):
+        compute_score("bird", "SELECT 1", GOLD, {})
+
+
+ADVERSARIAL = [
+    "DROP TABLE singer",
+    "DELETE FROM singer",
+    "UPDATE singer SET age = 0",
+    "INSERT INTO singer VALUES (99999, 'x', 'y', 1)",
+    "CREATE TABLE evil (x)",
+    "ATTACH DATABASE '/tmp/evil.sqlite' AS evil",
+    "PRAGMA writable_schema = 1",
+    "PRAGMA query_only = OFF",
+    "SELECT 1; DROP TABLE singer",
+    "SELECT load_extension('/tmp/evil.so')",
+    "VACUUM INTO '/tmp/copy.sqlite'",
+    # A recursive CTE that never ends, and 3,200^3 rows counted: both stopped at the time limit.
+    "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT count(*) FROM r",
+    "SELECT count(*) FROM singer a, singer b, singer c",
+    # 10^7 rows returned: stopped at the row cap.
+    "SELECT * FROM singer a, singer b",
+    # Memory: a blob that grows without end, and one huge blob at once.
+    "WITH RECURSIVE r(n, s) AS (SELECT 1, zeroblob(1000000) UNION ALL SELECT n + 1, s || zeroblob(1000000) FROM r) "
+    "SELECT max(length(s)) FROM r",
+    "SELECT length(zeroblob(2000000000))",
+]
+
+
+def test_adversarial_queries_score_zero_and_leave_the_database_alone(database, monkeypatch):
+    monkeypatch.setattr(sql_reward, "TIME_LIMIT_S", 1.0)
+    before = digest(database)
+    for sql in ADVERSARIAL:
+        started = time.monotonic()
+        assert score(sql, GOLD, database) == 0.0, sql
+        assert time.monotonic() - started < 1.0 + sql_reward.KILL_MARGIN_S, sql
+        assert not execute(database, sql).ok
+    assert digest(database) == before
+    assert score(GOLD, GOLD, database) == 1.0  # still readable, still the same
+
+
+def test_prepare_bird_records(tmp_path, database):
+    databases = tmp_path  # <databases>/<db_id>/<db_id>.sqlite
+    records = [
+        {"db_id": "concert", "question": "How many singers are from Peru?", "evidence": "Peru is a country",
+         "SQL": GOLD},
+        {"db_id": "concert", "question": "Names?", "evidence": "", "SQL": "SELECT name FROM singer WHERE id < 2"},
+        {"db_id": "missing_db", "question": "Q?", "evidence": "", "SQL": "SELECT 1"},
+        {"db_id": "concert", "question": "Q?", "evidence": "", "SQL": "SELECT nope FROM singer"},
+        {"db_id": "concert", "question": "", "SQL": "SELECT 1"},
+        "a string",
+    ]
+    source = tmp_path / "train.json"
+    source.write_text(json.dumps(records))
+    report = prepare_data.main(["--records", str(source), "--databases", str(databases), "--split", "train",
+                                "--out", str(tmp_path / "out")])
+    assert report.kept == 2
+    assert report.rejected == {"no database": 1, "the gold query fails": 1, "missing field": 1,
+                               "not a JSON object": 1}
+    rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    prompt = rows[0]["prompt"][0]["content"]
+    assert "CREATE TABLE singer" in prompt and "Evidence: Peru is a country" in prompt and "How many" in prompt
+    assert rows[0]["extra_info"]["db_path"] == database
+    assert compute_score("bird", f"```sql\n{GOLD}\n```", rows[0]["reward_model"]["ground_truth"],
+                         rows[0]["extra_info"]) == 1.0
