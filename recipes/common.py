@@ -10,6 +10,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
+
+def parse_value(text: str) -> object:
+    """A command-line value as YAML reads it, except that YAML 1.1's yes/no/on/off stay words
+    (``--set trl.save_strategy=no`` means the string)."""
+    if text.strip().lower() in {"yes", "no", "on", "off", "y", "n"}:
+        return text
+    return yaml.safe_load(text)
+
 
 def read_records(path: str | Path) -> Iterator[tuple[int, object]]:
     """``(index, record)`` of a ``.jsonl`` file (one record per line; a line that is not JSON

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from recipes.common import parse_value
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,7 +69,7 @@ def load(path: Path, overrides: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--set {item!r}: expected key=value")
-        recipe["verl"][key] = yaml.safe_load(value)
+        recipe["verl"][key] = parse_value(value)
     return recipe
 
 

@@ -20,6 +20,7 @@ from datasets import load_dataset
 from trl import GRPOConfig
 
 from arctic_trl import GRPOTrainer  # was: from trl import GRPOTrainer
+from recipes.common import parse_value
 from recipes.gsm8k.reward import reward
 
 DEFAULT_CONFIG = Path(__file__).with_name("trl_h200.yaml")
@@ -36,7 +37,7 @@ def load_config(path: Path, overrides: list[str]) -> dict:
         node = config
         for key in parents:
             node = node.setdefault(key, {})
-        node[leaf] = yaml.safe_load(value)
+        node[leaf] = parse_value(value)
     return config
 
 

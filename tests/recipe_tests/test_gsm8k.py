@@ -82,7 +82,7 @@ def test_trl_recipe_runs_end_to_end_on_a_tiny_model(tiny_policy, tmp_path):
     prepare_data.main(["--source", str(source), "--out", str(tmp_path / "data")])
     trainer = train_trl.main(["--model", str(tiny_policy), "--data", str(tmp_path / "data"), "--out",
                               str(tmp_path / "run"), "--config", cpu_config(tmp_path, steps=2),
-                              "--set", "trl.gradient_accumulation_steps=2"])
+                              "--set", "trl.gradient_accumulation_steps=2", "--set", "trl.save_strategy=no"])
     history = [h for h in trainer.state.log_history if "reward" in h]
     assert len(history) == 2 and all("arctic/loss" in h for h in history)
     assert trainer.arctic.status().policy_version == 2
