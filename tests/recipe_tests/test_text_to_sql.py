@@ -121,3 +121,63 @@ def test_prepare_bird_records(tmp_path, database):
     assert rows[0]["extra_info"]["db_path"] == database
     assert compute_score("bird", f"```sql\n{GOLD}\n```", rows[0]["reward_model"]["ground_truth"],
                          rows[0]["extra_info"]) == 1.0
+
+
+def sft_on_the_answer_format(policy, out, prompts: list[list[dict]], steps: int = 80):
+    """A few steps of plain supervised fine-tuning that teach the tiny random policy the answer's
+    form ("SELECT <digit>") with random digits: it then writes queries that run, mostly wrong."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(policy), AutoModelForCausalLM.from_pretrained(policy)
+    optimizer, rng = torch.optim.AdamW(model.parameters(), lr=3e-3), random.Random(0)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        batch = []
+        for prompt in rng.sample(prompts, 4):
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            head = tokenizer(text, add_special_tokens=False)["input_ids"]
+            answer = tokenizer(f"SELECT {rng.randrange(10)}{tokenizer.eos_token}", add_special_tokens=False)["input_ids"]
+            batch.append((head, answer))
+        loss = 0.0
+        for head, answer in batch:
+            ids = torch.tensor([head + answer])
+            labels = ids.clone()
+            labels[0, : len(head)] = -100
+            loss = loss + model(input_ids=ids, labels=labels).loss / len(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_the_sql_reward_rises_on_a_learnable_task(tiny_policy, tmp_path):
+    """Every question's gold query returns 7: after a short SFT on the form "SELECT <digit>", GRPO
+    through TRL on Arctic with the execution-match reward learns the digit."""
+    from datasets import load_dataset
+    from trl import GRPOConfig
+
+    from arctic_trl import GRPOTrainer
+
+    make_database(tmp_path / "db" / "concert" / "concert.sqlite", rows=280)  # 7 singers of each age
+    records = [{"db_id": "concert", "question": f"How many singers are {age} years old?", "evidence": "",
+                "SQL": f"SELECT count(*) FROM singer WHERE age = {age}"} for age in range(20, 52)]
+    (tmp_path / "train.json").write_text(json.dumps(records))
+    prepare_data.main(["--records", str(tmp_path / "train.json"), "--databases", str(tmp_path / "db"),
+                       "--out", str(tmp_path / "data")])
+    train = load_dataset("json", data_files=str(tmp_path / "data" / "train.jsonl"), split="train")
+    policy = sft_on_the_answer_format(tiny_policy, tmp_path / "sft", list(train["prompt"]))
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=24, learning_rate=5e-4, per_device_train_batch_size=16,
+                      num_generations=8, max_completion_length=12, temperature=1.0, logging_steps=1, report_to="none",
+                      use_cpu=True, bf16=False, seed=0, save_strategy="no", gradient_checkpointing=False,
+                      lr_scheduler_type="constant", beta=0.0)
+    trainer = GRPOTrainer(model=str(policy), reward_funcs=reward, args=args, train_dataset=train)
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    print("SQL execution reward per step:", [round(r, 3) for r in rewards])
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.2, rewards
