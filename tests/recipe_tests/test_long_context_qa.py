@@ -11,6 +11,7 @@ import pytest
 from recipes.long_context_qa import prepare_data
 from recipes.long_context_qa.reward import compute_score, exact_match, extract_answer, f1, reward, score
 
+from .learning import grpo_rewards, rose_by
 from .qa_data import hotpot_records, musique_records
 
 
@@ -77,25 +78,14 @@ def test_prepare_packs_supporting_paragraphs_and_distractors_to_the_target(tmp_p
 def test_the_qa_reward_rises_on_a_learnable_task(tiny_policy, tmp_path):
     """Every question's answer is 4: through TRL on Arctic, a tiny random model learns to end its
     completion with the answer (F1 rewards a last line that holds it among other words)."""
-    from datasets import load_dataset
-    from trl import GRPOConfig
-
-    from arctic_trl import GRPOTrainer
-
     source = tmp_path / "hotpot.json"
     source.write_text(json.dumps(hotpot_records(32, answer="4", words=(3, 6))))
     prepare_data.main(["--records", str(source), "--target-tokens", "160", "--tokenizer", str(tiny_policy),
                        "--out", str(tmp_path / "data")])
-    train = load_dataset("json", data_files=str(tmp_path / "data" / "train.jsonl"), split="train")
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=40, learning_rate=3e-3, per_device_train_batch_size=16,
-                      num_generations=8, max_completion_length=8, temperature=1.0, logging_steps=1, report_to="none",
-                      use_cpu=True, bf16=False, seed=0, save_strategy="no", gradient_checkpointing=False,
-                      lr_scheduler_type="constant", beta=0.0)
-    trainer = GRPOTrainer(model=str(tiny_policy), reward_funcs=reward, args=args, train_dataset=train)
-    trainer.train()
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    rewards = grpo_rewards(tiny_policy, reward, tmp_path / "data", tmp_path / "run", steps=40, lr=3e-3,
+                           completion_tokens=8)
     print("QA F1 reward per step:", [round(r, 3) for r in rewards])
-    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
+    assert rose_by(rewards, 0.1), rewards
 
 
 def test_supporting_paragraphs_longer_than_the_target_are_rejected(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
 import time
 
 import pyarrow.parquet as pq
@@ -16,16 +15,8 @@ from recipes.text_to_sql import prepare_data
 from recipes.text_to_sql import reward as sql_reward
 from recipes.text_to_sql.reward import compute_score, execute, extract_sql, reward, score
 
-
-def make_database(path, rows: int = 3200):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(path)
-    db.execute("CREATE TABLE singer (id INTEGER PRIMARY KEY, name TEXT, country TEXT, age INTEGER)")
-    db.executemany("INSERT INTO singer VALUES (?, ?, ?, ?)",
-                   [(i, f"singer{i}", ["France", "Peru", "Japan"][i % 3], 20 + i % 40) for i in range(rows)])
-    db.commit()
-    db.close()
-    return str(path)
+from .learning import grpo_rewards, rose_by
+from .sql_data import GOLD, make_database
 
 
 @pytest.fixture
@@ -36,8 +27,6 @@ def database(tmp_path):
 def digest(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
-
-GOLD = "SELECT count(*) FROM singer WHERE country = 'Peru'"
 
 
 @pytest.mark.parametrize(("completion", "expected"), [
@@ -159,25 +148,15 @@ def sft_on_the_answer_format(policy, out, prompts: list[list[dict]], steps: int 
 def test_the_sql_reward_rises_on_a_learnable_task(tiny_policy, tmp_path):
     """Every question's gold query returns 7: after a short SFT on the form "SELECT <digit>", GRPO
     through TRL on Arctic with the execution-match reward learns the digit."""
-    from datasets import load_dataset
-    from trl import GRPOConfig
-
-    from arctic_trl import GRPOTrainer
-
     make_database(tmp_path / "db" / "concert" / "concert.sqlite", rows=280)  # 7 singers of each age
     records = [{"db_id": "concert", "question": f"How many singers are {age} years old?", "evidence": "",
                 "SQL": f"SELECT count(*) FROM singer WHERE age = {age}"} for age in range(20, 52)]
     (tmp_path / "train.json").write_text(json.dumps(records))
     prepare_data.main(["--records", str(tmp_path / "train.json"), "--databases", str(tmp_path / "db"),
                        "--out", str(tmp_path / "data")])
-    train = load_dataset("json", data_files=str(tmp_path / "data" / "train.jsonl"), split="train")
-    policy = sft_on_the_answer_format(tiny_policy, tmp_path / "sft", list(train["prompt"]))
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=24, learning_rate=5e-4, per_device_train_batch_size=16,
-                      num_generations=8, max_completion_length=12, temperature=1.0, logging_steps=1, report_to="none",
-                      use_cpu=True, bf16=False, seed=0, save_strategy="no", gradient_checkpointing=False,
-                      lr_scheduler_type="constant", beta=0.0)
-    trainer = GRPOTrainer(model=str(policy), reward_funcs=reward, args=args, train_dataset=train)
-    trainer.train()
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "data" / "train.jsonl").read_text().splitlines()]
+    policy = sft_on_the_answer_format(tiny_policy, tmp_path / "sft", prompts)
+    rewards = grpo_rewards(policy, reward, tmp_path / "data", tmp_path / "run", steps=24, lr=5e-4,
+                           completion_tokens=12)
     print("SQL execution reward per step:", [round(r, 3) for r in rewards])
-    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.2, rewards
+    assert rose_by(rewards, 0.2), rewards

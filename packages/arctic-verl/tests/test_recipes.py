@@ -32,7 +32,7 @@ def recipe_test_module(name: str):
     return module
 
 
-gsm8k_data, qa_data, sql_tests = (recipe_test_module(n) for n in ("gsm8k_data", "qa_data", "test_text_to_sql"))
+gsm8k_data, qa_data, sql_data = (recipe_test_module(n) for n in ("gsm8k_data", "qa_data", "sql_data"))
 
 RECIPE_REWARD = Path(__file__).with_name("recipe_reward.py")
 YAMLS = sorted(ROOT.glob("recipes/*/verl_*.yaml"))
@@ -43,10 +43,10 @@ def prepared_rows(tmp_path: Path) -> list[dict]:
     gsm8k = gsm8k_data.write_release(tmp_path / "gsm8k", gsm8k_data.arithmetic_records(1),
                                      gsm8k_data.arithmetic_records(1, seed=1))
     gsm8k_prep.main(["--source", str(gsm8k), "--out", str(tmp_path / "gsm8k_out")])
-    sql_tests.make_database(tmp_path / "bird_db" / "concert" / "concert.sqlite", rows=30)
+    sql_data.make_database(tmp_path / "bird_db" / "concert" / "concert.sqlite", rows=30)
     bird = tmp_path / "bird.json"
     bird.write_text(json.dumps([{"db_id": "concert", "question": "How many singers are from Peru?", "evidence": "",
-                                 "SQL": sql_tests.GOLD}]))
+                                 "SQL": sql_data.GOLD}]))
     sql_prep.main(["--records", str(bird), "--databases", str(tmp_path / "bird_db"), "--out", str(tmp_path / "sql_out")])
     hotpot = tmp_path / "hotpot.json"
     hotpot.write_text(json.dumps(qa_data.hotpot_records(1)))
