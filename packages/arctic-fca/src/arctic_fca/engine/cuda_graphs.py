@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from arctic_fca.engine.attention import StepMetadata
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.fca.decode import PreparedDecode

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from arctic_fca.engine.attention import StepMetadata, attend
-from arctic_fca.engine.fused_ops import add_rms_norm, qk_rope_store, silu_and_mul, use_triton
+from arctic_fca.engine.fused_ops import add_rms_norm, qk_rope_store, silu_and_mul
+from arctic_fca.fca.decode import default_kernel
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class FusedDecoder:
         """Fuse the projection weights (the model's parameters become views of them) and compute the
         rotary tables; again after the model moved devices (sleep/wake)."""
         base = self.model.base_model
-        self.triton = use_triton(base.embed_tokens.weight.device)
+        self.triton = default_kernel(base.embed_tokens.weight.device) == "triton"
         self.layers = [self._bind_layer(layer) for layer in base.layers]
         positions = torch.arange(self.max_len, device=base.embed_tokens.weight.device)[None]
         cos, sin = base.rotary_emb(base.embed_tokens.weight[:1], positions)

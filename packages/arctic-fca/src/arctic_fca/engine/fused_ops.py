@@ -10,15 +10,9 @@ model's dtype), so in fp32 the decoder reproduces transformers bit for bit. The 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from arctic_fca.engine.kv_cache import PagedKVCache
-
-
-def use_triton(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
