@@ -498,6 +498,36 @@ def test_cispo_sapo_vespo_against_their_formulas() -> None:
         VESPOLoss(level="sequence")
 
 
+@pytest.mark.parametrize("trust_region", ["advantage-sign", "both-sides"])
+def test_dppo_with_the_squared_log_ratio_kl_against_its_formula(trust_region: str) -> None:
+    """dppo + kl(against old, k2, weight 2 tau) is DPPO-Binary TV + Kimi's KL: -A * ratio on the
+    tokens whose probability moved within [-mask_low, mask_high], plus tau * log(ratio)^2.
+    Probability changes p_old * (ratio - 1): row 0 (A = +1) +0.092, +0.303, -0.068; row 1 (A = -2)
+    -0.112, +0.078. advantage-sign drops row 0's rise (> 0.2) and row 1's fall (< -0.05); both-sides
+    also drops row 0's fall of 0.068."""
+    batch, logp = ppo_case()
+    ctx, mask, tau = LossContext.of(batch), batch.loss_mask, 1e-3
+    adv = torch.tensor(PPO_ADV, dtype=F64)[:, None].expand_as(logp)
+    objective = build_objective(default_registry(), [
+        LossTermConfig(name="dppo", mask_low=0.05, mask_high=0.2, trust_region=trust_region),
+        LossTermConfig(name="kl", weight=2 * tau, against="old", estimator="k2", clamp=None)])
+    loss, metrics = objective({"logprobs": logp}, batch, ctx)
+    log_ratio = (logp - batch.old_logprobs) * mask
+    change = torch.exp(logp) - torch.exp(batch.old_logprobs)
+    rose, fell = change > 0.2, change < -0.05
+    dropped = torch.where(adv > 0, rose, fell) if trust_region == "advantage-sign" else rose | fell
+    per_token = -(mask & ~dropped).to(F64) * adv * torch.exp(log_ratio) + tau * mask * log_ratio**2
+    expected = per_token.sum() / 5
+    assert dropped[mask].sum() == (2 if trust_region == "advantage-sign" else 3)
+    assert loss.item() == pytest.approx(expected.item(), abs=TOL)
+    assert metrics["dppo/masked"] == pytest.approx(float(dropped[mask].sum()) / 5, abs=MTOL)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want,) = torch.autograd.grad(expected, logp)
+    assert_rows(grad.tolist(), want.tolist())
+    with pytest.raises(BatchError, match="against: old needs batch.old_logprobs"):
+        KLLoss(against="old")({"logprobs": logp}, batch.replace(old_logprobs=None), ctx)
+
+
 def test_cispo_floor_plain_policy_gradient_and_log_ratio_bounds() -> None:
     """CISPO with a floor clips its detached weight on both sides; pg is -A * log-prob; bounds
     clamp the log ratio before the exp, leaving no gradient outside them."""

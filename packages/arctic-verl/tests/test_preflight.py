@@ -11,6 +11,8 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import yaml
 
@@ -30,24 +32,39 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize(("override", "named"), [
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
-     "actor_rollout_ref.actor.policy_loss.loss_mode='clip_cov': supported: vanilla, gspo, sapo, cispo, gpg"),
-    ("algorithm.adv_estimator=gae", "a critic (value model) is not served by Arctic"),
-    ("+arctic.url=http://127.0.0.1:{port}", "127.0.0.1:{port}"),
-    ("actor_rollout_ref.model.path=/nonexistent/model", "/nonexistent/model"),
-], ids=["loss-mode", "critic", "unreachable-url", "missing-model"])
-def test_main_ppo_stops_with_one_line(policy, tmp_path, override, named):
-    port = free_port()
-    data = write_parquet(gsm8k_rows(2), tmp_path / "data.parquet")
-    args = main_ppo_args(policy, data, data, tmp_path, steps=1, extra=(override.format(port=port),))
-    result = run_main_ppo(args, cwd=tmp_path, timeout=180)
+STOPS = {
+    "loss-mode": ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+                  "actor_rollout_ref.actor.policy_loss.loss_mode='clip_cov': supported: vanilla, gspo, sapo, cispo, gpg"),
+    "critic": ("algorithm.adv_estimator=gae", "a critic (value model) is not served by Arctic"),
+    "unreachable-url": ("+arctic.url=http://127.0.0.1:{port}", "127.0.0.1:{port}"),
+    "missing-model": ("actor_rollout_ref.model.path=/nonexistent/model", "/nonexistent/model"),
+}
+
+
+@pytest.fixture(scope="module")
+def stops(policy, tmp_path_factory):
+    """Each case's ``main_ppo`` run (and its port); the runs go at once (each is mostly verl's imports)."""
+
+    def attempt(case: str):
+        folder, port = tmp_path_factory.mktemp(case), free_port()
+        data = write_parquet(gsm8k_rows(2), folder / "data.parquet")
+        args = main_ppo_args(policy, data, data, folder, steps=1, extra=(STOPS[case][0].format(port=port),))
+        return run_main_ppo(args, cwd=folder, timeout=240), port, folder
+
+    with ThreadPoolExecutor(len(STOPS)) as pool:
+        return dict(zip(STOPS, pool.map(attempt, STOPS)))
+
+
+@pytest.mark.parametrize("case", STOPS)
+def test_main_ppo_stops_with_one_line(stops, case):
+    result, port, folder = stops[case]
+    named = STOPS[case][1]
     assert result.returncode == 2, result.stderr[-4000:]
     assert result.stderr.count("arctic-verl: error:") == 1, result.stderr[-4000:]
     message = result.stderr[result.stderr.index("arctic-verl: error:"):]
     assert named.format(port=port) in message, result.stderr[-4000:]
     assert "Traceback" not in result.stderr
-    assert not (tmp_path / "checkpoints").exists()
+    assert not (folder / "checkpoints").exists()
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,7 @@ def serve(
     from arctic_core.config import ArcticConfig  # torch and the engines wait until the config is sound
 
     token = token or None  # an empty ARCTIC_RL_TOKEN means none
-    if not token and not _is_loopback(host) and not allow_public_without_token:
+    if not token and not is_loopback(host) and not allow_public_without_token:
         raise typer.BadParameter(
             f"refusing to serve on non-loopback host {host!r} without a token: set ARCTIC_RL_TOKEN (or --token), "
             "or pass --allow-public-without-token if the network is trusted",
@@ -125,7 +125,7 @@ def ray_config(config: ArcticConfig, workers: int, samplers: int, address: str |
     return config.model_copy(update=update)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

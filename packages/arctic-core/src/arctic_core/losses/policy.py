@@ -1,5 +1,6 @@
 """Policy-gradient losses over importance ratios: PPO/GRPO clipping (clip-higher, dual clip,
-two-sided clip), GSPO (sequence-level ratios), CISPO, SAPO and VESPO.
+two-sided clip), GSPO (sequence-level ratios), CISPO, SAPO, VESPO and DPPO (a trust region on
+the change of each token's probability).
 
 Every term reads ``outputs["logprobs"]`` (the current policy, with gradient), the log-probs of the
 policy that produced the data (``batch.old_logprobs``, or the current ones detached when the data
@@ -113,6 +114,17 @@ class VESPOOptions(PolicyOptions):
         if self.level != "token":
             raise ValueError("VESPO computes its sequence weight itself; level must be 'token'")
         return self
+
+
+class DPPOOptions(PolicyOptions):
+    mask_low: Annotated[float, Field(ge=0)] = 0.2
+    """A token whose probability fell by more than this (absolute, p - p_old < -mask_low) leaves the policy term."""
+    mask_high: Annotated[float, Field(ge=0)] = 0.2
+    """A token whose probability rose by more than this (p - p_old > mask_high) leaves the policy term."""
+    trust_region: Literal["advantage-sign", "both-sides"] = "advantage-sign"
+    """advantage-sign: a positive-advantage token is dropped only for rising too far, any other only
+    for falling too far (DPPO-Binary TV); both-sides: a token is dropped for moving too far either
+    way (mask_low and mask_high as the two bounds; IPO)."""
 
 
 class PolicyTerm:
@@ -258,3 +270,31 @@ class VESPOLoss(PolicyTerm):
             lam = torch.where(nonneg, opts.lambda_pos, opts.lambda_neg).clamp(min=1e-4)
             phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         return -phi * adv * logp, {"phi_mean": token_mean(phi.expand_as(mask), mask, ctx)}
+
+
+class DPPOLoss(PolicyTerm):
+    """DPPO: ``-A * ratio`` with no clipping, on the tokens whose probability stayed within a trust
+    region of the data's policy (DPPO-Binary TV, arXiv 2602.04879; PRIME-RL's default loss).
+
+    The trust region bounds the change of probability ``p - p_old``, not the ratio: a rare token may
+    move by a large factor, a likely one only a little. A dropped token still counts in the
+    normaliser (it contributes a zero). Pair it with ``{name: kl, against: old}`` for the squared
+    log-ratio regulariser the method uses."""
+
+    name = "dppo"
+    options_model = DPPOOptions
+
+    def surrogate(self, ratio, log_ratio, logp, adv, mask, ctx):
+        opts = self.options
+        with torch.no_grad():
+            change = torch.exp(logp) - torch.exp(logp - log_ratio)  # p - p_old per token
+            rose, fell = change > opts.mask_high, change < -opts.mask_low
+            if opts.trust_region == "advantage-sign":
+                dropped = torch.where(adv > 0, rose, fell)
+            else:
+                dropped = rose | fell
+            dropped = dropped & mask
+        metrics = {"masked": token_mean(dropped.float(), mask, ctx),
+                   "masked_high": token_mean((dropped & rose).float(), mask, ctx),
+                   "masked_low": token_mean((dropped & fell).float(), mask, ctx)}
+        return -adv * ratio * (~dropped).to(ratio.dtype), metrics

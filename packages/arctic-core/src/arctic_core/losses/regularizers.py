@@ -29,6 +29,10 @@ class KLOptions(AggregationOptions):
     estimator: Literal["k1", "k2", "k3", "abs"] = "k3"
     """Schulman's estimators of KL(policy || reference) from the policy's samples (k3: low variance,
     >= 0), or abs: |log policy/reference|."""
+    against: Literal["reference", "old"] = "reference"
+    """reference: the reference model (batch.ref_logprobs); old: the policy that sampled the data
+    (batch.old_logprobs): k2 with weight 2*tau is the squared log-ratio regulariser of Kimi K2.5
+    and PRIME-RL, which keeps the trained policy near the sampler's."""
     gradient: Literal["estimator", "k2"] = "estimator"
     """k2: the estimator's value with the k2 estimator's gradient (a straight-through estimate whose
     gradient is the KL's; verl's 'k3+'); estimator: the estimator's own gradient."""
@@ -62,7 +66,8 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> t
 
 
 class KLLoss:
-    """KL penalty to the reference policy (k1, k2 or k3 estimator); needs batch.ref_logprobs."""
+    """KL penalty to the reference policy (k1, k2 or k3 estimator; needs batch.ref_logprobs), or to
+    the policy that sampled the data (``against: old``; needs batch.old_logprobs)."""
 
     options_model = KLOptions
     requires = ("logprobs",)
@@ -73,20 +78,28 @@ class KLLoss:
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        if batch.ref_logprobs is None:
-            raise BatchError("loss 'kl' needs batch.ref_logprobs (reference-model log-probs)")
         opts, logp, mask = self.options, outputs["logprobs"], batch.loss_mask
-        kl = kl_estimate(logp, batch.ref_logprobs.float(), opts.estimator)
+        ref_logp = self._reference(batch)
+        kl = kl_estimate(logp, ref_logp, opts.estimator)
         if opts.clamp is not None:
             kl = kl.clamp(-opts.clamp, opts.clamp)
         if opts.gradient == "k2":
-            k2 = kl_estimate(logp, batch.ref_logprobs.float(), "k2")
+            k2 = kl_estimate(logp, ref_logp, "k2")
             kl = k2 - k2.detach() + kl.detach()
         metrics = {"kl": token_mean(kl, mask, ctx)}
         if opts.ratio_weighted:
             old = old_logprobs(batch, "kl", logp, opts.old_logprobs)
             kl = kl * torch.exp(at_level((logp - old).masked_fill(~mask, 0.0), mask, opts.level))
         return aggregate(kl, mask, ctx, opts.aggregation), metrics
+
+    def _reference(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.options.against == "old":
+            if batch.old_logprobs is None:
+                raise BatchError("loss 'kl' with against: old needs batch.old_logprobs (the sampling policy's log-probs)")
+            return batch.old_logprobs.float()
+        if batch.ref_logprobs is None:
+            raise BatchError("loss 'kl' needs batch.ref_logprobs (reference-model log-probs)")
+        return batch.ref_logprobs.float()
 
 
 class EntropyBonus:

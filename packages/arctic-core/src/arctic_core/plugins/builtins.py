@@ -21,6 +21,7 @@ def arctic_losses():
         "cispo": policy.CISPOLoss,
         "sapo": policy.SAPOLoss,
         "vespo": policy.VESPOLoss,
+        "dppo": policy.DPPOLoss,
         "pg": policy.PolicyGradientLoss,
         "kl": regularizers.KLLoss,
         "entropy": regularizers.EntropyBonus,

@@ -75,7 +75,7 @@ def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: i
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     app = FastAPI(title="Arctic RL", version="1", description=(__doc__ or "").replace("``", "`"))  # Markdown, not RST
     app.state.server, app.state.metrics = server, CallMetrics()
-    authorised = Depends(_bearer_check(token))
+    authorised = Depends(bearer_check(token))
     gate = asyncio.Lock()  # queues waiting calls on the event loop rather than in worker threads
 
     @app.exception_handler(ApiError)
@@ -165,8 +165,10 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 # ----------------------------------------------------------------- auth, health, docs
-def _bearer_check(token: str | None) -> Callable[..., None]:
-    scheme = HTTPBearer(auto_error=False, description="Required when the server has a token (ARCTIC_RL_TOKEN).")
+def bearer_check(token: str | None, source: str = "ARCTIC_RL_TOKEN") -> Callable[..., None]:
+    """A FastAPI dependency refusing calls without ``token`` (none: open); ``source`` names where
+    the caller's token comes from, for the error message."""
+    scheme = HTTPBearer(auto_error=False, description=f"Required when the server has a token ({source}).")
     expected = token.encode() if token else None
 
     # A default, not Annotated[...]: string annotations cannot see the local ``scheme``.
@@ -174,7 +176,7 @@ def _bearer_check(token: str | None) -> Callable[..., None]:
         if expected is None:
             return
         if credentials is None:
-            raise ApiError(401, "Unauthorized", "missing bearer token: send 'Authorization: Bearer <token>' (the server's ARCTIC_RL_TOKEN)")
+            raise ApiError(401, "Unauthorized", f"missing bearer token: send 'Authorization: Bearer <token>' (the server's {source})")
         # Constant time: a wrong token must not reveal how many of its leading bytes were right.
         if not hmac.compare_digest(credentials.credentials.encode(), expected):
             raise ApiError(401, "Unauthorized", "wrong bearer token")

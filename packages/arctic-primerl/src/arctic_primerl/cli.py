@@ -1,0 +1,101 @@
+"""The ``arctic-primerl`` command.
+
+    arctic-primerl rl @ rl.toml        # PRIME-RL's orchestrator, trained and served by Arctic
+    arctic-primerl rl @ rl.toml --dry-run
+
+Bad settings, a missing PRIME-RL command, a model folder that does not exist or a port in use end
+the command in seconds with one line naming the problem (exit status 2).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from arctic_core.adapters.preflight import exit_with
+from arctic_core.cli import is_loopback
+from arctic_core.errors import ArcticError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+NAME = "arctic-primerl"
+
+
+@app.callback()
+def _main() -> None:
+    """PRIME-RL on the Arctic RL backend."""
+
+
+@app.command()
+def rl(
+    config: Annotated[list[str], typer.Argument(help="@ rl.toml: PRIME-RL's rl config, with an [arctic] table.")],
+    dry_run: Annotated[bool, typer.Option(help="Check the settings and write the PRIME-RL configs; start nothing.")] = False,
+) -> None:
+    """Run PRIME-RL's orchestrator and environment servers; Arctic trains and samples."""
+    from arctic_primerl.config import read_run
+    from arctic_primerl.launch import api_token, check_commands, check_port, prime_rl_processes
+
+    paths = [c for c in config if c != "@"]
+    if len(paths) != 1:
+        exit_with(NAME, "give one config: arctic-primerl rl @ rl.toml")
+    try:
+        run = read_run(Path(paths[0]))
+        token = api_token(run.orchestrator)
+        if not token and not is_loopback(run.arctic.host):
+            raise ArcticError(f"[arctic] host = {run.arctic.host!r} exposes the inference front: set the orchestrator's "
+                              "API key variable (VLLM_API_KEY) so that it needs a token")
+        check_commands(run)
+        check_port(run.arctic.host, run.port)
+        if run.arctic.starts_backend:
+            run.arctic_config(on_gpu=False).check_model_folders()
+        processes = prime_rl_processes(run)
+    except (ArcticError, OSError) as exc:
+        exit_with(NAME, str(exc))
+    if dry_run:
+        for process in processes:
+            typer.echo(" ".join(process.command))
+        return
+    _run(run, processes, token)
+
+
+def _run(run, processes, token) -> None:
+    import torch
+
+    from arctic_primerl.launch import EXIT_WAIT_S, Watchdog
+    from arctic_primerl.service import ArcticPrimeRL
+
+    service = ArcticPrimeRL(run, on_gpu=torch.cuda.is_available())
+    try:
+        url = service.start_front(token)
+    except OSError as exc:
+        service.stop()
+        exit_with(NAME, f"cannot serve on {run.arctic.host}:{run.port}: {exc}")
+    typer.echo(f"{NAME}: serving PRIME-RL's inference routes at {url}; logs under {run.run_dir / 'logs'}", err=True)
+    # SIGTERM ends the run as Ctrl-C does: through the finally below, which stops PRIME-RL's processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    watchdog = Watchdog(processes, service.trainer.settings.stop)
+    try:
+        for process in processes:
+            process.start(dict(os.environ))
+        watchdog.start()
+        service.train()
+        if not watchdog.reason:
+            processes[-1].popen.wait(timeout=EXIT_WAIT_S)  # the orchestrator drains and exits after its last step
+    finally:
+        for process in processes:
+            process.stop()
+        service.stop()
+    if watchdog.reason:
+        exit_with(NAME, watchdog.reason)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The run's settings, read from PRIME-RL's ``rl.toml`` plus an ``[arctic]`` table.
+
+The toml is the one PRIME-RL's ``rl`` launcher reads. Its ``[orchestrator]`` table goes to
+PRIME-RL's orchestrator as it is (with the shared keys filled in as PRIME-RL's launcher fills them:
+model, steps, sequence length, run folder); ``[trainer]`` and the shared keys configure Arctic's
+trainer; ``[inference]`` is replaced by Arctic's sampler. A setting whose math Arctic does not
+reproduce is refused by name; settings of PRIME-RL's own trainer and vLLM server that only tune
+their speed or memory (compilation, activation checkpointing, offloading, attention kernels) have
+no meaning here and are ignored (Arctic's are under ``[arctic.config]``).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from arctic_core.adapters.settings import BackendSettings
+from arctic_core.adapters.translation import overlay
+from arctic_core.config import ArcticConfig, StrictModel
+from arctic_core.errors import ConfigError
+from arctic_primerl.loss import loss_terms
+from arctic_primerl.schedule import LRSchedule
+
+
+class ArcticSection(BackendSettings):
+    """``[arctic]``: where the backend runs (see BackendSettings), and where PRIME-RL is served."""
+
+    host: str = "127.0.0.1"
+    """Interface of the inference front PRIME-RL's processes call."""
+    orchestrator_command: list[str] = Field(default_factory=lambda: ["orchestrator"])
+    """How to start PRIME-RL's orchestrator (its console script, in PRIME-RL's environment)."""
+    env_server_command: list[str] = Field(default_factory=lambda: ["env-server"])
+    """How to start one of PRIME-RL's environment servers."""
+    max_model_len: int | None = None
+    """Context the front announces and checks requests against (default: seq_len)."""
+
+
+# Keys of [trainer] that change what is computed and that Arctic does not reproduce.
+REFUSED = {
+    ("model", "lora"): "LoRA (Arctic trains full weights)",
+    ("model", "quantization"): "FP8 training",
+    ("model", "freeze_moe_router"): "a frozen MoE router",
+    ("enable_router_replay",): "routed-expert replay",
+    ("data", "fake"): "a fake data loader",
+}
+
+
+class RunSettings(StrictModel):
+    """What ``arctic-primerl rl`` needs from the toml, validated."""
+
+    model_name: str
+    max_steps: int = Field(gt=0)
+    seq_len: int = Field(2048, gt=0)
+    run_dir: Path
+    port: int = 8000
+    loss: list[dict[str, Any]]
+    schedule: LRSchedule
+    optimizer: dict[str, Any]
+    ckpt_interval: int | None = None
+    ckpt_keep_last: int | None = None
+    resume_step: int | None = None
+    orchestrator: dict[str, Any]
+    arctic: ArcticSection
+
+    def arctic_config(self, on_gpu: bool) -> ArcticConfig:
+        base = {"model": {"path": self.model_name, "dtype": "bfloat16" if on_gpu else "float32"},
+                "trainer": {"optimizer": self.optimizer}}
+        return ArcticConfig.from_dict(overlay(base, self.arctic.config))
+
+    def orchestrator_config(self) -> dict[str, Any]:
+        """PRIME-RL's orchestrator table, with the shared keys as its launcher fills them and the
+        transports Arctic serves (files both ways)."""
+        shared = {"model": {"name": self.model_name, "client": {"base_url": f"http://{self.arctic.host}:{self.port}/v1"}},
+                  "max_steps": self.max_steps, "seq_len": self.seq_len, "output_dir": str(self.run_dir),
+                  "rollout_transport": {"type": "filesystem"}, "weight_broadcast": {"type": "filesystem"},
+                  "num_train_workers": 1}
+        return overlay(self.orchestrator, shared)
+
+
+def read_run(path: Path) -> RunSettings:
+    """Parse and check ``rl.toml``; the first problem raises a ConfigError naming its key."""
+    with path.open("rb") as f:
+        raw = tomllib.load(f)
+    trainer, orchestrator = raw.get("trainer", {}), raw.get("orchestrator", {})
+    for keys, what in REFUSED.items():
+        if _get(trainer, keys) not in (None, False, {}):
+            raise ConfigError(f"trainer.{'.'.join(keys)}: {what} is not supported by arctic-primerl")
+    _check_transports(raw, trainer, orchestrator)
+    _check_deployment(raw.get("deployment", {}), trainer)
+    model_name = _shared(raw, ("model", "name"), trainer, orchestrator)
+    max_steps = _shared(raw, ("max_steps",), trainer, orchestrator)
+    if model_name is None or max_steps is None:
+        raise ConfigError(f"{path}: set model.name and max_steps (as PRIME-RL's rl launcher needs them)")
+    seq_len = _shared(raw, ("seq_len",), {"seq_len": _get(trainer, ("model", "seq_len"))}, orchestrator) or 2048
+    optim = dict(trainer.get("optim", {}))
+    if optim.pop("type", "adamw") != "adamw":
+        raise ConfigError(f"trainer.optim.type = {trainer['optim']['type']!r}: arctic-primerl trains with AdamW")
+    lr = optim.pop("lr", 1e-6)
+    optimizer = {"lr": lr, "weight_decay": optim.pop("weight_decay", 0.01), "max_grad_norm": optim.pop("max_norm", 1.0),
+                 "betas": (optim.pop("betas1", 0.9), optim.pop("betas2", 0.999))}
+    if optim:
+        raise ConfigError(f"trainer.optim: unknown key(s) {sorted(optim)}")
+    ckpt = {**raw.get("ckpt", {}), **trainer.get("ckpt", {})}
+    resume = {**raw.get("resume", {}), **trainer.get("resume", {})}
+    output_dir = Path(raw.get("output_dir", "outputs"))
+    run_dir = output_dir / raw["run"]["dir"] if raw.get("run", {}).get("dir") else output_dir
+    port = raw.get("inference", {}).get("server", {}).get("port", 8000)
+    return RunSettings(
+        model_name=model_name, max_steps=max_steps, seq_len=seq_len, run_dir=run_dir, port=port,
+        loss=loss_terms(trainer.get("loss")), optimizer=optimizer,
+        schedule=LRSchedule.from_prime_rl(trainer.get("scheduler", {}), lr, max_steps),
+        ckpt_interval=ckpt.get("interval"), ckpt_keep_last=ckpt.get("keep_last"), resume_step=resume.get("step"),
+        orchestrator=orchestrator, arctic=ArcticSection.model_validate(raw.get("arctic", {})),
+    )
+
+
+def _get(table: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if not isinstance(table, dict) or key not in table:
+            return None
+        table = table[key]
+    return table
+
+
+def _shared(raw: dict[str, Any], keys: tuple[str, ...], *sections: dict[str, Any]) -> Any:
+    """A shared key, from the top level or any section; sections that set it must agree."""
+    values = {repr(v): v for v in (_get(raw, keys), *(_get(s, keys) for s in sections)) if v is not None}
+    if len(values) > 1:
+        raise ConfigError(f"{'.'.join(keys)} differs between sections: {sorted(values)}")
+    return next(iter(values.values()), None)
+
+
+def _check_transports(raw: dict[str, Any], trainer: dict[str, Any], orchestrator: dict[str, Any]) -> None:
+    for key, served in (("weight_broadcast", "the sampler is synced in memory"), ("rollout_transport", "rollouts are read from files")):
+        for where, table in (("", raw), ("trainer.", trainer), ("orchestrator.", orchestrator)):
+            kind = _get(table, (key, "type"))
+            if kind not in (None, "filesystem"):
+                raise ConfigError(f"{where}{key}.type = {kind!r}: arctic-primerl serves 'filesystem' ({served}); remove the setting")
+
+
+def _check_deployment(deployment: dict[str, Any], trainer: dict[str, Any]) -> None:
+    if deployment.get("type", "single_node") != "single_node":
+        raise ConfigError(f"deployment.type = {deployment['type']!r}: arctic-primerl runs on one node; Arctic "
+                          "spreads its engines over GPUs itself ([arctic.config])")
+    for key in ("num_train_gpus", "num_infer_gpus"):
+        if deployment.get(key, 1) != 1:
+            raise ConfigError(f"deployment.{key} = {deployment[key]}: Arctic places its engines itself; give GPUs to "
+                              "[arctic.config] (trainer.backend = 'ray', sampler replicas) instead")
+    for key in ("cp", "dp_replicate"):
+        if _get(trainer, ("model", key)) not in (None, 1):
+            raise ConfigError(f"trainer.model.{key}: PRIME-RL's parallelism settings do not apply; Arctic's are in [arctic.config]")

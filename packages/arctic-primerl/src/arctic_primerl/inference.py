@@ -1,0 +1,254 @@
+"""PRIME-RL's inference server, answered by Arctic's sampler.
+
+PRIME-RL's environment servers sample token-in/token-out through ``POST /inference/v1/generate``
+(one sample per call; this front regroups the calls of one prompt into one Arctic ``generate`` so the
+prompt is prefilled and read once per group); evaluations use ``POST /v1/chat/completions``. Its
+orchestrator checks ``/health`` and ``/v1/models``, polls ``/metrics``, and around each new policy
+calls ``/pause``, ``/update_weights`` and ``/resume``. Arctic's trainer has already pushed the new
+weights to the sampler in memory when it announces a step, so ``/update_weights`` only checks that
+the step it names is one Arctic trained. Log-probs are the sampler's own, after temperature, as
+PRIME-RL's importance ratio expects (vLLM's ``processed_logprobs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+from arctic_core.adapters.request_grouping import RequestGrouper
+from arctic_core.adapters.translation import vllm_sampling_params
+from arctic_core.batch import RolloutBatch
+from arctic_core.client import AsyncArcticClient
+from arctic_core.config import SamplingParams
+from arctic_core.errors import ArcticError, error_answer
+from arctic_core.serving.http import ApiError, bearer_check, error_response
+
+# vLLM sampling keys whose values Arctic cannot honour, with the value that means "off".
+UNSERVED_SAMPLING = {"n": 1, "stop": None, "ignore_eos": False, "min_tokens": 0, "presence_penalty": 0.0,
+                     "frequency_penalty": 0.0, "logit_bias": None, "prompt_logprobs": None, "bad_words": None,
+                     "allowed_token_ids": None, "structured_outputs": None, "guided_decoding": None,
+                     "routed_experts_prompt_start": None, "truncate_prompt_tokens": None}
+# Keys that change nothing here: the sampled token's log-prob and the token ids always come back.
+IGNORED_SAMPLING = {"logprobs", "skip_special_tokens", "return_token_ids", "cache_salt", "detokenize",
+                    "spaces_between_special_tokens", "include_stop_str_in_output", "output_kind", "extra_args"}
+
+
+@dataclass
+class FrontSettings:
+    model_name: str
+    max_model_len: int
+    eos_token_ids: set[int]
+    token: str | None = None
+    group_quiet_s: float = 0.2
+    group_max_wait_s: float = 5.0
+
+
+@dataclass
+class FrontState:
+    """What the routes share: the pause gate, the trained step, counts for ``/metrics``."""
+
+    trained_step: Callable[[], int]
+    running: int = 0
+    waiting: int = 0
+    served: int = 0
+    unpaused: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class GenerateBody(BaseModel):
+    """vLLM's token-in generate request as PRIME-RL's renderer client sends it."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    token_ids: list[int]
+    sampling_params: dict[str, Any] = {}
+    cache_salt: str | None = None
+    priority: int = 0
+    features: Any = None
+    stream: bool = False
+
+
+class ChatBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[dict[str, Any]]
+    stream: bool = False
+
+
+def sampling_params(body: dict[str, Any], prompt_len: int, max_model_len: int) -> SamplingParams:
+    """vLLM sampling parameters in Arctic's terms; anything Arctic would silently ignore is refused."""
+    for key, off in UNSERVED_SAMPLING.items():
+        value = body.get(key)
+        if value not in (None, off) and value != [] and value != {}:
+            raise ApiError(400, "BadRequest", f"sampling_params.{key} = {value!r} is not supported by Arctic's sampler")
+    known = set(UNSERVED_SAMPLING) | IGNORED_SAMPLING | {"temperature", "top_p", "top_k", "min_p",
+                                                         "repetition_penalty", "max_tokens", "seed", "stop_token_ids"}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ApiError(400, "BadRequest", f"unknown sampling_params {unknown}")
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise ApiError(400, "BadRequest", f"the prompt has {prompt_len} tokens; the model's context is {max_model_len}")
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and max_tokens > room:
+        raise ApiError(400, "BadRequest", f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceed the "
+                                          f"model's context of {max_model_len}")
+    return vllm_sampling_params(body, room)  # no max_tokens: up to the context, as vLLM's server does
+
+
+def create_front(connect: Callable[[], AsyncArcticClient], settings: FrontSettings, trained_step: Callable[[], int],
+                 tokenizer: Any = None) -> FastAPI:
+    """The app; ``connect`` makes the Arctic client (in the app's event loop), ``trained_step``
+    says which weights the sampler serves, ``tokenizer`` renders chat requests (evaluations)."""
+    app = FastAPI(title="Arctic RL for PRIME-RL", description=(__doc__ or "").replace("``", "`"))
+    state = FrontState(trained_step)
+    state.unpaused.set()
+    authorised = [Depends(bearer_check(settings.token, "VLLM_API_KEY"))]
+    holder: dict[str, Any] = {}
+
+    def grouper() -> RequestGrouper:
+        if "grouper" not in holder:  # the client belongs to the event loop the app runs in
+            client = holder["client"] = connect()
+
+            async def send(prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+                return (await client.generate(prompts, params)).batch
+
+            holder["grouper"] = RequestGrouper(send, settings.group_quiet_s, settings.group_max_wait_s)
+        return holder["grouper"]
+
+    async def sample(prompt: list[int], params: SamplingParams) -> tuple[list[int], list[float], str]:
+        if not state.unpaused.is_set():  # a paused server holds new work until resume (mode=keep)
+            state.waiting += 1
+            try:
+                await state.unpaused.wait()
+            finally:
+                state.waiting -= 1
+        state.running += 1
+        try:
+            batch, row = await grouper().submit(prompt, params)
+        finally:
+            state.running -= 1
+        state.served += 1
+        tokens = batch.response(row)
+        logprobs = batch.sampling_logprobs[row, : len(tokens)].tolist()
+        stops = set(params.stop_token_ids) | settings.eos_token_ids
+        finished = "length" if len(tokens) >= params.max_tokens and tokens[-1] not in stops else "stop"
+        return tokens, logprobs, finished
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.error, exc.message)
+
+    @app.exception_handler(ArcticError)
+    async def _arctic_error(request: Request, exc: ArcticError) -> JSONResponse:
+        return error_response(*error_answer("generate", exc))
+
+    def check_model(name: str) -> None:
+        if name != settings.model_name:
+            raise ApiError(404, "NotFound", f"model {name!r} is not served; this server serves {settings.model_name!r}")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/liveness")
+    async def liveness() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=authorised)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "owned_by": "arctic-rl",
+                                            "max_model_len": settings.max_model_len}]}
+
+    @app.post("/inference/v1/generate", dependencies=authorised)
+    async def generate(body: GenerateBody) -> dict[str, Any]:
+        check_model(body.model)
+        if body.features is not None or body.stream:
+            raise ApiError(400, "BadRequest", "multimodal features and streaming are not supported by Arctic's sampler")
+        if not body.token_ids:
+            raise ApiError(400, "BadRequest", "token_ids is empty")
+        params = sampling_params(body.sampling_params, len(body.token_ids), settings.max_model_len)
+        tokens, logprobs, finished = await sample(body.token_ids, params)
+        return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_logprobs": None,
+                "choices": [{"index": 0, "token_ids": tokens, "finish_reason": finished,
+                             "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp}
+                                                      for t, lp in zip(tokens, logprobs)]}}],
+                "usage": _usage(len(body.token_ids), len(tokens))}
+
+    @app.post("/v1/chat/completions", dependencies=authorised)
+    async def chat(body: ChatBody) -> dict[str, Any]:
+        check_model(body.model)
+        if tokenizer is None or body.stream:
+            raise ApiError(400, "BadRequest", "chat completions need the model's tokenizer and are not streamed")
+        extra = dict(body.model_extra or {})
+        prompt = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False, **extra.pop("chat_template_kwargs", {}))
+        if "max_completion_tokens" in extra:
+            extra["max_tokens"] = extra.pop("max_completion_tokens")
+        wanted = {k: v for k, v in extra.items() if k in {"temperature", "top_p", "top_k", "min_p", "max_tokens", "seed"}}
+        n = int(extra.get("n", 1))
+        params = sampling_params(wanted, len(prompt), settings.max_model_len)
+        results = await asyncio.gather(*(sample(prompt, params) for _ in range(n)))
+        choices = [{"index": i, "finish_reason": finished, "logprobs": None,
+                    "message": {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)}}
+                   for i, (tokens, _, finished) in enumerate(results)]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": settings.model_name, "choices": choices,
+                "usage": _usage(len(prompt) * n, sum(len(t) for t, _, _ in results))}
+
+    @app.post("/pause", dependencies=authorised)
+    async def pause() -> dict[str, str]:
+        state.unpaused.clear()
+        return {"status": "paused"}
+
+    @app.post("/resume", dependencies=authorised)
+    async def resume() -> dict[str, str]:
+        state.unpaused.set()
+        return {"status": "resumed"}
+
+    @app.post("/update_weights", dependencies=authorised)
+    async def update_weights(request: Request) -> dict[str, str]:
+        weight_dir = (await request.json()).get("weight_dir")
+        match = re.search(r"step_(\d+)/?$", str(weight_dir or ""))
+        if match is None:
+            raise ApiError(400, "BadRequest", f"weight_dir {weight_dir!r} is not a broadcasts/step_N folder; "
+                                              "Arctic serves the weights its own trainer announces")
+        step, trained = int(match.group(1)), state.trained_step()
+        if step > trained:
+            raise ApiError(409, "Conflict", f"weights of step {step} were not trained by Arctic (its trainer has "
+                                            f"announced step {trained}); is another trainer writing {weight_dir}?")
+        return {"status": "ok"}
+
+    @app.post("/init_broadcaster", dependencies=authorised)
+    async def init_broadcaster() -> JSONResponse:
+        return error_response(404, "NotFound", "Arctic syncs the sampler itself; set weight_broadcast.type = 'filesystem'")
+
+    @app.post("/load_lora_adapter", dependencies=authorised)
+    async def load_lora_adapter() -> JSONResponse:
+        return error_response(400, "BadRequest", "Arctic trains full weights; LoRA adapters are not served")
+
+    @app.get("/metrics", dependencies=authorised, response_class=PlainTextResponse)
+    async def metrics() -> str:
+        # The orchestrator's concurrency control reads vLLM's gauges. Arctic's sampler queues what
+        # does not fit its KV budget instead of preempting, so usage is not reported as pressure.
+        return "".join([
+            "# TYPE vllm:num_requests_running gauge\n", f'vllm:num_requests_running{{engine="0"}} {state.running}\n',
+            "# TYPE vllm:num_requests_waiting gauge\n", f'vllm:num_requests_waiting{{engine="0"}} {state.waiting}\n',
+            "# TYPE vllm:kv_cache_usage_perc gauge\n", 'vllm:kv_cache_usage_perc{engine="0"} 0.0\n',
+            "# TYPE vllm:num_preemptions counter\n", 'vllm:num_preemptions_total{engine="0"} 0\n',
+            "# TYPE arctic:requests_served counter\n", f"arctic:requests_served_total {state.served}\n",
+        ])
+
+    return app
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

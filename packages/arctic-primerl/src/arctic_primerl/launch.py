@@ -1,0 +1,134 @@
+"""``arctic-primerl rl @ rl.toml``: Arctic in this process, PRIME-RL's processes beside it.
+
+What PRIME-RL's ``rl`` launcher starts, less the two sides Arctic serves: one ``env-server`` per
+environment source (at the address its orchestrator derives: ``env_server_base_port`` + index, train
+sources first) and the ``orchestrator``, each with its config written as JSON under
+``{run}/configs`` and its log under ``{run}/logs``. The trainer loop runs here; a process that fails
+ends the run with its log's last lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from arctic_core.errors import ArcticError
+from arctic_primerl.config import RunSettings
+
+EXIT_WAIT_S = 120.0
+
+
+@dataclass
+class Process:
+    name: str
+    command: list[str]
+    log: Path
+    popen: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("w") as out:
+            self.popen = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def failure(self) -> str | None:
+        """Why the process ended badly (None while it runs or after a clean exit)."""
+        code = self.popen.poll() if self.popen else None
+        if code in (None, 0):
+            return None
+        tail = self.log.read_text(errors="replace").strip().splitlines()[-15:]
+        return f"{self.name} exited with status {code} (log: {self.log}):\n" + "\n".join(tail)
+
+    def stop(self) -> None:
+        if self.popen and self.popen.poll() is None:
+            self.popen.terminate()  # env servers wait out a SIGINT; SIGTERM ends them
+            try:
+                self.popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+
+
+def env_sources(orchestrator: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
+    """``(split, source, address)`` of every environment source, as PRIME-RL orders and places them."""
+    sources = [("train", s) for s in orchestrator.get("train", {}).get("source", [])]
+    sources += [("eval", s) for s in (orchestrator.get("eval") or {}).get("source", [])]
+    base = orchestrator.get("env_server_base_port", 5000)
+    return [(split, source, source.get("serve", {}).get("address") or f"tcp://127.0.0.1:{base + i}")
+            for i, (split, source) in enumerate(sources)]
+
+
+def source_name(source: dict[str, Any]) -> str:
+    return source.get("name") or source.get("env", {}).get("taskset", {}).get("id") or "env"
+
+
+def prime_rl_processes(run: RunSettings) -> list[Process]:
+    """The env servers PRIME-RL's launcher would start, then the orchestrator; configs written."""
+    configs, logs = run.run_dir / "configs", run.run_dir / "logs"
+    orchestrator = run.orchestrator_config()
+    processes = []
+    for split, source, address in env_sources(orchestrator):
+        if source.get("serve", {}).get("address"):
+            continue  # an externally managed server: only the orchestrator connects to it
+        name = source_name(source)
+        config = {"env": source.get("env", {}), "serve": {**source.get("serve", {}), "address": address}}
+        path = _write(configs / "envs" / split / f"{name}.json", config)
+        processes.append(Process(f"env server {split}/{name}", [*run.arctic.env_server_command, "@", str(path)],
+                                 logs / "envs" / split / f"{name}.log"))
+    path = _write(configs / "orchestrator.json", orchestrator)
+    processes.append(Process("orchestrator", [*run.arctic.orchestrator_command, "@", str(path)], logs / "orchestrator.log"))
+    return processes
+
+
+def _write(path: Path, config: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2, default=str))
+    return path
+
+
+def check_commands(run: RunSettings) -> None:
+    for what, command in (("orchestrator", run.arctic.orchestrator_command), ("env-server", run.arctic.env_server_command)):
+        if shutil.which(command[0]) is None:
+            raise ArcticError(f"PRIME-RL's {what} command {command[0]!r} is not on PATH: run arctic-primerl in PRIME-RL's "
+                              f"environment (install arctic-primerl there), or set [arctic] {what.replace('-', '_')}_command")
+
+
+def check_port(host: str, port: int) -> None:
+    """The front's port is free (found now, not after the backend has loaded the model)."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the front binds: a closed run's port is free
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ArcticError(f"cannot serve PRIME-RL's inference routes on {host}:{port} ({exc.strerror}): set "
+                              "inference.server.port (and nothing else may use it)") from None
+
+
+class Watchdog(threading.Thread):
+    """Stops the trainer when one of PRIME-RL's processes fails, keeping the reason."""
+
+    def __init__(self, processes: list[Process], stop: threading.Event) -> None:
+        super().__init__(daemon=True, name="primerl-watchdog")
+        self.processes, self.stop, self.reason = processes, stop, None
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            for process in self.processes:
+                self.reason = process.failure()
+                if self.reason:
+                    self.stop.set()
+                    return
+
+
+def api_token(orchestrator: dict[str, Any]) -> str | None:
+    """The token PRIME-RL's clients send (``Authorization: Bearer $VLLM_API_KEY`` unless it is EMPTY)."""
+    var = orchestrator.get("model", {}).get("client", {}).get("api_key_var", "VLLM_API_KEY")
+    token = os.environ.get(var)
+    return None if token in (None, "", "EMPTY") else token

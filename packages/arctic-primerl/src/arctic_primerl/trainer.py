@@ -1,0 +1,129 @@
+"""PRIME-RL's trainer side, served by Arctic: rollout files in, one optimizer step each, STABLE out.
+
+The contract (PRIME-RL's ``trainer/rl/train.py``): steps count from 1; before the first, the
+starting weights are announced as ``broadcasts/step_{start-1}``; for step N the trainer waits for
+``rollouts/step_N/rank_0.bin``, trains one optimizer step on it and announces the new weights by
+writing ``broadcasts/step_N/STABLE``, which the orchestrator's watcher polls for before it asks the
+inference server to load them. Arctic's sampler is already serving them by then: the trainer syncs
+it in memory (``sync_weights``) before writing STABLE, so no weight files are written.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from arctic_core.client import ArcticClient
+from arctic_core.demo.metrics import MetricsLogger
+from arctic_primerl import samples as sample_ops
+from arctic_primerl.wire import decode
+
+POLL_S = 0.2
+
+
+@dataclass
+class RunFolder:
+    """The run directory PRIME-RL's processes share (its ``output_dir``)."""
+
+    root: Path
+
+    def rollouts(self, step: int, rank: int = 0) -> Path:
+        return self.root / "rollouts" / f"step_{step}" / f"rank_{rank}.bin"
+
+    def broadcast(self, step: int) -> Path:
+        return self.root / "broadcasts" / f"step_{step}"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.root / "checkpoints" / f"step_{step}" / "arctic"
+
+    def announce(self, step: int) -> None:
+        """Mark the weights after ``step`` as live (the folder holds no weights: they are in memory)."""
+        folder = self.broadcast(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "STABLE").touch()
+        stale = self.broadcast(step - 2)  # the orchestrator may still read step-1; PRIME-RL keeps two too
+        if step >= 2 and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+@dataclass
+class TrainerSettings:
+    max_steps: int
+    loss_terms: list[dict[str, Any]]
+    learning_rates: list[float] | None = None
+    """The learning rate of each step (PRIME-RL's schedule); None: Arctic's configured schedule."""
+    start_step: int = 1
+    ckpt_interval: int | None = None
+    ckpt_keep_last: int | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+class RolloutTrainer:
+    """Trains each step's rollout file through an Arctic client (one rank: Arctic spreads the
+    batch over its own data-parallel ranks)."""
+
+    def __init__(self, client: ArcticClient, run: RunFolder, settings: TrainerSettings,
+                 metrics: MetricsLogger | None = None) -> None:
+        self.client, self.run, self.settings, self.metrics = client, run, settings, metrics
+        self.history: list[dict[str, float]] = []
+        self.announced = settings.start_step - 2  # the last step whose weights the sampler serves
+
+    def run_steps(self) -> None:
+        s = self.settings
+        if s.start_step > 1:
+            self.client.load_checkpoint(str(self.run.checkpoint(s.start_step - 1)))
+        self.client.sync_weights()
+        self._announce(s.start_step - 1)
+        bar = tqdm(range(s.start_step, s.max_steps + 1), desc="PRIME-RL steps on Arctic", unit="step")
+        for step in bar:
+            payload = self._wait_for(self.run.rollouts(step))
+            if payload is None:
+                return  # stopped
+            lr = s.learning_rates[step - 1] if s.learning_rates else None
+            metrics = self.train_step(payload, f"rollouts/step_{step}/rank_0.bin", lr)
+            self._announce(step)
+            self._checkpoint(step)
+            self.history.append(metrics)
+            if self.metrics is not None:
+                self.metrics.log("train", metrics, step)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", samples=int(metrics["samples"]))
+
+    def train_step(self, payload: bytes, source: str, lr: float | None = None) -> dict[str, float]:
+        """One optimizer step on one rank's micro-batches; the sampler then serves the new weights."""
+        started = time.perf_counter()
+        samples = sample_ops.unpack(decode(payload, source))
+        count = sample_ops.count_trainable(samples)
+        totals: dict[str, float] = {"loss": 0.0}  # a step with no trainable token still steps (a no-op)
+        for temperature, batch in sample_ops.by_temperature(samples).items():
+            result = self.client.fwd_bwd(batch, self.settings.loss_terms, temperature=temperature, scale=1.0 / count)
+            share = float(batch.loss_mask.sum()) / count  # a call's token means weigh by its tokens
+            for key, value in result.metrics.items():
+                weight = 1.0 / count if key == "loss" or key.endswith("/loss") else share
+                weight = 1.0 if key in ("tokens", "packed_tokens") else weight
+                totals[key] = totals.get(key, 0.0) + weight * value
+        step = self.client.step(lr=lr)
+        self.client.sync_weights()
+        totals.pop("seconds", None)
+        return {**totals, **step.metrics, "samples": float(len(samples)), "trainable_tokens": float(count),
+                "seconds": time.perf_counter() - started}
+
+    def _announce(self, step: int) -> None:
+        self.announced = step
+        self.run.announce(step)
+
+    def _wait_for(self, path: Path) -> bytes | None:
+        while not path.exists():  # the orchestrator renames a finished file into place
+            if self.settings.stop.wait(POLL_S):
+                return None
+        return path.read_bytes()
+
+    def _checkpoint(self, step: int) -> None:
+        s = self.settings
+        if s.ckpt_interval and (step % s.ckpt_interval == 0 or step == s.max_steps):
+            self.client.save_checkpoint(str(self.run.checkpoint(step)), keep_last=s.ckpt_keep_last)

@@ -1,0 +1,153 @@
+"""PRIME-RL's inference routes, answered by Arctic on a real loopback server.
+
+The generate body is the one PRIME-RL's environment server sent (``fixtures/generate_request.json``,
+recorded from PRIME-RL 0.8's env server and renderer client), with this model's prompt tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.demo.grpo import chat_prompt_ids
+from arctic_core.demo.task import CountingTask
+from conftest import FIXTURES
+from runs import serving
+
+RECORDED = json.loads((FIXTURES / "generate_request.json").read_text())
+TOKEN = "secret"  # PRIME-RL's clients send $VLLM_API_KEY as a bearer token
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def front(policy, tmp_path_factory):
+    """The service and an httpx client of its front; records each Arctic generate call."""
+    with serving(tmp_path_factory.mktemp("front"), policy, token=TOKEN, seq_len=64) as (service, url):
+        calls = []
+        server = service.client.transport.server  # the embedded Arctic server both sides call
+        handle = server.handle
+
+        def recording_handle(op, request):
+            if op == "generate":
+                calls.append((len(request.prompts), request.params.n))
+            return handle(op, request)
+
+        server.handle = recording_handle
+        with httpx.Client(base_url=url, timeout=120, headers=AUTH) as http:
+            yield service, http, calls
+
+
+def body(policy, problem_index: int = 0, **sampling) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    request = copy.deepcopy(RECORDED["body"])
+    request["model"] = str(policy)
+    request["token_ids"] = chat_prompt_ids(tokenizer, CountingTask().problems()[problem_index])
+    request["sampling_params"].update({"max_tokens": 8, "stop_token_ids": [tokenizer.eos_token_id], **sampling})
+    return request
+
+
+def test_generate_answers_as_vllm_with_the_samplers_processed_logprobs(front, policy):
+    service, http, _ = front
+    request = body(policy, temperature=0.7)
+    answer = http.post("/inference/v1/generate", json=request, headers={**RECORDED["headers"], **AUTH})
+    assert answer.status_code == 200, answer.text
+    (choice,) = answer.json()["choices"]
+    tokens, content = choice["token_ids"], choice["logprobs"]["content"]
+    assert 1 <= len(tokens) <= 8 and len(content) == len(tokens)
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in tokens]  # the renderer client checks these
+    assert choice["finish_reason"] in ("stop", "length")
+    # The log-probs are those of the sampled tokens at the sampling temperature (vLLM's processed ones).
+    batch = RolloutBatch.from_lists([request["token_ids"]], [tokens], [0])
+    want = service.client.log_probs(batch, temperature=0.7).outputs["logprobs"][0, : len(tokens)]
+    got = torch.tensor([c["logprob"] for c in content])
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_one_prompts_calls_reach_arctic_as_one_group(front, policy):
+    service, http, calls = front
+    calls.clear()
+
+    async def group():
+        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=120, headers=AUTH) as client:
+            return await asyncio.gather(*(client.post("/inference/v1/generate", json=body(policy, 3)) for _ in range(4)))
+
+    answers = asyncio.run(group())
+    assert all(a.status_code == 200 for a in answers)
+    assert calls == [(1, 4)]  # one prompt, four samples, one call
+
+
+def test_no_max_tokens_means_up_to_the_context(front, policy):
+    _, http, _ = front
+    request = body(policy, temperature=1.0, stop_token_ids=[])
+    del request["sampling_params"]["max_tokens"]
+    answer = http.post("/inference/v1/generate", json=request).json()["choices"][0]
+    assert len(request["token_ids"]) + len(answer["token_ids"]) <= 64
+
+
+def test_requests_arctic_cannot_honour_are_refused_by_name(front, policy):
+    _, http, _ = front
+    cases = {
+        "is not served": {**body(policy), "model": "other"},
+        "sampling_params.stop": body(policy, stop=["\n"]),
+        "sampling_params.presence_penalty": body(policy, presence_penalty=0.5),
+        "unknown sampling_params \\['typo'\\]": body(policy, typo=1),
+        "exceed the model's context": body(policy, max_tokens=4096),
+        "multimodal": {**body(policy), "features": {"image": 1}},
+    }
+    for message, request in cases.items():
+        answer = http.post("/inference/v1/generate", json=request)
+        assert answer.status_code in (400, 404), (message, answer.text)
+        assert re.search(message, answer.json()["message"]), answer.text
+
+
+def test_weight_updates_pause_and_resume_follow_the_trainer(front, policy):
+    service, http, _ = front
+    run_dir = service.run_dir
+    service.trainer.announced = 0
+    assert http.post("/update_weights", json={"weight_dir": str(run_dir / "broadcasts" / "step_0")}).json() == {"status": "ok"}
+    late = http.post("/update_weights", json={"weight_dir": str(run_dir / "broadcasts" / "step_3")})
+    assert late.status_code == 409 and "step 3 were not trained by Arctic" in late.json()["message"]
+    assert http.post("/update_weights", json={"weight_dir": None}).status_code == 400
+    assert http.post("/init_broadcaster", json={}).status_code == 404  # PRIME-RL then skips NCCL
+    assert http.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": "b"}).status_code == 400
+
+    async def paused_generate():
+        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=120, headers=AUTH) as client:
+            assert (await client.post("/pause", params={"mode": "keep", "clear_cache": "false"})).status_code == 200
+            pending = asyncio.ensure_future(client.post("/inference/v1/generate", json=body(policy)))
+            await asyncio.sleep(0.5)
+            held = not pending.done()
+            metrics = (await client.get("/metrics")).text
+            await client.post("/resume")
+            return held, metrics, await pending
+
+    held, metrics, answer = asyncio.run(paused_generate())
+    assert held and 'vllm:num_requests_waiting{engine="0"} 1' in metrics
+    assert answer.status_code == 200
+
+
+def test_health_models_and_chat_for_evaluations(front, policy):
+    _, http, _ = front
+    assert http.get("/health").json() == {"status": "ok"}
+    (model,) = http.get("/v1/models").json()["data"]
+    assert model["id"] == str(policy) and model["max_model_len"] == 64
+    chat = http.post("/v1/chat/completions", json={"model": str(policy), "messages": [{"role": "user", "content": "repeat 3"}],
+                                                   "max_tokens": 6, "n": 2}).json()
+    assert len(chat["choices"]) == 2 and all(isinstance(c["message"]["content"], str) for c in chat["choices"])
+
+
+def test_a_token_is_required_when_prime_rls_api_key_is_set(front):
+    _, http, _ = front
+    url = str(http.base_url)
+    assert httpx.get(f"{url}/health").status_code == 200  # open: it reveals nothing
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200

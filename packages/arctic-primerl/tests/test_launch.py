@@ -1,0 +1,110 @@
+"""``arctic-primerl rl @ rl.toml``: PRIME-RL's settings mapped or refused by name, PRIME-RL's
+processes configured as its own launcher configures them, bad runs stopped in seconds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from arctic_core.errors import ConfigError
+from arctic_primerl.config import read_run
+from arctic_primerl.launch import env_sources, prime_rl_processes
+from arctic_primerl.schedule import LRSchedule
+from runs import write_toml
+
+REFUSED = {
+    "weight_broadcast.type = 'nccl'": ("[weight_broadcast]\ntype = 'nccl'\n", "serves 'filesystem'"),
+    "rollout_transport zmq": ("[trainer.rollout_transport]\ntype = 'zmq'\n", "trainer.rollout_transport.type = 'zmq'"),
+    "LoRA": ("[trainer.model.lora]\nrank = 8\n", "trainer.model.lora: LoRA"),
+    "Muon": ("[trainer.optim]\ntype = 'muon'\n", "arctic-primerl trains with AdamW"),
+    "custom loss": ("[trainer.loss]\ntype = 'custom'\nimport_path = 'x.y'\n", "'custom' is not supported"),
+    "two trainer GPUs": ("[deployment]\nnum_train_gpus = 2\n", "deployment.num_train_gpus = 2"),
+    "context parallel": ("[trainer.model]\ncp = 2\n", "trainer.model.cp"),
+    "steps disagree": ("[trainer]\nmax_steps = 7\n", "max_steps differs between sections"),
+    "unknown scheduler key": ("[trainer.scheduler]\ntype = 'cosine'\ndecay_steps = 3\n", r"unknown key\(s\) \['decay_steps'\]"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=list(REFUSED))
+def test_settings_arctic_does_not_reproduce_are_refused_by_name(case, tmp_path, policy):
+    extra, message = REFUSED[case]
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run")
+    text = toml.read_text()
+    if extra.startswith("[trainer.optim]"):  # replaces the table the base file has
+        text = text.replace("[trainer.optim]\n", "[trainer.optim]\ntype = 'muon'\n")
+        extra = ""
+    toml.write_text(text + "\n" + extra)
+    with pytest.raises(ConfigError, match=message):
+        read_run(toml)
+
+
+def test_the_orchestrator_and_env_servers_get_prime_rls_launcher_settings(tmp_path, policy):
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", extra="""
+[trainer.loss]
+type = "ipo"
+ipo_threshold = 0.3
+
+[trainer.scheduler]
+type = "cosine"
+warmup_steps = 1
+min_lr = 1e-5
+
+[[orchestrator.train.source]]
+name = "reverse"
+env = {taskset = {id = "reverse-text"}}
+
+[[orchestrator.train.source]]
+env = {taskset = {id = "math"}}
+
+[orchestrator.eval]
+source = [{name = "held-out", env = {taskset = {id = "math"}}}]
+""")
+    run = read_run(toml)
+    config = run.orchestrator_config()
+    assert config["model"]["name"] == str(policy) and config["max_steps"] == 2 and config["seq_len"] == 256
+    assert config["model"]["client"]["base_url"] == "http://127.0.0.1:0/v1"
+    assert config["rollout_transport"] == config["weight_broadcast"] == {"type": "filesystem"}
+    assert config["output_dir"] == str(tmp_path / "run") and config["num_train_workers"] == 1
+    addresses = [(split, address) for split, _, address in env_sources(config)]
+    assert addresses == [("train", "tcp://127.0.0.1:5000"), ("train", "tcp://127.0.0.1:5001"), ("eval", "tcp://127.0.0.1:5002")]
+    processes = prime_rl_processes(run)
+    assert [p.name for p in processes] == ["env server train/reverse", "env server train/math", "env server eval/held-out",
+                                           "orchestrator"]
+    assert processes[-1].command == ["orchestrator", "@", str(tmp_path / "run" / "configs" / "orchestrator.json")]
+    assert run.loss[0]["trust_region"] == "both-sides" and run.loss[0]["mask_high"] == 0.3
+    assert run.schedule.rates()[0] == pytest.approx(1e-5) and run.schedule.rates()[1] == pytest.approx(1e-3)
+
+
+def test_prime_rls_schedules_step_by_step():
+    linear = LRSchedule.from_prime_rl({"type": "linear", "warmup_steps": 2, "decay_steps": 3, "min_lr": 1e-4}, 1e-3, 8).rates()
+    assert linear == pytest.approx([1e-4, 5.5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 5.5e-4, 1e-4])
+    cosine = LRSchedule.from_prime_rl({"type": "cosine", "warmup_steps": 0, "min_lr": 0.0}, 1e-3, 4).rates()
+    assert cosine == pytest.approx([1e-3, 1e-3 * (1 + 2**-0.5) / 2, 5e-4, 1e-3 * (1 - 2**-0.5) / 2])
+    assert LRSchedule.from_prime_rl({}, 1e-3, 3).rates() == [1e-3] * 3
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "arctic_primerl.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def test_bad_runs_stop_in_seconds_with_one_line(tmp_path, policy):
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", extra="[weight_broadcast]\ntype = 'nccl'\n")
+    missing = write_toml(tmp_path / "missing.toml", policy, tmp_path / "run2")  # 'orchestrator' is not installed here
+    for path, message in ((toml, "serves 'filesystem'"), (missing, "'orchestrator' is not on PATH")):
+        result = run_cli("rl", "@", str(path), cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("arctic-primerl: error:") and message in line
+
+
+def test_dry_run_writes_prime_rls_configs(tmp_path, policy):
+    commands = f'orchestrator_command = ["{sys.executable}", "-m", "prime_rl.entrypoints.orchestrator"]\n' \
+               f'env_server_command = ["{sys.executable}"]'
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", arctic=commands)
+    result = run_cli("rl", "@", str(toml), "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{sys.executable} -m prime_rl.entrypoints.orchestrator @ {tmp_path / 'run' / 'configs' / 'orchestrator.json'}"
+    assert (tmp_path / "run" / "configs" / "orchestrator.json").is_file()
