@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from arctic_core.errors import ConfigError
+from arctic_core.errors import ArcticError, ConfigError
 from arctic_primerl.config import read_run
-from arctic_primerl.launch import env_sources, prime_rl_processes
+from arctic_primerl.launch import env_sources, preflight, prime_rl_processes
 from arctic_primerl.schedule import LRSchedule
 from runs import write_toml
 
@@ -108,3 +108,19 @@ def test_dry_run_writes_prime_rls_configs(tmp_path, policy):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"{sys.executable} -m prime_rl.entrypoints.orchestrator @ {tmp_path / 'run' / 'configs' / 'orchestrator.json'}"
     assert (tmp_path / "run" / "configs" / "orchestrator.json").is_file()
+
+
+
+def test_preflight_names_an_unreachable_backend_and_an_exposed_front_without_token(tmp_path, policy, monkeypatch):
+    commands = f'orchestrator_command = ["{sys.executable}"]\nenv_server_command = ["{sys.executable}"]'
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    remote = write_toml(tmp_path / "remote.toml", policy, tmp_path / "run", arctic=commands + '\nurl = "http://127.0.0.1:9"')
+    remote.write_text(remote.read_text().split("[arctic.config]")[0])  # a server named by url keeps its own config
+    with pytest.raises(ArcticError, match="127.0.0.1:9"):
+        preflight(read_run(remote))
+    exposed = write_toml(tmp_path / "exposed.toml", policy, tmp_path / "run", arctic=commands + '\nhost = "0.0.0.0"')
+    with pytest.raises(ArcticError, match="exposes the inference front: set the orchestrator's API key"):
+        preflight(read_run(exposed))
+    monkeypatch.setenv("VLLM_API_KEY", "k3y")
+    token, processes = preflight(read_run(exposed))
+    assert token == "k3y" and processes[-1].name == "orchestrator"

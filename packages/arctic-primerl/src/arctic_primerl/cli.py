@@ -18,7 +18,6 @@ from typing import Annotated
 import typer
 
 from arctic_core.adapters.preflight import exit_with
-from arctic_core.cli import is_loopback
 from arctic_core.errors import ArcticError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -37,22 +36,14 @@ def rl(
 ) -> None:
     """Run PRIME-RL's orchestrator and environment servers; Arctic trains and samples."""
     from arctic_primerl.config import read_run
-    from arctic_primerl.launch import api_token, check_commands, check_port, prime_rl_processes
+    from arctic_primerl.launch import preflight
 
     paths = [c for c in config if c != "@"]
     if len(paths) != 1:
         exit_with(NAME, "give one config: arctic-primerl rl @ rl.toml")
     try:
         run = read_run(Path(paths[0]))
-        token = api_token(run.orchestrator)
-        if not token and not is_loopback(run.arctic.host):
-            raise ArcticError(f"[arctic] host = {run.arctic.host!r} exposes the inference front: set the orchestrator's "
-                              "API key variable (VLLM_API_KEY) so that it needs a token")
-        check_commands(run)
-        check_port(run.arctic.host, run.port)
-        if run.arctic.starts_backend:
-            run.arctic_config(on_gpu=False).check_model_folders()
-        processes = prime_rl_processes(run)
+        token, processes = preflight(run)
     except (ArcticError, OSError) as exc:
         exit_with(NAME, str(exc))
     if dry_run:

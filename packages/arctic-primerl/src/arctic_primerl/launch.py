@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from arctic_core.adapters.preflight import check_server
+from arctic_core.cli import is_loopback
 from arctic_core.errors import ArcticError
 from arctic_primerl.config import RunSettings
 
@@ -125,6 +127,22 @@ class Watchdog(threading.Thread):
                 if self.reason:
                     self.stop.set()
                     return
+
+
+def preflight(run: RunSettings) -> tuple[str | None, list[Process]]:
+    """The front's token and PRIME-RL's processes (configs written), once every check passes; the
+    first problem raises an ArcticError naming it, before any model is loaded."""
+    token = api_token(run.orchestrator)
+    if not token and not is_loopback(run.arctic.host):
+        raise ArcticError(f"[arctic] host = {run.arctic.host!r} exposes the inference front: set the orchestrator's "
+                          "API key variable (VLLM_API_KEY) so that it needs a token")
+    check_commands(run)
+    check_port(run.arctic.host, run.port)
+    if run.arctic.starts_backend:
+        run.arctic_config(on_gpu=False).check_model_folders()
+    else:
+        check_server(run.arctic, run.model_name, "model.name", None)
+    return token, prime_rl_processes(run)
 
 
 def api_token(orchestrator: dict[str, Any]) -> str | None:
