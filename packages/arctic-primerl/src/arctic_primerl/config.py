@@ -59,6 +59,8 @@ class RunSettings(StrictModel):
     loss: list[dict[str, Any]]
     schedule: LRSchedule
     optimizer: dict[str, Any]
+    checkpoints: bool = False
+    """A [ckpt] table is set: save at its interval and after the last step, as PRIME-RL does."""
     ckpt_interval: int | None = None
     ckpt_keep_last: int | None = None
     resume_step: int | None = None
@@ -112,7 +114,8 @@ def read_run(path: Path) -> RunSettings:
         model_name=model_name, max_steps=max_steps, seq_len=seq_len, run_dir=run_dir, port=port,
         loss=loss_terms(trainer.get("loss")), optimizer=optimizer,
         schedule=LRSchedule.from_prime_rl(trainer.get("scheduler", {}), lr, max_steps),
-        ckpt_interval=ckpt.get("interval"), ckpt_keep_last=ckpt.get("keep_last"), resume_step=resume.get("step"),
+        checkpoints="ckpt" in raw or "ckpt" in trainer, ckpt_interval=ckpt.get("interval"),
+        ckpt_keep_last=ckpt.get("keep_last"), resume_step=resume.get("step"),
         orchestrator=orchestrator, arctic=ArcticSection.model_validate(raw.get("arctic", {})),
     )
 

@@ -39,7 +39,8 @@ class ArcticPrimeRL:
         self.metrics = MetricsLogger(run.run_dir / "tensorboard")
         self.trainer = RolloutTrainer(self.client, RunFolder(run.run_dir), TrainerSettings(
             max_steps=run.max_steps, loss_terms=run.loss, learning_rates=run.schedule.rates(),
-            start_step=(run.resume_step or 0) + 1, ckpt_interval=run.ckpt_interval, ckpt_keep_last=run.ckpt_keep_last,
+            start_step=(run.resume_step or 0) + 1, checkpoints=run.checkpoints, ckpt_interval=run.ckpt_interval,
+            ckpt_keep_last=run.ckpt_keep_last,
         ), self.metrics)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None

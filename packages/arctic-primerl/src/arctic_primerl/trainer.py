@@ -59,6 +59,7 @@ class TrainerSettings:
     learning_rates: list[float] | None = None
     """The learning rate of each step (PRIME-RL's schedule); None: Arctic's configured schedule."""
     start_step: int = 1
+    checkpoints: bool = False
     ckpt_interval: int | None = None
     ckpt_keep_last: int | None = None
     stop: threading.Event = field(default_factory=threading.Event)
@@ -125,5 +126,5 @@ class RolloutTrainer:
 
     def _checkpoint(self, step: int) -> None:
         s = self.settings
-        if s.ckpt_interval and (step % s.ckpt_interval == 0 or step == s.max_steps):
+        if s.checkpoints and (step == s.max_steps or (s.ckpt_interval and step % s.ckpt_interval == 0)):
             self.client.save_checkpoint(str(self.run.checkpoint(step)), keep_last=s.ckpt_keep_last)
