@@ -11,7 +11,6 @@ from arctic_core.demo.task import CountingTask
 from arctic_core.demo.tiny_model import save_tiny_policy
 
 sys.path.insert(0, str(Path(__file__).parent))  # the helper modules beside the tests
-FIXTURES = Path(__file__).with_name("fixtures")
 
 
 @pytest.fixture(scope="session")

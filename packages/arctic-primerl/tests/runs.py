@@ -8,6 +8,9 @@ from pathlib import Path
 from arctic_primerl.config import read_run
 from arctic_primerl.service import ArcticPrimeRL
 
+FIXTURES = Path(__file__).with_name("fixtures")
+"""What PRIME-RL's own code produced (see fixtures/record_fixtures.py)."""
+
 TOML = """
 max_steps = {steps}
 seq_len = {seq_len}

@@ -19,7 +19,7 @@ from arctic_core.plugins.registry import default_registry
 from arctic_primerl import samples as sample_ops
 from arctic_primerl.loss import loss_terms
 from arctic_primerl.wire import PRIME_RL_COMMIT, MicroBatch, WireError, decode, encode
-from conftest import FIXTURES
+from runs import FIXTURES
 
 ROLLOUTS = (FIXTURES / "rollouts_rank_0.bin").read_bytes()
 PARITY = json.loads((FIXTURES / "loss_parity.json").read_text())

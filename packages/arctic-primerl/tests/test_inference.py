@@ -19,8 +19,7 @@ from transformers import AutoTokenizer
 from arctic_core.batch import RolloutBatch
 from arctic_core.demo.grpo import chat_prompt_ids
 from arctic_core.demo.task import CountingTask
-from conftest import FIXTURES
-from runs import serving
+from runs import FIXTURES, serving
 
 RECORDED = json.loads((FIXTURES / "generate_request.json").read_text())
 TOKEN = "secret"  # PRIME-RL's clients send $VLLM_API_KEY as a bearer token
@@ -98,6 +97,7 @@ def test_requests_arctic_cannot_honour_are_refused_by_name(front, policy):
         "is not served": {**body(policy), "model": "other"},
         "sampling_params.stop": body(policy, stop=["\n"]),
         "sampling_params.presence_penalty": body(policy, presence_penalty=0.5),
+        "sampling_params.logprobs = 5": body(policy, logprobs=5),
         "unknown sampling_params \\['typo'\\]": body(policy, typo=1),
         "exceed the model's context": body(policy, max_tokens=4096),
         "multimodal": {**body(policy), "features": {"image": 1}},

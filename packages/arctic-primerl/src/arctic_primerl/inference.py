@@ -91,6 +91,9 @@ def sampling_params(body: dict[str, Any], prompt_len: int, max_model_len: int) -
             raise ApiError(400, "BadRequest", f"sampling_params.{key} = {value!r} is not supported by Arctic's sampler")
     known = set(UNSERVED_SAMPLING) | IGNORED_SAMPLING | {"temperature", "top_p", "top_k", "min_p",
                                                          "repetition_penalty", "max_tokens", "seed", "stop_token_ids"}
+    if (body.get("logprobs") or 0) > 1:
+        raise ApiError(400, "BadRequest", f"sampling_params.logprobs = {body['logprobs']}: Arctic returns the sampled "
+                                          "token's log-prob only (logprobs = 1)")
     unknown = sorted(set(body) - known)
     if unknown:
         raise ApiError(400, "BadRequest", f"unknown sampling_params {unknown}")
