@@ -140,9 +140,12 @@ def gpu(args) -> dict:
             decoders.use(name)
             for mode in args.modes:
                 run_engine(engine, mode, prompts, params.model_copy(update={"max_tokens": 4}))  # captures this batch's graph
-                result = run_engine(engine, mode, prompts, params)
-                result.pop("tokens")
-                row[f"{name}/{mode}"] = result
+                for overlap in (True, False) if args.compare_overlap else (True,):
+                    engine.options.overlap_steps = overlap
+                    result = run_engine(engine, mode, prompts, params)
+                    result.pop("tokens")
+                    row[f"{name}/{mode}" + ("" if overlap else "/one_step_at_a_time")] = result
+                engine.options.overlap_steps = True
         if hf_model is not None:
             row["hf_generate"] = run_hf_batches(hf_model, prompts, params, args.hf_prompts_per_batch, args.hf_batches)
         print(json.dumps(row), flush=True)
@@ -267,6 +270,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--compare-overlap", action="store_true",
+                        help="also decode one step at a time (the host reads each step's tokens before the next)")
     parser.add_argument("--profile", action="store_true", help="profile a short rollout of the first shape per mode")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--shapes", type=json.loads, default=SHAPES, help="JSON [[prompts, samples, prompt_len], ...]")

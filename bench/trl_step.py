@@ -28,18 +28,40 @@ from arctic_trl import GRPOTrainer
 from shapes import QWEN3_1_7B, SMOKE_SHAPE, make_model
 
 
+CLIENT_CALLS = ("generate", "log_probs", "fwd_bwd", "step", "sync_weights")
+
+
 class StepTimer(TrainerCallback):
+    """Each optimizer step's wall time, and how much of it each backend call took (calls, seconds)."""
+
     def __init__(self) -> None:
-        self.begin, self.steps = 0.0, []
+        self.begin, self.steps, self.calls = 0.0, [], {}
+
+    def wrap(self, client) -> None:
+        for name in CLIENT_CALLS:
+            setattr(client, name, self._timed(name, getattr(client, name)))
+
+    def _timed(self, name, call):
+        def timed(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                count, seconds = self.calls.get(name, (0, 0.0))
+                self.calls[name] = (count + 1, seconds + time.perf_counter() - begin)
+        return timed
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.begin = time.time()
+        self.begin, self.calls = time.time(), {}
 
     def on_step_end(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.steps.append(time.time() - self.begin)
-        print("step", len(self.steps), round(self.steps[-1], 2), "s", flush=True)
+        calls = ", ".join(f"{name} {count}x {seconds:.2f} s" for name, (count, seconds) in self.calls.items())
+        outside = self.steps[-1] - sum(seconds for _, seconds in self.calls.values())
+        print("step", len(self.steps), round(self.steps[-1], 2), "s:", calls, f"; outside the backend {outside:.2f} s",
+              flush=True)
 
 
 def main() -> None:
@@ -73,6 +95,7 @@ def main() -> None:
     arctic = {"sampler": sampler}
     trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": texts}),
                           callbacks=[timer], arctic=arctic)
+    timer.wrap(trainer.arctic)
     print("backend ready", round(time.time() - started, 1), "s", flush=True)
     trainer.train()
     steady = timer.steps[1:] or timer.steps

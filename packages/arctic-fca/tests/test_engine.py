@@ -88,15 +88,48 @@ def test_stop_tokens_end_a_sample_and_are_kept(tokenizer):
     assert out.tokens == expected[: expected.index(stop) + 1]
 
 
+def teacher_forced_logprobs(model, prompt, tokens, temperature):
+    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def test_queued_steps_give_the_tokens_of_one_step_at_a_time(tokenizer):
+    prompts = random_prompts((18, 30, 12, 25, 40, 9), len(tokenizer), seed=4)
+    params = [SamplingParams(n=2, temperature=0, max_tokens=16, stop_token_ids=NO_STOP),
+              SamplingParams(n=3, temperature=1.0, max_tokens=14, stop_token_ids=NO_STOP, seed=3)]
+    results = {}
+    for overlap in (True, False):
+        engine, _ = make_engine(tokenizer, kv_cache_tokens=24 * 16, max_num_seqs=6, overlap_steps=overlap)
+        results[overlap] = [[(o.tokens, o.logprobs) for o in engine.generate(prompts, p)] for p in params]
+        assert engine.stats.prefill_steps >= 4  # both calls admitted in waves, as blocks came back
+    assert results[True] == results[False]
+
+
+def test_samples_stopping_while_the_next_step_is_queued_are_exact(tokenizer):
+    # The host learns of a stop one step late; the finished sample's queued token is dropped and its
+    # blocks go to waiting groups while that step may still write them. Every sample must end at its
+    # first stop token, and each log-prob must be the model's on exactly that sample's tokens.
+    engine, reference = make_engine(tokenizer, kv_cache_tokens=24 * 16, max_num_seqs=6)
+    prompts = random_prompts((18, 30, 12, 25, 40, 9), len(tokenizer), seed=4)
+    stops = list(range(3, 60))
+    outputs = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=20, stop_token_ids=stops,
+                                                      seed=5))
+    assert len({len(o.tokens) for o in outputs}) >= 4  # stops at many different steps
+    for out in outputs:
+        assert not set(out.tokens[:-1]) & set(stops)
+        assert out.tokens[-1] in stops or len(out.tokens) == 20
+        expected = teacher_forced_logprobs(reference, prompts[out.prompt_index], out.tokens, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-5, rtol=0)
+    assert engine.pool.num_free == engine.pool.capacity
+
+
 def test_sampling_log_probs_are_those_of_the_distribution_sampled_from(tokenizer):
     engine, reference = make_engine(tokenizer)
     prompts = random_prompts((10, 21), len(tokenizer), seed=3)
     params = SamplingParams(n=3, temperature=0.7, max_tokens=12, stop_token_ids=NO_STOP, seed=11)
     outputs = engine.generate(prompts, params)
     for out in outputs:
-        ids = torch.tensor([prompts[out.prompt_index] + out.tokens])
-        logits = reference(ids).logits[0, len(prompts[out.prompt_index]) - 1 : -1]
-        expected = (logits / 0.7).log_softmax(-1).gather(-1, torch.tensor(out.tokens)[:, None]).squeeze(-1)
+        expected = teacher_forced_logprobs(reference, prompts[out.prompt_index], out.tokens, 0.7)
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-5, rtol=0)
     # Same seed, same samples; another seed, other samples.
     assert [o.tokens for o in engine.generate(prompts, params)] == [o.tokens for o in outputs]
@@ -256,3 +289,6 @@ def test_triton_kernels_and_engine_under_the_interpreter():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["cases"] == 38 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
     assert result["plain_kernel_equals_torch_build"]
+    sampling = result["sampling"]
+    assert sampling["logprob_max_abs_diff"] < 1e-5 and sampling["greedy_is_argmax"] and sampling["same_seed_same_tokens"]
+    assert sampling["chi_square"] < 16.3, sampling

@@ -19,7 +19,7 @@ import torch
 from arctic_fca.engine.attention import StepMetadata
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.fca.decode import PreparedDecode
-from arctic_fca.fca.graph_work import StaticDecodeWork
+from arctic_fca.fca.graph_work import StaticDecodeWork, copy_in
 from arctic_fca.fca.tuning import Tuning
 from arctic_fca.fca.work import DecodeWork
 
@@ -31,7 +31,6 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     work: StaticDecodeWork
     inputs: torch.Tensor  # [3, B]: token ids, positions, cache slots (one copy in per step)
-    inputs_host: torch.Tensor  # [3, B] pinned
     logits: torch.Tensor  # [B, vocab] fp32
     tables_key: object = None  # whose block tables the work's kv_index holds
 
@@ -53,22 +52,24 @@ class DecodeGraphs:
         self.graphs.clear()
         self.pool = torch.cuda.graph_pool_handle()  # the freed graphs' pool cannot take new captures
 
-    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, work: DecodeWork,
+    def run(self, ids: np.ndarray | torch.Tensor, positions: np.ndarray, slots: np.ndarray, work: DecodeWork,
             tables: np.ndarray, tables_key: object) -> torch.Tensor | None:
         """Replay (capturing first if needed) the graph for this padded step; the logits ``[B,
-        vocab]`` of the padded batch, or None when the work does not fit (run eagerly then)."""
-        key = (ids.size, work.node is not None)
+        vocab]`` of the padded batch, or None when the work does not fit (run eagerly then).
+        ``ids`` on the device (the previous step's samples) are copied in on the device."""
+        key = (positions.size, work.node is not None)
         graph = self.graphs.get(key)
         fresh = graph is None
         if fresh:
-            graph = self._allocate(ids.size, with_nodes=key[1])
+            graph = self._allocate(positions.size, with_nodes=key[1])
         if not graph.work.load(work, tables if graph.tables_key != tables_key else None):
             return None
         graph.tables_key = tables_key
-        # Safe to overwrite the pinned buffer: the previous step's copy finished before its tokens were read.
-        for row, values in enumerate((ids, positions, slots)):
-            graph.inputs_host[row].numpy()[:] = values
-        graph.inputs.copy_(graph.inputs_host, non_blocking=True)
+        on_device = isinstance(ids, torch.Tensor)
+        host = np.stack((np.zeros_like(positions) if on_device else ids, positions, slots))
+        copy_in(graph.inputs, host)  # never waits: the steps queued before this one may still run
+        if on_device:
+            graph.inputs[0].copy_(ids)
         if fresh:
             self._capture(graph)
             self.graphs[key] = graph
@@ -83,8 +84,7 @@ class DecodeGraphs:
                                 tuning=self.tuning)
 
         inputs = torch.zeros(3, batch, dtype=torch.long, device=device)
-        return _Graph(torch.cuda.CUDAGraph(), work, inputs, torch.zeros_like(inputs, device="cpu").pin_memory(),
-                      logits=None)
+        return _Graph(torch.cuda.CUDAGraph(), work, inputs, logits=None)
 
     def _forward(self, graph: _Graph) -> torch.Tensor:
         decode = PreparedDecode(None, None, None, "triton", graph.work.work)

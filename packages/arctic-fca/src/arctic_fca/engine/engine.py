@@ -5,10 +5,13 @@ One loop, one step at a time, over four parts that each live in a module of thei
 - the **model runner** prefills the admitted groups' prompts in one packed pass (each prompt ONCE,
   whatever ``n``, skipping full blocks another prompt already holds), else decodes every running
   sequence one token, attention through FCA or plain paged decode as the cost model prices the step;
-- the **step planner** prepares each decode step on the host (tables, slots, FCA plan, work items),
-  the next one while the device runs the current one;
+- the **step planner** prepares each decode step on the host (tables, slots, FCA plan, work items);
 - **sampling** (``sampling.py``) draws the tokens on the device.
-Finished sequences (stop token or ``max_tokens``) give their blocks back for the next groups.
+Decode steps run back to back: step t+1 is planned and queued, its input tokens taken from step t's
+samples on the device, before the host reads step t's tokens, so the device never waits for the
+host. The host learns of a stop token one step late; that step's token of the finished sequence is
+dropped. Finished sequences (stop token or ``max_tokens``) give their blocks back for the next
+groups.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from arctic_fca.engine.model_runner import ModelRunner
 from arctic_fca.engine.sampling import RowParams, sample, seen_tokens
 from arctic_fca.engine.scheduler import Scheduler
 from arctic_fca.engine.sequence import GenerationOutput, PromptGroup, Sequence
-from arctic_fca.engine.step_planner import StepPlan, StepPlanner
+from arctic_fca.engine.step_planner import StepPlanner
 from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 
 
@@ -47,10 +50,13 @@ class EngineOptions(StrictModel):
     max_num_seqs: int = Field(256, gt=0, description="Sequences decoded together at most.")
     max_prefill_tokens: int = Field(16384, gt=0, description="Prompt tokens per prefill step (one group may exceed it).")
     fca: Literal["auto", "fca", "plain"] = Field("auto", description="auto: the cost model picks per step.")
-    kernel: Literal["auto", "triton", "torch"] = Field("auto", description="Decode attention kernels: auto is "
-                                                       "Triton on CUDA, the exact torch path elsewhere.")
+    kernel: Literal["auto", "triton", "torch"] = Field("auto", description="Decode attention and sampling kernels: "
+                                                       "auto is Triton on CUDA, the exact torch path elsewhere.")
     progress: bool | None = Field(None, description="Progress bar; None: only on a terminal.")
     cuda_graphs: bool = Field(True, description="Replay decode steps as CUDA graphs (CUDA only).")
+    overlap_steps: bool = Field(True, description="Queue each decode step before the host reads the previous "
+                                "one's tokens (off: one step at a time; the same tokens when greedy or without "
+                                "stop tokens).")
     fused_decoder: bool = Field(True, description="Run Qwen3, Qwen2, Llama and Mistral models on the engine's own "
                                 "decoder (fused kernels, same math); False: transformers' modules.")
     max_model_len: int | None = Field(None, gt=0, description="Prompt + new tokens at most; default: the model's "
@@ -85,7 +91,6 @@ class EmbeddedEngine:
         self.calls = 0
         self.policy_version = 0
         self.stats = EngineStats()
-        self._next_step: StepPlan | None = None
         self._row_params_cache: tuple[tuple, RowParams] | None = None
 
     @property
@@ -116,7 +121,6 @@ class EmbeddedEngine:
         self.runner.sleep()
         self.pool.clear_index()
         self.planner.reset()
-        self._next_step = None
 
     def wake(self) -> None:
         self.runner.wake()
@@ -135,7 +139,7 @@ class EmbeddedEngine:
         check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, self.max_model_len)
         self.scheduler.check(prompts, params)
         stops = set(params.stop_token_ids or default_stop_tokens(self.model))
-        self._next_step = self._row_params_cache = None  # options and settings may have changed since the last call
+        self._row_params_cache = None  # options and settings may have changed since the last call
         seed = params.seed if params.seed is not None else self.seed + self.calls
         self.calls += 1
         generator = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -148,7 +152,6 @@ class EmbeddedEngine:
             # Nothing survives a failed call: every block goes back, and the engine serves the next call.
             self.scheduler.reset()
             self.planner.reset()
-            self._next_step = None
             raise
         finally:
             bar.close()
@@ -166,7 +169,7 @@ class EmbeddedEngine:
                 running += self._prefill(admitted, params, generator)
                 self.stats.prefill_seconds += time.perf_counter() - begin
             else:
-                self._decode(running, params, generator)
+                self._decode(running, params, generator, stops)
                 self.stats.decode_seconds += time.perf_counter() - begin
             for seq in running:
                 seq.done = seq.done or seq.tokens[-1] in stops or len(seq.tokens) >= seq.max_len
@@ -184,7 +187,8 @@ class EmbeddedEngine:
         self.stats.prefix_hit_tokens += sum(g.cached for g in groups)
         prompts = [g.prompt for g in groups for _ in range(params.n)]
         logits = logits.repeat_interleave(params.n, 0)
-        tokens, logprobs = sample(logits, row_settings(params, prompts, logits.shape[-1], self.runner.device), generator)
+        tokens, logprobs = sample(logits, row_settings(params, prompts, logits.shape[-1], self.runner.device), generator,
+                                  triton=self.runner.triton)
         sequences = []
         for gi, g in enumerate(groups):
             picked = slice(gi * params.n, (gi + 1) * params.n)
@@ -192,26 +196,46 @@ class EmbeddedEngine:
         self.stats.generated_tokens += len(sequences)
         return sequences
 
-    def _decode(self, running: list[Sequence], params: SamplingParams, generator: torch.Generator) -> None:
-        count = len(running)
-        step, self._next_step = self._next_step, None
-        if step is None or step.key != self.planner.step_key(running):
-            step = self.planner.plan(running)
-        ids = np.zeros(step.positions.size, dtype=np.int64)
-        ids[:count] = [s.tokens[-1] for s in running]
-        logits = self.runner.decode(ids, step)
-        tokens, logprobs = sample(logits[:count], self._row_params(params, running, logits.shape[-1]), generator)
-        if all(len(s.tokens) + 1 < s.max_len for s in running):  # else the batch changes anyway
-            self._next_step = self.planner.plan(running, ahead=1)  # overlaps the GPU's work on this step
-        # One transfer (one wait for the device) for both; token ids are exact in fp32.
-        sampled, sampled_logprobs = torch.stack((tokens.to(logprobs.dtype), logprobs)).tolist()
-        for seq, token, logprob in zip(running, sampled, sampled_logprobs, strict=True):
+    def _decode(self, running: list[Sequence], params: SamplingParams, generator: torch.Generator,
+                stops: set[int]) -> None:
+        """Decode steps back to back until a sequence finishes. Each step is planned while the device
+        runs the one before; its input tokens stay on the device unless the sampling settings read
+        the tokens so far (then, or with ``overlap_steps`` off, the host reads each step first)."""
+        overlap = self.options.overlap_steps and params.repetition_penalty == 1.0
+        count, in_flight = len(running), deque()
+        ids: np.ndarray | torch.Tensor = np.array([s.tokens[-1] for s in running])
+        step = self.planner.plan(running)
+        while True:
+            logits = self.runner.decode(_padded(ids, step.positions.size), step)
+            tokens, logprobs = sample(logits[:count], self._row_params(params, running, logits.shape[-1]), generator,
+                                      triton=self.runner.triton)
+            in_flight.append(TokensInFlight(tokens, logprobs))
+            self.stats.decode_steps += 1
+            self.stats.fca_steps += step.plan is not None
+            more = all(len(s.tokens) + len(in_flight) < s.max_len for s in running)  # unless a stop token ends one
+            if more:
+                step = self.planner.plan(running, ahead=len(in_flight))
+            # Read the older step while the newer one runs; everything once no step is queued behind it.
+            while in_flight and (len(in_flight) > 1 or not (more and overlap)):
+                if self._append(running, *in_flight.popleft().read(), stops):
+                    more = False  # a queued step's token of a finished sequence is dropped
+            if not more:
+                self.stats.decode_prepare_seconds = self.planner.prepare_seconds
+                return
+            ids = tokens if overlap else np.array([s.tokens[-1] for s in running])
+
+    def _append(self, running: list[Sequence], tokens: list[float], logprobs: list[float], stops: set[int]) -> bool:
+        """One step's tokens onto the unfinished sequences; whether any sequence finished."""
+        finished = False
+        for seq, token, logprob in zip(running, tokens, logprobs, strict=True):
+            if seq.done:
+                continue
             seq.tokens.append(int(token))
             seq.logprobs.append(logprob)
-        self.stats.decode_steps += 1
-        self.stats.fca_steps += step.plan is not None
-        self.stats.generated_tokens += count
-        self.stats.decode_prepare_seconds = self.planner.prepare_seconds
+            self.stats.generated_tokens += 1
+            seq.done = seq.tokens[-1] in stops or len(seq.tokens) >= seq.max_len
+            finished |= seq.done
+        return finished
 
     def _row_params(self, params: SamplingParams, rows: list[Sequence], vocab: int) -> RowParams:
         """The sampling settings of the running ``rows``; kept while the batch and settings stay
@@ -222,6 +246,35 @@ class EmbeddedEngine:
         row_params = row_settings(params, [s.tokens for s in rows], vocab, self.runner.device)
         self._row_params_cache = key, row_params
         return row_params
+
+
+class TokensInFlight:
+    """A step's sampled tokens and log-probs on their way to the host: the copy is queued behind the
+    step, and ``read`` waits for it alone (not for the steps queued after it)."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        both = torch.stack((tokens.to(logprobs.dtype), logprobs))  # token ids are exact in fp32
+        self.copied = None
+        if both.is_cuda:
+            self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self.host.copy_(both, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host = both
+
+    def read(self) -> tuple[list[float], list[float]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        tokens, logprobs = self.host.tolist()
+        return tokens, logprobs
+
+
+def _padded(ids: np.ndarray | torch.Tensor, rows: int) -> np.ndarray | torch.Tensor:
+    """Token ids for a step padded to its ``rows`` (padding rows read token 0)."""
+    if isinstance(ids, torch.Tensor):
+        return torch.nn.functional.pad(ids, (0, rows - ids.numel()))
+    return np.pad(ids.astype(np.int64), (0, rows - ids.size))
 
 
 def row_settings(params: SamplingParams, rows: list[list[int]], vocab: int, device: torch.device) -> RowParams:

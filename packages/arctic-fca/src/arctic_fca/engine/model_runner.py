@@ -20,7 +20,7 @@ from arctic_fca.engine.decoder import FusedDecoder
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.engine.sequence import PromptGroup
 from arctic_fca.engine.step_planner import StepPlan
-from arctic_fca.fca.decode import prepare_decode
+from arctic_fca.fca.decode import default_kernel, prepare_decode
 from arctic_fca.fca.tuning import Tuning
 
 CPU_DEFAULT_KV_TOKENS = 1 << 16
@@ -39,6 +39,7 @@ class ModelRunner:
                           dtype=model.dtype)
         self.cache = PagedKVCache(config.num_hidden_layers, self._num_blocks(), options.block_size, self.num_kv_heads,
                                   self.head_dim, model.dtype, self.device)
+        self.triton = options.kernel == "triton" or (options.kernel == "auto" and default_kernel(self.device) == "triton")
         self.max_model_len = options.max_model_len or getattr(config, "max_position_embeddings", None) or 1 << 16
         self.decoder = FusedDecoder.of(model, self.max_model_len) if options.fused_decoder else None
         self.graphs = None
@@ -91,8 +92,9 @@ class ModelRunner:
         last_rows = torch.tensor([s.end - 1 for s in spans], device=self.device)
         return self.forward(np.concatenate([np.asarray(i) for i in ids]), np.concatenate(positions), meta, last_rows)
 
-    def decode(self, ids: np.ndarray, step: StepPlan) -> torch.Tensor:
-        """One token for every row of the (padded) step; the logits ``[rows, vocab]``."""
+    def decode(self, ids: np.ndarray | torch.Tensor, step: StepPlan) -> torch.Tensor:
+        """One token for every row of the (padded) step; the logits ``[rows, vocab]``. ``ids``: on the
+        host, or on the device (the previous step's samples, not yet read by the host)."""
         if self.graphs is not None:
             logits = self.graphs.run(ids, step.positions, step.slots, step.work, step.layout.tables.numpy(),
                                      step.layout.key)
@@ -105,10 +107,10 @@ class ModelRunner:
         meta = StepMetadata(self.cache, torch.from_numpy(step.slots).to(self.device), decode=decode)
         return self.forward(ids, step.positions, meta, None)
 
-    def forward(self, ids: np.ndarray, positions: np.ndarray, meta: StepMetadata,
+    def forward(self, ids: np.ndarray | torch.Tensor, positions: np.ndarray, meta: StepMetadata,
                 rows: torch.Tensor | None) -> torch.Tensor:
         """Logits ``[rows, vocab]`` (fp32) of the packed step, at ``rows`` (all rows when None)."""
-        as_tensor = lambda a: torch.from_numpy(a.astype(np.int64)).to(self.device)
+        as_tensor = lambda a: a if isinstance(a, torch.Tensor) else torch.from_numpy(a.astype(np.int64)).to(self.device)
         return self.logits(as_tensor(ids), as_tensor(positions), meta, rows)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,

@@ -28,6 +28,11 @@ class RowParams:
     repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of seen tokens (1: off)
     seen: torch.Tensor | None = None  # [rows, vocab] bool: the tokens of each row's prompt and output so far
 
+    @property
+    def temperature_only(self) -> bool:
+        """No filter and no penalty: the one-pass kernels (``triton_sampling``) can draw."""
+        return not (self.any_top_k or self.any_top_p or self.min_p > 0.0 or self.repetition_penalty != 1.0)
+
 
 def filtered_log_probs(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """log-softmax of the penalised ``logits / temperature`` restricted to each row's top-k,
@@ -69,8 +74,15 @@ def _filter(scaled: torch.Tensor, params: RowParams, greedy: torch.Tensor) -> to
     return scaled.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def sample(logits: torch.Tensor, params: RowParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens ``[rows]`` and their log-probs ``[rows]`` (fp32)."""
+def sample(logits: torch.Tensor, params: RowParams, generator: torch.Generator, *,
+           triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``[rows]`` and their log-probs ``[rows]`` (fp32); with ``triton``, rows sampled with a
+    temperature alone are drawn by one pass over the logits (the same distribution; other random
+    numbers than the torch path's)."""
+    if triton and params.temperature_only:
+        from arctic_fca.engine.triton_sampling import sample_with_temperature
+
+        return sample_with_temperature(logits, params.temperature, generator)
     log_probs = filtered_log_probs(logits, params)
     # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p (one random number per
     # vocabulary entry, no sort and no cumulative sum).

@@ -4,8 +4,10 @@ A graph replays the same kernel launches with the same grids and pointers, so th
 items (``arctic_fca.fca.work``) go into buffers allocated once, at capacity: the grids cover the
 capacity and programs past the step's item count do nothing (the kernel reads the count). Each
 step costs two host-to-device copies (one packed int32 metadata buffer, and the shared nodes'
-block ids); the block tables are copied only when the batch's sequences change. A step whose work
-does not fit returns False from ``load`` and runs eagerly instead.
+block ids); the block tables are copied only when the batch's sequences change. The copies never
+wait for the device: each goes out of a fresh pinned buffer (the caching host allocator keeps it
+until its copy ran), so steps can be queued while earlier ones still run. A step whose work does
+not fit returns False from ``load`` and runs eagerly instead.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ class StaticDecodeWork:
                     ("q_index", self.caps["q_index"]), ("merge_indptr", num_requests + 1),
                     ("merge_rows", self.caps["merge_rows"])]
         total = sum(size for _, size in sections)
-        self.meta_host = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.meta_host = np.zeros(total, dtype=np.int32)
         self.meta = torch.zeros(total, dtype=torch.int32, device=device)
         self.host, self.dev, offset = {}, {}, 0
         for name, size in sections:
-            self.host[name] = self.meta_host.numpy()[offset : offset + size]
+            self.host[name] = self.meta_host[offset : offset + size]
             self.dev[name] = self.meta[offset : offset + size]
             offset += size
         self.tables_size = num_requests * table_width
@@ -78,10 +80,15 @@ class StaticDecodeWork:
         self.host["q_index"][: work.q_index.size] = work.q_index
         self.host["merge_indptr"][:] = work.merge_indptr
         self.host["merge_rows"][: work.num_partial_rows] = work.merge_rows
-        # Safe to overwrite the pinned buffer: the previous step's copy finished before its tokens were read.
-        self.meta.copy_(self.meta_host, non_blocking=True)
+        copy_in(self.meta, self.meta_host)
         if tables is not None:
-            self.kv_index[: self.tables_size].copy_(torch.from_numpy(tables.reshape(-1)), non_blocking=False)
+            copy_in(self.kv_index[: self.tables_size], tables.reshape(-1))
         if work.node_kv.size:
-            self.kv_index[self.tables_size : self.tables_size + work.node_kv.size].copy_(torch.from_numpy(work.node_kv))
+            copy_in(self.kv_index[self.tables_size : self.tables_size + work.node_kv.size], work.node_kv)
         return True
+
+
+def copy_in(target: torch.Tensor, values: np.ndarray) -> None:
+    """``target[:] = values`` without waiting for the device (a pinned copy of ``values`` on CUDA)."""
+    source = torch.from_numpy(np.ascontiguousarray(values)).to(target.dtype)
+    target.copy_(source.pin_memory() if target.is_cuda else source, non_blocking=True)

@@ -1,0 +1,96 @@
+"""Sampling with temperature alone (no top-k, top-p, min-p or repetition penalty: RL's usual
+setting) in two kernels that read the logits once, instead of a dozen passes over ``[rows, vocab]``.
+
+The draw is the exponential race of ``sampling.sample`` (argmax of ``logits / T - log E`` with
+``E ~ Exp(1)``, a draw from ``softmax(logits / T)``), with the noise from Triton's counter-based
+Philox generator keyed by a seed drawn from the caller's ``torch.Generator`` on the device (no
+host sync; a seeded call repeats itself). The log-sum-exp is accumulated online in the same pass,
+so the sampled token's log-prob comes out with it. Greedy rows (temperature 0) take the argmax of
+the raw logits (the first of ties, as ``torch.argmax``) and their log-prob under the raw
+distribution.
+
+Stage one: one program per (row, vocabulary slice) keeps the slice's running max, scaled
+exp-sum and best race key; stage two: one program per row combines its slices.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SLICE = 16384  # vocabulary entries per stage-one program: rows x slices programs fill the GPU
+BLOCK = 2048  # entries per inner step
+
+
+@triton.jit
+def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, max_ptr, sum_ptr, key_ptr, index_ptr, vocab,
+                slices, SLICE: tl.constexpr, BLOCK: tl.constexpr):
+    row, part = tl.program_id(0), tl.program_id(1)
+    temperature = tl.load(temperature_ptr + row)
+    greedy = temperature == 0  # greedy rows race on the logits alone
+    scale = tl.where(greedy, 1.0, 1.0 / temperature)
+    seed = tl.load(seed_ptr)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    end = tl.minimum(vocab, (part + 1) * SLICE)
+    running_max, running_sum = float("-inf"), 0.0
+    best_key, best_index = float("-inf"), 0
+    for start in range(part * SLICE, end, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < end
+        x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32) * scale
+        new_max = tl.maximum(running_max, tl.max(x, 0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
+        running_max = new_max
+        # u in [0, 1) (Triton keeps it below 1): E = -log(u) > 0; u = 0 gives E = inf, a key that never wins.
+        uniform = tl.rand(seed, row * vocab + cols)
+        key = tl.where(greedy, x, x - tl.log(-tl.log(uniform)))
+        key = tl.where(ok, key, float("-inf"))
+        block_key = tl.max(key, 0)
+        if block_key > best_key:  # strictly: the earlier block keeps a tie, as torch.argmax keeps the first
+            best_key, best_index = block_key, start + tl.argmax(key, 0)
+    out = row * slices + part
+    tl.store(max_ptr + out, running_max)
+    tl.store(sum_ptr + out, running_sum)
+    tl.store(key_ptr + out, best_key)
+    tl.store(index_ptr + out, best_index)
+
+
+@triton.jit
+def _combine_slices(logits_ptr, stride_row, temperature_ptr, max_ptr, sum_ptr, key_ptr, index_ptr, token_ptr,
+                    logprob_ptr, slices, SLICES_P2: tl.constexpr):
+    row = tl.program_id(0)
+    parts = tl.arange(0, SLICES_P2)
+    ok = parts < slices
+    maxes = tl.load(max_ptr + row * slices + parts, mask=ok, other=float("-inf"))
+    sums = tl.load(sum_ptr + row * slices + parts, mask=ok, other=0.0)
+    keys = tl.load(key_ptr + row * slices + parts, mask=ok, other=float("-inf"))
+    top = tl.max(maxes, 0)
+    log_total = top + tl.log(tl.sum(sums * tl.exp(maxes - top), 0))
+    winner = tl.argmax(keys, 0)  # the first slice of a tie: the smallest token index
+    token = tl.load(index_ptr + row * slices + winner)
+    temperature = tl.load(temperature_ptr + row)
+    scale = tl.where(temperature == 0, 1.0, 1.0 / temperature)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32) * scale
+    tl.store(token_ptr + row, token.to(tl.int64))
+    tl.store(logprob_ptr + row, x - log_total)
+
+
+def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor,
+                            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``[rows]`` (int64) and their log-probs ``[rows]`` (fp32) of ``logits [rows, vocab]``
+    (last dim contiguous), ``temperature [rows]`` (0: greedy)."""
+    rows, vocab = logits.shape
+    device = logits.device
+    seed = torch.randint(0, 2**31 - 1, (1,), device=device, generator=generator, dtype=torch.int64)
+    slices = triton.cdiv(vocab, SLICE)
+    partial = torch.empty(3, rows, slices, dtype=torch.float32, device=device)
+    index = torch.empty(rows, slices, dtype=torch.int32, device=device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=device)
+    temperature = temperature.float().contiguous()
+    _slice_race[(rows, slices)](logits, logits.stride(0), temperature, seed, partial[0], partial[1], partial[2], index,
+                                vocab, slices, SLICE=SLICE, BLOCK=BLOCK, num_warps=8)
+    _combine_slices[(rows,)](logits, logits.stride(0), temperature, partial[0], partial[1], partial[2], index, tokens,
+                             logprobs, slices, SLICES_P2=max(2, triton.next_power_of_2(slices)), num_warps=1)
+    return tokens, logprobs
