@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from arctic_core.config import SamplingParams
 from arctic_core.hf import set_attention_implementation
 from arctic_fca.engine import EmbeddedEngine, EngineOptions
+from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 from shapes import QWEN3_1_7B
 
 # prompts x samples @ prompt length
@@ -127,6 +128,7 @@ def gpu(args) -> dict:
     checks["fused_vs_transformers"] = decoder_check(engine, decoders, config.vocab_size, fp32)
     print(json.dumps({"greedy_checks": checks}), flush=True)
     if args.profile:
+        decoders.use(args.decoders[0])  # the checks left the last decoder they compared in place
         return profile(engine, args, config.vocab_size)
     copy_rate = device_copy_rate()
     results = []
@@ -136,21 +138,39 @@ def gpu(args) -> dict:
         row = {"prompts": prompts_count, "samples": samples, "prompt_len": length, "new_tokens": args.new_tokens,
                "decode_floor_ms": round(1e3 * step_bytes(model, prompts_count, samples, length, args.new_tokens)
                                         / copy_rate, 2)}
-        for name in args.decoders:
-            decoders.use(name)
-            for mode in args.modes:
-                run_engine(engine, mode, prompts, params.model_copy(update={"max_tokens": 4}))  # captures this batch's graph
-                for overlap in (True, False) if args.compare_overlap else (True,):
-                    engine.options.overlap_steps = overlap
-                    result = run_engine(engine, mode, prompts, params)
-                    result.pop("tokens")
-                    row[f"{name}/{mode}" + ("" if overlap else "/one_step_at_a_time")] = result
-                engine.options.overlap_steps = True
+        for tuning in args.tunings:  # FCA kernel settings to compare ({}: the defaults)
+            use_tuning(engine, DEFAULT_TUNING.replace(**tuning))
+            suffix = f" {json.dumps(tuning)}" if tuning else ""
+            row.update({key + suffix: value for key, value in time_decoders(engine, decoders, prompts, params, args).items()})
         if hf_model is not None:
             row["hf_generate"] = run_hf_batches(hf_model, prompts, params, args.hf_prompts_per_batch, args.hf_batches)
         print(json.dumps(row), flush=True)
         results.append(row)
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
+
+
+def time_decoders(engine: EmbeddedEngine, decoders: Decoders, prompts, params: SamplingParams, args) -> dict:
+    """One rollout per decoder and mode (and one step at a time too, with --compare-overlap)."""
+    row = {}
+    for name in args.decoders:
+        decoders.use(name)
+        for mode in args.modes:
+            run_engine(engine, mode, prompts, params.model_copy(update={"max_tokens": 4}))  # captures this batch's graph
+            for overlap in (True, False) if args.compare_overlap else (True,):
+                engine.options.overlap_steps = overlap
+                result = run_engine(engine, mode, prompts, params)
+                result.pop("tokens")
+                row[f"{name}/{mode}" + ("" if overlap else "/one_step_at_a_time")] = result
+            engine.options.overlap_steps = True
+    return row
+
+
+def use_tuning(engine: EmbeddedEngine, tuning: Tuning) -> None:
+    """Switch the FCA kernels' split and launch settings (the graphs captured with others go)."""
+    engine.planner.tuning = engine.runner.tuning = tuning
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.tuning = tuning
+        engine.runner.graphs.clear()
 
 
 class Decoders:
@@ -274,6 +294,8 @@ def main() -> None:
                         help="also decode one step at a time (the host reads each step's tokens before the next)")
     parser.add_argument("--profile", action="store_true", help="profile a short rollout of the first shape per mode")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--tunings", type=json.loads, default=[{}],
+                        help='JSON list of FCA Tuning overrides to compare, e.g. [{}, {"items_per_sm": 4}]')
     parser.add_argument("--shapes", type=json.loads, default=SHAPES, help="JSON [[prompts, samples, prompt_len], ...]")
     args = parser.parse_args()
     if args.smoke:
