@@ -96,7 +96,9 @@ def teacher_forced_logprobs(model, prompt, tokens, temperature):
 def test_queued_steps_give_the_tokens_of_one_step_at_a_time(tokenizer):
     prompts = random_prompts((18, 30, 12, 25, 40, 9), len(tokenizer), seed=4)
     params = [SamplingParams(n=2, temperature=0, max_tokens=16, stop_token_ids=NO_STOP),
-              SamplingParams(n=3, temperature=1.0, max_tokens=14, stop_token_ids=NO_STOP, seed=3)]
+              SamplingParams(n=3, temperature=1.0, max_tokens=14, stop_token_ids=NO_STOP, seed=3),
+              SamplingParams(n=2, temperature=0.8, max_tokens=12, stop_token_ids=NO_STOP, seed=4,
+                             repetition_penalty=1.4)]
     results = {}
     for overlap in (True, False):
         engine, _ = make_engine(tokenizer, kv_cache_tokens=24 * 16, max_num_seqs=6, overlap_steps=overlap)
@@ -174,14 +176,15 @@ def test_repetition_penalty_and_min_p_filter_as_transformers_does():
             torch.testing.assert_close(ours[row], theirs, atol=1e-6, rtol=0)
 
 
-def test_greedy_with_a_repetition_penalty_equals_transformers_generate(tokenizer):
+@pytest.mark.parametrize("penalty", [1.5, 1e3])  # 1e3: no token may repeat, so each step's own tokens count
+def test_greedy_with_a_repetition_penalty_equals_transformers_generate(tokenizer, penalty):
     engine, reference = make_engine(tokenizer)
     prompts = random_prompts((9, 17), len(tokenizer), seed=5)
-    params = SamplingParams(n=2, temperature=0, max_tokens=16, stop_token_ids=NO_STOP, repetition_penalty=1.5)
+    params = SamplingParams(n=2, temperature=0, max_tokens=16, stop_token_ids=NO_STOP, repetition_penalty=penalty)
     for out in engine.generate(prompts, params):
         prompt = prompts[out.prompt_index]
         ids = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
-                                 repetition_penalty=1.5, pad_token_id=0)
+                                 repetition_penalty=penalty, pad_token_id=0)
         assert out.tokens == ids[0, len(prompt):].tolist()
 
 

@@ -199,16 +199,18 @@ class EmbeddedEngine:
     def _decode(self, running: list[Sequence], params: SamplingParams, generator: torch.Generator,
                 stops: set[int]) -> None:
         """Decode steps back to back until a sequence finishes. Each step is planned while the device
-        runs the one before; its input tokens stay on the device unless the sampling settings read
-        the tokens so far (then, or with ``overlap_steps`` off, the host reads each step first)."""
-        overlap = self.options.overlap_steps and params.repetition_penalty == 1.0
+        runs the one before; its input tokens stay on the device (with ``overlap_steps`` off the host
+        reads each step's tokens before queueing the next)."""
+        overlap = self.options.overlap_steps
         count, in_flight = len(running), deque()
         ids: np.ndarray | torch.Tensor = np.array([s.tokens[-1] for s in running])
         step = self.planner.plan(running)
         while True:
             logits = self.runner.decode(_padded(ids, step.positions.size), step)
-            tokens, logprobs = sample(logits[:count], self._row_params(params, running, logits.shape[-1]), generator,
-                                      triton=self.runner.triton)
+            row_params = self._row_params(params, running, logits.shape[-1])
+            tokens, logprobs = sample(logits[:count], row_params, generator, triton=self.runner.triton)
+            if row_params.seen is not None:  # the repetition penalty's tokens so far, kept current on the device
+                row_params.seen.scatter_(1, tokens[:, None], True)
             in_flight.append(TokensInFlight(tokens, logprobs))
             self.stats.decode_steps += 1
             self.stats.fca_steps += step.plan is not None
@@ -238,10 +240,10 @@ class EmbeddedEngine:
         return finished
 
     def _row_params(self, params: SamplingParams, rows: list[Sequence], vocab: int) -> RowParams:
-        """The sampling settings of the running ``rows``; kept while the batch and settings stay
-        (the repetition penalty reads each row's tokens so far, so it is rebuilt every step)."""
+        """The sampling settings of the running ``rows``, kept while the batch stays (its tokens seen
+        so far, which the repetition penalty reads, are then updated on the device each step)."""
         key = tuple(s.seq_id for s in rows)
-        if params.repetition_penalty == 1.0 and self._row_params_cache is not None and self._row_params_cache[0] == key:
+        if self._row_params_cache is not None and self._row_params_cache[0] == key:
             return self._row_params_cache[1]
         row_params = row_settings(params, [s.tokens for s in rows], vocab, self.runner.device)
         self._row_params_cache = key, row_params
