@@ -12,6 +12,7 @@ import json
 import re
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -129,9 +130,19 @@ def test_weight_updates_pause_and_resume_follow_the_trainer(front, policy):
             await client.post("/resume")
             return held, metrics, await pending
 
+    served = metric(http, "arctic:requests_served_total")
     held, metrics, answer = asyncio.run(paused_generate())
-    assert held and 'vllm:num_requests_waiting{engine="0"} 1' in metrics
+    assert held and 'vllm:num_requests_waiting{engine="0"} 1.0' in metrics
     assert answer.status_code == 200
+    assert metric(http, "arctic:requests_served_total") == served + 1
+    assert metric(http, "vllm:num_requests_waiting", engine="0") == metric(http, "vllm:num_preemptions_total", engine="0") == 0
+
+
+def metric(http, name: str, **labels: str) -> float:
+    """One sample of the front's /metrics, parsed as Prometheus text."""
+    text = http.get("/metrics").text
+    return next(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                if sample.name == name and sample.labels == labels)
 
 
 def test_health_models_and_chat_for_evaluations(front, policy):

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
 from arctic_core.adapters.request_grouping import RequestGrouper
@@ -59,8 +61,27 @@ class FrontState:
     trained_step: Callable[[], int]
     running: int = 0
     waiting: int = 0
-    served: int = 0
     unpaused: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FrontMetrics:
+    """``/metrics``: the vLLM gauges PRIME-RL's orchestrator reads for its concurrency control, in a
+    registry of the app's own. Arctic's sampler queues what does not fit its KV budget instead of
+    preempting, so the cache is not reported as pressure and nothing is ever preempted."""
+
+    def __init__(self, state: FrontState) -> None:
+        self.registry = CollectorRegistry()
+        gauges = (("vllm:num_requests_running", "Requests being sampled.", lambda: state.running),
+                  ("vllm:num_requests_waiting", "Requests held while the server is paused.", lambda: state.waiting),
+                  ("vllm:kv_cache_usage_perc", "Not reported (Arctic queues instead of preempting).", lambda: 0.0))
+        for name, documentation, read in gauges:
+            Gauge(name, documentation, ["engine"], registry=self.registry).labels("0").set_function(read)
+        Counter("vllm:num_preemptions", "Preemptions (Arctic never preempts).", ["engine"],
+                registry=self.registry).labels("0")
+        self.served = Counter("arctic:requests_served", "Generate and chat requests answered.", registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 class GenerateBody(BaseModel):
@@ -114,6 +135,7 @@ def create_front(connect: Callable[[], AsyncArcticClient], settings: FrontSettin
     app = FastAPI(title="Arctic RL for PRIME-RL", description=(__doc__ or "").replace("``", "`"))
     state = FrontState(trained_step)
     state.unpaused.set()
+    front_metrics = FrontMetrics(state)
     authorised = [Depends(bearer_check(settings.token, "VLLM_API_KEY"))]
     holder: dict[str, Any] = {}
 
@@ -139,7 +161,7 @@ def create_front(connect: Callable[[], AsyncArcticClient], settings: FrontSettin
             batch, row = await grouper().submit(prompt, params)
         finally:
             state.running -= 1
-        state.served += 1
+        front_metrics.served.inc()
         tokens = batch.response(row)
         logprobs = batch.sampling_logprobs[row, : len(tokens)].tolist()
         stops = set(params.stop_token_ids) | settings.eos_token_ids
@@ -238,17 +260,9 @@ def create_front(connect: Callable[[], AsyncArcticClient], settings: FrontSettin
     async def load_lora_adapter() -> JSONResponse:
         return error_response(400, "BadRequest", "Arctic trains full weights; LoRA adapters are not served")
 
-    @app.get("/metrics", dependencies=authorised, response_class=PlainTextResponse)
-    async def metrics() -> str:
-        # The orchestrator's concurrency control reads vLLM's gauges. Arctic's sampler queues what
-        # does not fit its KV budget instead of preempting, so usage is not reported as pressure.
-        return "".join([
-            "# TYPE vllm:num_requests_running gauge\n", f'vllm:num_requests_running{{engine="0"}} {state.running}\n',
-            "# TYPE vllm:num_requests_waiting gauge\n", f'vllm:num_requests_waiting{{engine="0"}} {state.waiting}\n',
-            "# TYPE vllm:kv_cache_usage_perc gauge\n", 'vllm:kv_cache_usage_perc{engine="0"} 0.0\n',
-            "# TYPE vllm:num_preemptions counter\n", 'vllm:num_preemptions_total{engine="0"} 0\n',
-            "# TYPE arctic:requests_served counter\n", f"arctic:requests_served_total {state.served}\n",
-        ])
+    @app.get("/metrics", dependencies=authorised)
+    async def metrics() -> Response:
+        return Response(front_metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
