@@ -18,6 +18,7 @@ from arctic_core.plugins.interfaces import LossContext
 from arctic_core.plugins.registry import default_registry
 from arctic_primerl import samples as sample_ops
 from arctic_primerl.loss import loss_terms
+from arctic_primerl.trainer import add_call_metrics
 from arctic_primerl.wire import PRIME_RL_COMMIT, MicroBatch, WireError, decode, encode
 from runs import FIXTURES
 
@@ -121,3 +122,12 @@ def test_files_of_another_prime_rl_version_or_malformed_are_refused_by_name():
     for message, batch in cases.items():
         with pytest.raises(WireError, match=message):
             sample_ops.unpack(decode(encode([batch])))
+
+
+def test_a_steps_metrics_merge_its_calls_by_tokens():
+    # Two fwd_bwd calls (two sampling temperatures) of one step with 40 trainable tokens, 30 and 10:
+    # losses are token sums over the step's tokens, counts add up, token means weigh by share.
+    totals = {"loss": 0.0}
+    add_call_metrics(totals, {"loss": 6.0, "dppo/loss": 6.0, "tokens": 30, "packed_tokens": 10, "kl": 0.5}, 0.75, 40)
+    add_call_metrics(totals, {"loss": 2.0, "dppo/loss": 2.0, "tokens": 10, "packed_tokens": 5, "kl": 0.1}, 0.25, 40)
+    assert totals == pytest.approx({"loss": 0.2, "dppo/loss": 0.2, "tokens": 40, "packed_tokens": 15, "kl": 0.4})

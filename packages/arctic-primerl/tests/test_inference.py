@@ -111,7 +111,7 @@ def test_requests_arctic_cannot_honour_are_refused_by_name(front, policy):
 
 def test_weight_updates_pause_and_resume_follow_the_trainer(front, policy):
     service, http, _ = front
-    run_dir = service.run_dir
+    run_dir = service.run.run_dir
     service.trainer.announced = 0
     assert http.post("/update_weights", json={"weight_dir": str(run_dir / "broadcasts" / "step_0")}).json() == {"status": "ok"}
     late = http.post("/update_weights", json={"weight_dir": str(run_dir / "broadcasts" / "step_3")})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import threading
-from pathlib import Path
 
 import uvicorn
 from transformers import AutoTokenizer
@@ -77,7 +76,3 @@ class ArcticPrimeRL:
         if self.run.arctic.starts_backend:
             self.client.shutdown()
         self.client.close()
-
-    @property
-    def run_dir(self) -> Path:
-        return self.run.run_dir

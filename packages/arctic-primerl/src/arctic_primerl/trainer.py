@@ -103,11 +103,7 @@ class RolloutTrainer:
         totals: dict[str, float] = {"loss": 0.0}  # a step with no trainable token still steps (a no-op)
         for temperature, batch in sample_ops.by_temperature(samples).items():
             result = self.client.fwd_bwd(batch, self.settings.loss_terms, temperature=temperature, scale=1.0 / count)
-            share = float(batch.loss_mask.sum()) / count  # a call's token means weigh by its tokens
-            for key, value in result.metrics.items():
-                weight = 1.0 / count if key == "loss" or key.endswith("/loss") else share
-                weight = 1.0 if key in ("tokens", "packed_tokens") else weight
-                totals[key] = totals.get(key, 0.0) + weight * value
+            add_call_metrics(totals, result.metrics, float(batch.loss_mask.sum()) / count, count)
         step = self.client.step(lr=lr)
         self.client.sync_weights()
         totals.pop("seconds", None)
@@ -128,3 +124,17 @@ class RolloutTrainer:
         s = self.settings
         if s.checkpoints and (step == s.max_steps or (s.ckpt_interval and step % s.ckpt_interval == 0)):
             self.client.save_checkpoint(str(self.run.checkpoint(step)), keep_last=s.ckpt_keep_last)
+
+
+def add_call_metrics(totals: dict[str, float], metrics: dict[str, float], share: float, count: int) -> None:
+    """Add one fwd_bwd call's metrics into the step's: losses are token sums (divided by the step's
+    ``count`` trainable tokens, PRIME-RL's normalisation), token counts add up, and every other
+    value is a token mean, weighed by the call's ``share`` of the step's tokens."""
+    for key, value in metrics.items():
+        if key in ("tokens", "packed_tokens"):
+            weight = 1.0
+        elif key == "loss" or key.endswith("/loss"):
+            weight = 1.0 / count
+        else:
+            weight = share
+        totals[key] = totals.get(key, 0.0) + weight * value
