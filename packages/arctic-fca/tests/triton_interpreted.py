@@ -191,7 +191,15 @@ def sampling_cases() -> dict:
     from arctic_fca.engine import triton_sampling
     from arctic_fca.engine.triton_sampling import sample_with_temperature
 
+    defaults = triton_sampling.SLICE, triton_sampling.BLOCK
     triton_sampling.SLICE, triton_sampling.BLOCK = 64, 16
+    try:
+        return _sampling_checks(sample_with_temperature)
+    finally:
+        triton_sampling.SLICE, triton_sampling.BLOCK = defaults
+
+
+def _sampling_checks(sample_with_temperature) -> dict:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 150, generator=gen) * 3
     logits[3, [20, 90]] = logits[3].max() + 1  # a tie across slices: the first index wins
