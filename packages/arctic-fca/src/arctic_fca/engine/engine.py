@@ -166,13 +166,11 @@ class EmbeddedEngine:
             admitted = self.scheduler.admit(waiting, len(running), params)
             begin = time.perf_counter()
             if admitted:
-                running += self._prefill(admitted, params, generator)
+                running += self._prefill(admitted, params, generator, stops)
                 self.stats.prefill_seconds += time.perf_counter() - begin
             else:
                 self._decode(running, params, generator, stops)
                 self.stats.decode_seconds += time.perf_counter() - begin
-            for seq in running:
-                seq.done = seq.done or seq.tokens[-1] in stops or len(seq.tokens) >= seq.max_len
             for seq in [s for s in running if s.done]:
                 self.scheduler.finish(seq)
                 finished.setdefault(seq.prompt_index, []).append(seq)
@@ -180,7 +178,8 @@ class EmbeddedEngine:
             running = [s for s in running if not s.done]
         return finished
 
-    def _prefill(self, groups: list[PromptGroup], params: SamplingParams, generator: torch.Generator) -> list[Sequence]:
+    def _prefill(self, groups: list[PromptGroup], params: SamplingParams, generator: torch.Generator,
+                 stops: set[int]) -> list[Sequence]:
         logits = self.runner.prefill(groups)
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += sum(len(g.prompt) - g.cached for g in groups)
@@ -192,7 +191,7 @@ class EmbeddedEngine:
         sequences = []
         for gi, g in enumerate(groups):
             picked = slice(gi * params.n, (gi + 1) * params.n)
-            sequences += self.scheduler.fork(g, params, tokens[picked].tolist(), logprobs[picked].tolist())
+            sequences += self.scheduler.fork(g, params, tokens[picked].tolist(), logprobs[picked].tolist(), stops)
         self.stats.generated_tokens += len(sequences)
         return sequences
 
@@ -232,10 +231,8 @@ class EmbeddedEngine:
         for seq, token, logprob in zip(running, tokens, logprobs, strict=True):
             if seq.done:
                 continue
-            seq.tokens.append(int(token))
-            seq.logprobs.append(logprob)
+            seq.append(int(token), logprob, stops)
             self.stats.generated_tokens += 1
-            seq.done = seq.tokens[-1] in stops or len(seq.tokens) >= seq.max_len
             finished |= seq.done
         return finished
 

@@ -79,8 +79,8 @@ class Scheduler:
             tokens += new_tokens
         return admitted
 
-    def fork(self, group: PromptGroup, params: SamplingParams, first_tokens: list[int],
-             first_logprobs: list[float]) -> list[Sequence]:
+    def fork(self, group: PromptGroup, params: SamplingParams, first_tokens: list[int], first_logprobs: list[float],
+             stops: set[int]) -> list[Sequence]:
         """The n samples share the prompt's full blocks; each gets its own copy of a partly filled last block."""
         bs = self.block_size
         full = group.blocks[: len(group.prompt) // bs]
@@ -91,8 +91,9 @@ class Scheduler:
             self.pool.share(full)
             if partial and own:
                 self.cache.copy_blocks(partial, own[:1])
-            sequences.append(Sequence(group.prompt_index, group.prompt + [token], len(group.prompt) + params.max_tokens,
-                                      full + own, [logprob]))
+            sequence = Sequence(group.prompt_index, list(group.prompt), len(group.prompt) + params.max_tokens, full + own)
+            sequence.append(token, logprob, stops)
+            sequences.append(sequence)
         self.pool.release(group.blocks)
         return sequences
 

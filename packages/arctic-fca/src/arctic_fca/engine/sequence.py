@@ -41,3 +41,9 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))
+
+    def append(self, token: int, logprob: float, stops: set[int]) -> None:
+        """A new token; the sequence is done after a stop token or at its length limit."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.done = token in stops or len(self.tokens) >= self.max_len

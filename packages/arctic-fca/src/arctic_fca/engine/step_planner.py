@@ -48,7 +48,6 @@ class DecodeLayout:
 
 @dataclass
 class StepPlan:
-    key: tuple  # (layout key, position of the first sequence): which step this plan is for
     layout: DecodeLayout
     positions: np.ndarray
     slots: np.ndarray
@@ -75,9 +74,6 @@ class StepPlanner:
         """(rows, sequence ids): rows is the CUDA-graph bucket the batch is padded to."""
         return (self.bucket(len(running)), *(s.seq_id for s in running))
 
-    def step_key(self, running: list[Sequence]) -> tuple:
-        return self.batch_key(running), len(running[0].tokens) - 1
-
     def plan(self, running: list[Sequence], ahead: int = 0) -> StepPlan:
         """The step for the running sequences ``ahead`` tokens from now."""
         begin = time.perf_counter()
@@ -100,4 +96,4 @@ class StepPlanner:
                               num_kv_heads=self.heads["num_kv_heads"], num_sms=device_sms(self.device),
                               tuning=self.tuning)
         self.prepare_seconds += time.perf_counter() - begin
-        return StepPlan((key, positions[0]), self.layout, positions, slots, seq_lens, plan, work)
+        return StepPlan(self.layout, positions, slots, seq_lens, plan, work)
