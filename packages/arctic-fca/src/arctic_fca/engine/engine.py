@@ -91,7 +91,6 @@ class EmbeddedEngine:
         self.calls = 0
         self.policy_version = 0
         self.stats = EngineStats()
-        self._row_params_cache: tuple[tuple, RowParams] | None = None
 
     @property
     def model(self) -> PreTrainedModel:
@@ -139,7 +138,6 @@ class EmbeddedEngine:
         check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, self.max_model_len)
         self.scheduler.check(prompts, params)
         stops = set(params.stop_token_ids or default_stop_tokens(self.model))
-        self._row_params_cache = None  # options and settings may have changed since the last call
         seed = params.seed if params.seed is not None else self.seed + self.calls
         self.calls += 1
         generator = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -201,12 +199,13 @@ class EmbeddedEngine:
         runs the one before; its input tokens stay on the device (with ``overlap_steps`` off the host
         reads each step's tokens before queueing the next)."""
         overlap = self.options.overlap_steps
-        count, in_flight = len(running), deque()
+        count, in_flight, row_params = len(running), deque(), None
         ids: np.ndarray | torch.Tensor = np.array([s.tokens[-1] for s in running])
         step = self.planner.plan(running)
         while True:
             logits = self.runner.decode(_padded(ids, step.positions.size), step)
-            row_params = self._row_params(params, running, logits.shape[-1])
+            if row_params is None:  # the batch is fixed until this returns
+                row_params = row_settings(params, [s.tokens for s in running], logits.shape[-1], self.runner.device)
             tokens, logprobs = sample(logits[:count], row_params, generator, triton=self.runner.triton)
             if row_params.seen is not None:  # the repetition penalty's tokens so far, kept current on the device
                 row_params.seen.scatter_(1, tokens[:, None], True)
@@ -235,16 +234,6 @@ class EmbeddedEngine:
             self.stats.generated_tokens += 1
             finished |= seq.done
         return finished
-
-    def _row_params(self, params: SamplingParams, rows: list[Sequence], vocab: int) -> RowParams:
-        """The sampling settings of the running ``rows``, kept while the batch stays (its tokens seen
-        so far, which the repetition penalty reads, are then updated on the device each step)."""
-        key = tuple(s.seq_id for s in rows)
-        if self._row_params_cache is not None and self._row_params_cache[0] == key:
-            return self._row_params_cache[1]
-        row_params = row_settings(params, [s.tokens for s in rows], vocab, self.runner.device)
-        self._row_params_cache = key, row_params
-        return row_params
 
 
 class TokensInFlight:
