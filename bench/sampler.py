@@ -1,13 +1,16 @@
 """GRPO-shaped rollouts on the embedded engine: FCA on, FCA off, and transformers ``generate``.
 
---smoke (CPU, tiny random Qwen3): the same rollout with FCA forced on, off and through
-transformers; greedy outputs must agree token for token; prints timings.
+--smoke (tiny random fp32 Qwen3, on the GPU when there is one): the same rollout with FCA forced
+on, off and through transformers; greedy outputs must agree token for token; prints timings.
 
 GPU (no flag): a Qwen3-1.7B-shaped random bf16 model, 512 new tokens per sample (no stop token,
 as vLLM's ``ignore_eos``), temperature 1, at the GRPO shapes of ``SHAPES``. Generated tokens per
 second (wall clock, prefill included) with the cost model choosing FCA per step ("auto"), with
 plain paged decode ("plain"), and, with --hf, transformers ``generate`` on the same prompts; per
-decoder (--decoders: the engine's fused decoder, transformers' modules). Each decode step's time is
+decoder (--decoders: the engine's fused decoder, transformers' modules); --compare-flipped also
+runs with engine options flipped (queued decode steps, prefill chunks mixed with decode), and --stop-ids
+makes samples end at varied lengths, so groups are admitted while others decode (with a
+--max-num-seqs below the batch), as in RL rollouts. Each decode step's time is
 reported against its bytes floor: the weights plus the KV the step must read at least (each
 prompt once, each sample's own tokens), at the device-to-device copy rate measured in the same run.
 vLLM's figures for the same shapes: bench/vllm_fca.py.
@@ -58,7 +61,8 @@ def run_engine(engine: EmbeddedEngine, mode: str, prompts, params: SamplingParam
     return {"seconds": round(seconds, 2), "gen_tok_per_s": round(generated / seconds),
             "prefill_s": round(delta["prefill_seconds"], 2), "decode_step_ms": round(1e3 * delta["decode_seconds"] / steps, 2),
             "decode_host_prepare_ms": round(1e3 * delta["decode_prepare_seconds"] / steps, 2),
-            "fca_step_fraction": round(delta["fca_steps"] / steps, 3), "tokens": [o.tokens for o in outputs]}
+            "fca_step_fraction": round(delta["fca_steps"] / steps, 3), "prefill_steps": delta["prefill_steps"],
+            "mixed_steps": delta["mixed_steps"], "tokens": [o.tokens for o in outputs]}
 
 
 def run_hf(model, prompts, params: SamplingParams) -> dict:
@@ -88,21 +92,24 @@ def run_hf_batches(model, prompts, params: SamplingParams, per_batch: int, batch
     return {"seconds_timed": round(seconds, 2), "prompts_per_batch": per_batch, "gen_tok_per_s": round(tokens / seconds)}
 
 
-def smoke() -> dict:
+def smoke(device: str) -> dict:
+    """Greedy agreement on a tiny fp32 model: FCA, plain decode and transformers generate, with
+    groups admitted two at a time and prefill chunks of 48 tokens mixed with their decode."""
     from arctic_core.demo.task import CountingTask
     from arctic_core.demo.tiny_model import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer(CountingTask().corpus())
-    model = build_tiny_model(tokenizer, seed=0)
+    model = build_tiny_model(tokenizer, seed=0).to(device)
     reference = copy.deepcopy(model)
-    engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=8192))
+    engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=8192, max_num_seqs=8, max_prefill_tokens=48,
+                                                 chunked_prefill=True))
     prompts = random_prompts(4, 40, len(tokenizer))
     params = SamplingParams(n=4, temperature=0, max_tokens=32, stop_token_ids=NO_STOP)
     results = {mode: run_engine(engine, mode, prompts, params) for mode in ("fca", "plain")}
     results["hf_generate"] = run_hf(reference, prompts, params)
     tokens = {name: r.pop("tokens") for name, r in results.items()}
     identical = tokens["fca"] == tokens["plain"] == tokens["hf_generate"]
-    return {"greedy_identical": identical, **results}
+    return {"device": device, "greedy_identical": identical, **results}
 
 
 def gpu(args) -> dict:
@@ -114,18 +121,21 @@ def gpu(args) -> dict:
     if args.hf:
         hf_model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16).cuda()
         hf_model.load_state_dict(model.state_dict())
-    fp32 = fp32_greedy(model, config.vocab_size)  # before the engine takes the memory
+    fp32 = None if args.skip_checks else fp32_greedy(model, config.vocab_size)  # before the engine takes the memory
     engine = EmbeddedEngine(model, EngineOptions(max_num_seqs=args.max_num_seqs, cuda_graphs=not args.eager,
+                                                 max_prefill_tokens=args.max_prefill_tokens,
+                                                 chunked_prefill=args.chunked_prefill,
                                                  gpu_memory_utilization=args.gpu_memory_utilization, progress=False))
     print(f"KV cache: {engine.pool.num_blocks * engine.options.block_size} tokens", flush=True)
     if hf_model is not None:  # the engine switched the shared config to its paged attention
         set_attention_implementation(hf_model, "sdpa")
     decoders = Decoders(engine)
     checks = {}
-    for name in args.decoders:
-        decoders.use(name)
-        checks[f"{name}_graphs_equal_eager"] = graph_check(engine, config.vocab_size)
-    checks["fused_vs_transformers"] = decoder_check(engine, decoders, config.vocab_size, fp32)
+    if not args.skip_checks:
+        for name in args.decoders:
+            decoders.use(name)
+            checks[f"{name}_graphs_equal_eager"] = graph_check(engine, config.vocab_size)
+        checks["fused_vs_transformers"] = decoder_check(engine, decoders, config.vocab_size, fp32)
     print(json.dumps({"greedy_checks": checks}), flush=True)
     if args.profile:
         decoders.use(args.decoders[0])  # the checks left the last decoder they compared in place
@@ -134,7 +144,8 @@ def gpu(args) -> dict:
     results = []
     for prompts_count, samples, length in args.shapes:
         prompts = random_prompts(prompts_count, length, config.vocab_size)
-        params = SamplingParams(n=samples, temperature=1.0, max_tokens=args.new_tokens, stop_token_ids=NO_STOP, seed=0)
+        stops = random_prompts(1, args.stop_ids, config.vocab_size, seed=9)[0] if args.stop_ids else NO_STOP
+        params = SamplingParams(n=samples, temperature=1.0, max_tokens=args.new_tokens, stop_token_ids=stops, seed=0)
         row = {"prompts": prompts_count, "samples": samples, "prompt_len": length, "new_tokens": args.new_tokens,
                "decode_floor_ms": round(1e3 * step_bytes(model, prompts_count, samples, length, args.new_tokens)
                                         / copy_rate, 2)}
@@ -150,18 +161,24 @@ def gpu(args) -> dict:
 
 
 def time_decoders(engine: EmbeddedEngine, decoders: Decoders, prompts, params: SamplingParams, args) -> dict:
-    """One rollout per decoder and mode (and one step at a time too, with --compare-overlap)."""
+    """One rollout per decoder and mode (and one with each engine option of --compare-flipped flipped)."""
     row = {}
     for name in args.decoders:
         decoders.use(name)
         for mode in args.modes:
-            run_engine(engine, mode, prompts, params.model_copy(update={"max_tokens": 4}))  # captures this batch's graph
-            for overlap in (True, False) if args.compare_overlap else (True,):
-                engine.options.overlap_steps = overlap
+            # Captures this batch's graph; when comparing, a whole untimed rollout first, so that no
+            # variant pays for compiling kernels or capturing graphs the others then reuse.
+            warmup = params if args.compare_flipped else params.model_copy(update={"max_tokens": 4})
+            run_engine(engine, mode, prompts, warmup)
+            for option in (None, *args.compare_flipped):
+                setting = getattr(engine.options, option) if option else None
+                if option is not None:
+                    setattr(engine.options, option, not setting)
                 result = run_engine(engine, mode, prompts, params)
                 result.pop("tokens")
-                row[f"{name}/{mode}" + ("" if overlap else "/one_step_at_a_time")] = result
-            engine.options.overlap_steps = True
+                row[f"{name}/{mode}" + (f"/{option}={'off' if setting else 'on'}" if option else "")] = result
+                if option is not None:
+                    setattr(engine.options, option, setting)
     return row
 
 
@@ -281,7 +298,7 @@ def profile(engine: EmbeddedEngine, args, vocab: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="CPU agreement check (tiny model)")
+    parser.add_argument("--smoke", action="store_true", help="greedy agreement check on a tiny model (CPU or GPU)")
     parser.add_argument("--hf", action="store_true", help="also time transformers generate")
     parser.add_argument("--hf-prompts-per-batch", type=int, default=8)
     parser.add_argument("--hf-batches", type=int, default=1)
@@ -290,8 +307,14 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--compare-overlap", action="store_true",
-                        help="also decode one step at a time (the host reads each step's tokens before the next)")
+    parser.add_argument("--chunked-prefill", action="store_true", help="the engine's chunked_prefill option on")
+    parser.add_argument("--compare-flipped", nargs="+", default=[], choices=["overlap_steps", "chunked_prefill"],
+                        help="also run with each of these engine options flipped (overlap_steps off: the host reads "
+                        "each step's tokens before the next; chunked_prefill on: prompt chunks mixed with decode)")
+    parser.add_argument("--stop-ids", type=int, default=0, help="this many random token ids stop a sample, so "
+                        "samples end at varied lengths and groups are admitted as others finish (0: none)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=EngineOptions().max_prefill_tokens)
+    parser.add_argument("--skip-checks", action="store_true", help="no greedy agreement checks before timing")
     parser.add_argument("--profile", action="store_true", help="profile a short rollout of the first shape per mode")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--tunings", type=json.loads, default=[{}],
@@ -299,7 +322,7 @@ def main() -> None:
     parser.add_argument("--shapes", type=json.loads, default=SHAPES, help="JSON [[prompts, samples, prompt_len], ...]")
     args = parser.parse_args()
     if args.smoke:
-        print(json.dumps(smoke()))
+        print(json.dumps(smoke("cuda" if torch.cuda.is_available() else "cpu")))
     elif torch.cuda.is_available():
         print(json.dumps(gpu(args)))
     else:

@@ -125,6 +125,36 @@ def test_samples_stopping_while_the_next_step_is_queued_are_exact(tokenizer):
     assert engine.pool.num_free == engine.pool.capacity
 
 
+@pytest.mark.parametrize(("chunked", "fused_decoder"), [(True, True), (True, False), (False, True)])
+def test_prompts_prefill_in_chunks_while_running_samples_decode(tokenizer, chunked, fused_decoder):
+    # 16 prompt tokens per prefill step: long prompts span several steps, and (chunked) each step also
+    # decodes one token of every running sample. Later prompts read the system prompt's blocks that
+    # an earlier prompt's chunks computed. Greedy tokens must be generate's, sampled log-probs the model's.
+    vocab = len(tokenizer)
+    system = random_prompts((32,), vocab, seed=5)[0]
+    prompts = [system + tail for tail in random_prompts((9, 20, 3), vocab, seed=6)] + random_prompts((40, 12), vocab)
+    engine, reference = make_engine(tokenizer, kv_cache_tokens=24 * 16, max_num_seqs=6, max_prefill_tokens=16,
+                                    fca="fca", fused_decoder=fused_decoder, chunked_prefill=chunked)
+    greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=NO_STOP))
+    for out in greedy:
+        assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 12)
+    stats = engine.stats
+    assert stats.prefix_hit_tokens == 2 * 32 and stats.prefill_tokens == sum(map(len, prompts)) - 2 * 32
+    if chunked:
+        assert stats.prefill_steps >= stats.prefill_tokens / 16 and stats.mixed_steps >= 3
+    else:
+        assert stats.mixed_steps == 0
+    stops = list(range(3, 40))
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=10, stop_token_ids=stops, seed=2)
+    sampled = engine.generate(prompts, params)
+    assert len({len(o.tokens) for o in sampled}) >= 3
+    for out in sampled:
+        assert not set(out.tokens[:-1]) & set(stops)
+        expected = teacher_forced_logprobs(reference, prompts[out.prompt_index], out.tokens, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-5, rtol=0)
+    assert engine.pool.num_free == engine.pool.capacity
+
+
 def test_sampling_log_probs_are_those_of_the_distribution_sampled_from(tokenizer):
     engine, reference = make_engine(tokenizer)
     prompts = random_prompts((10, 21), len(tokenizer), seed=3)

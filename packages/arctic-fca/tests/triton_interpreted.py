@@ -230,7 +230,9 @@ def engine_matches_generate() -> bool:
     tokenizer = build_tokenizer(CountingTask().corpus())
     model = build_tiny_model(tokenizer, family="qwen3", seed=3)
     reference = copy.deepcopy(model)
-    engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=2048, fca="fca", kernel="triton"), tuning=TUNING)
+    # Prefill chunks of 24 tokens: the longer prompt's last chunks run with its sibling's decode rows.
+    options = EngineOptions(kv_cache_tokens=2048, fca="fca", kernel="triton", max_prefill_tokens=24, chunked_prefill=True)
+    engine = EmbeddedEngine(model, options, tuning=TUNING)
     prompts = [[5 + (i * 7 + j) % 200 for j in range(length)] for i, length in enumerate((20, 33))]
     outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=[10**6]))
     for out in outputs:
@@ -239,7 +241,7 @@ def engine_matches_generate() -> bool:
                                       pad_token_id=0)[0, len(prompt):].tolist()
         if out.tokens != expected:
             return False
-    return engine.stats.fca_steps == engine.stats.decode_steps > 0
+    return engine.stats.fca_steps == engine.stats.decode_steps > 0 and engine.stats.mixed_steps == 2
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 As in the demo, a short SFT warm-up teaches the tiny random policy the answer format (its sampled
 reward stays low, about 0.1); verl's own loop then runs GRPO through the Arctic switch and must
-raise the mean reward verl logs (``critic/score/mean``) by at least 0.3 (its first three steps
-against its last three). The task is the demo's "repeat a digit" part, which GRPO teaches the tiny
-policy within a few minutes of CPU time (sampling is not seeded: the margin covers run-to-run noise).
+raise the mean reward verl logs (``critic/score/mean``) by at least 0.25 (its first five steps
+against its last five). The task is the demo's "repeat a digit" part, which GRPO teaches the tiny
+policy within a few minutes of CPU time. Sampling is not seeded: over 35 steps most runs gained
+0.55-0.65 but one gained 0.27, so the run is longer and the windows wider than a typical run needs;
+without learning the gain would be 0 +- 0.05.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from arctic_core.demo.task import CountingTask
 from verl_run import COUNTING_REWARD, counting_rows, logged_steps, main_ppo_args, run_main_ppo, write_parquet
 
 OPS = ("repeat",)
-STEPS = 35
-WINDOW = 3
+STEPS = 45
+WINDOW = 5
 
 
 @pytest.mark.timeout(1500)  # verl's own start-up and per-sample agent loop dominate on 2 cores
@@ -35,4 +37,4 @@ def test_verl_grpo_on_arctic_raises_the_task_reward(tmp_path):
     assert len(rewards) == STEPS
     first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
     print(f"verl GRPO on Arctic: reward {first:.3f} -> {last:.3f} over {STEPS} steps")
-    assert last - first >= 0.3, rewards
+    assert last - first >= 0.25, rewards

@@ -7,7 +7,9 @@ attends over it:
 - prefill: per sequence, its new tokens attend causally to its cached prefix (blocks another
   prompt already filled, e.g. a shared system prompt) and to themselves;
 - decode: one token per sequence, through the step's prepared FCA / plain decode
-  (``arctic_fca.fca.decode``), planned once per step for all layers.
+  (``arctic_fca.fca.decode``), planned once per step for all layers;
+- a mixed step: decode rows first, then prefill rows (a chunk of new prompts computed while the
+  running sequences take one more token), each through its own path.
 
 Step metadata reaches every layer through the model's ``**kwargs`` (``paged=...``). The engine's
 own decoder (``decoder``) stores its keys/values itself and calls ``attend``.
@@ -42,8 +44,8 @@ class PrefillSpan:
 class StepMetadata:
     cache: PagedKVCache
     slots: torch.Tensor  # [tokens] flat cache slot of every token of the step
-    decode: PreparedDecode | None = None
-    spans: tuple[PrefillSpan, ...] = ()
+    decode: PreparedDecode | None = None  # for the step's rows before the first span (all without spans)
+    spans: tuple[PrefillSpan, ...] = ()  # the prefill rows, after the decode rows
 
 
 def paged_attention(
@@ -73,11 +75,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, paged:
            scale: float) -> torch.Tensor:
     """Attention of the step's queries ``q [T, H, D]`` (their keys/values ``k, v [T, Hkv, D]``
     already in the cache) -> ``[T, H, D]``."""
+    parts = []
     if paged.decode is not None:
-        return paged.decode(q, paged.cache.keys[layer], paged.cache.values[layer], scale)
-    query, key, value = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
-    parts = [_prefill_span(query, key, value, paged.cache, layer, span, scale) for span in paged.spans]
-    return torch.cat(parts, dim=2)[0].transpose(0, 1)
+        rows = paged.spans[0].start if paged.spans else q.shape[0]
+        parts.append(paged.decode(q[:rows], paged.cache.keys[layer], paged.cache.values[layer], scale))
+    if paged.spans:
+        query, key, value = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
+        spans = [_prefill_span(query, key, value, paged.cache, layer, span, scale) for span in paged.spans]
+        parts.append(torch.cat(spans, dim=2)[0].transpose(0, 1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _prefill_span(query, key, value, cache: PagedKVCache, layer: int, span: PrefillSpan, scale: float) -> torch.Tensor:

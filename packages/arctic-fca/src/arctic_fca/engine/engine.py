@@ -1,10 +1,13 @@
 """The embedded sampling engine: continuous batching over a paged KV cache with prefix sharing.
 
 One loop, one step at a time, over four parts that each live in a module of their own:
-- the **scheduler** admits waiting prompt groups while their worst case fits in KV blocks;
-- the **model runner** prefills the admitted groups' prompts in one packed pass (each prompt ONCE,
-  whatever ``n``, skipping full blocks another prompt already holds), else decodes every running
-  sequence one token, attention through FCA or plain paged decode as the cost model prices the step;
+- the **scheduler** admits waiting prompt groups while their worst case fits in KV blocks, and picks
+  the prompt tokens of each prefill step (``max_prefill_tokens`` at most, long prompts in chunks);
+- the **model runner** prefills those tokens in one packed pass (each prompt ONCE, whatever ``n``,
+  skipping full blocks another prompt already holds) with one decode row for every running sequence
+  in front (a mixed step: running samples keep going while new prompts prefill), else decodes every
+  running sequence one token, attention through FCA or plain paged decode as the cost model prices
+  the step;
 - the **step planner** prepares each decode step on the host (tables, slots, FCA plan, work items);
 - **sampling** (``sampling.py``) draws the tokens on the device.
 Decode steps run back to back: step t+1 is planned and queued, its input tokens taken from step t's
@@ -48,7 +51,11 @@ class EngineOptions(StrictModel):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=0.98, description="Share of the GPU the engine may fill "
                                           "(weights, activations, KV cache) when kv_cache_tokens is unset.")
     max_num_seqs: int = Field(256, gt=0, description="Sequences decoded together at most.")
-    max_prefill_tokens: int = Field(16384, gt=0, description="Prompt tokens per prefill step (one group may exceed it).")
+    max_prefill_tokens: int = Field(16384, gt=0, description="Prompt tokens per prefill step (a longer prompt "
+                                    "runs alone unless chunked_prefill).")
+    chunked_prefill: bool = Field(False, description="Split prompts longer than max_prefill_tokens across steps and "
+                                  "give every running sequence one token in each prefill step (off: whole prompts, "
+                                  "decode waits while they prefill).")
     fca: Literal["auto", "fca", "plain"] = Field("auto", description="auto: the cost model picks per step.")
     kernel: Literal["auto", "triton", "torch"] = Field("auto", description="Decode attention and sampling kernels: "
                                                        "auto is Triton on CUDA, the exact torch path elsewhere.")
@@ -66,12 +73,13 @@ class EngineOptions(StrictModel):
 @dataclass
 class EngineStats:
     prefill_steps: int = 0
+    mixed_steps: int = 0  # prefill steps that also decoded the running sequences
     prefill_tokens: int = 0  # prompt tokens run through the model
     prefix_hit_tokens: int = 0  # prompt tokens found in the cache instead
     decode_steps: int = 0
     fca_steps: int = 0
     generated_tokens: int = 0
-    prefill_seconds: float = 0.0  # wall clock (each step ends in a host read of its sampled tokens)
+    prefill_seconds: float = 0.0  # wall clock, mixed steps included (each ends in a host read of its tokens)
     decode_seconds: float = 0.0
     decode_prepare_seconds: float = 0.0  # host side of decode steps: tables, FCA plan, work items
 
@@ -159,12 +167,15 @@ class EmbeddedEngine:
     def _run(self, waiting: deque[PromptGroup], params: SamplingParams, generator: torch.Generator, stops: set[int],
              bar: tqdm) -> dict[int, list[Sequence]]:
         running: list[Sequence] = []
+        prefilling: deque[PromptGroup] = deque()  # admitted, prompt not yet computed to its end
         finished: dict[int, list[Sequence]] = {}
-        while waiting or running:
-            admitted = self.scheduler.admit(waiting, len(running), params)
+        while waiting or running or prefilling:
+            admitted = self.scheduler.admit(waiting, len(running) + len(prefilling) * params.n, params)
+            prefilling += admitted
+            self.stats.prefix_hit_tokens += sum(g.cached for g in admitted)
             begin = time.perf_counter()
-            if admitted:
-                running += self._prefill(admitted, params, generator, stops)
+            if prefilling:
+                running += self._prefill(prefilling, running, params, generator, stops)
                 self.stats.prefill_seconds += time.perf_counter() - begin
             else:
                 self._decode(running, params, generator, stops)
@@ -176,20 +187,32 @@ class EmbeddedEngine:
             running = [s for s in running if not s.done]
         return finished
 
-    def _prefill(self, groups: list[PromptGroup], params: SamplingParams, generator: torch.Generator,
-                 stops: set[int]) -> list[Sequence]:
-        logits = self.runner.prefill(groups)
+    def _prefill(self, prefilling: deque[PromptGroup], running: list[Sequence], params: SamplingParams,
+                 generator: torch.Generator, stops: set[int]) -> list[Sequence]:
+        """One prefill step (with a token for every running sequence when chunked); the samples of the
+        prompts it completed."""
+        chunked = self.options.chunked_prefill
+        pieces = self.scheduler.next_prefill(prefilling, split=chunked)
+        decoding = running if chunked else []
+        step = self.planner.plan(decoding) if decoding else None
+        logits = self.runner.prefill(pieces, step, np.array([s.tokens[-1] for s in decoding]))
         self.stats.prefill_steps += 1
-        self.stats.prefill_tokens += sum(len(g.prompt) - g.cached for g in groups)
-        self.stats.prefix_hit_tokens += sum(g.cached for g in groups)
-        prompts = [g.prompt for g in groups for _ in range(params.n)]
-        logits = logits.repeat_interleave(params.n, 0)
-        tokens, logprobs = sample(logits, row_settings(params, prompts, logits.shape[-1], self.runner.device), generator,
+        self.stats.mixed_steps += bool(decoding)
+        self.stats.prefill_tokens += sum(p.end - p.start for p in pieces)
+        completed = [p.group for p in pieces if p.completes]
+        if not (decoding or completed):  # a chunk inside a prompt: nothing to sample yet
+            return []
+        logits = torch.cat((logits[: len(decoding)], logits[len(decoding):].repeat_interleave(params.n, 0)))
+        rows = [s.tokens for s in decoding] + [g.prompt for g in completed for _ in range(params.n)]
+        tokens, logprobs = sample(logits, row_settings(params, rows, logits.shape[-1], self.runner.device), generator,
                                   triton=self.runner.triton)
-        sequences = []
-        for gi, g in enumerate(groups):
-            picked = slice(gi * params.n, (gi + 1) * params.n)
-            sequences += self.scheduler.fork(g, params, tokens[picked].tolist(), logprobs[picked].tolist(), stops)
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        self._append(decoding, tokens[: len(decoding)], logprobs[: len(decoding)], stops)
+        sequences, first = [], len(decoding)
+        for group in completed:
+            picked = slice(first, first + params.n)
+            sequences += self.scheduler.fork(group, params, tokens[picked], logprobs[picked], stops)
+            first += params.n
         self.stats.generated_tokens += len(sequences)
         return sequences
 
@@ -203,7 +226,7 @@ class EmbeddedEngine:
         ids: np.ndarray | torch.Tensor = np.array([s.tokens[-1] for s in running])
         step = self.planner.plan(running)
         while True:
-            logits = self.runner.decode(_padded(ids, step.positions.size), step)
+            logits = self.runner.decode(ids, step)
             if row_params is None:  # the batch is fixed until this returns
                 row_params = row_settings(params, [s.tokens for s in running], logits.shape[-1], self.runner.device)
             tokens, logprobs = sample(logits[:count], row_params, generator, triton=self.runner.triton)
@@ -256,13 +279,6 @@ class TokensInFlight:
             self.copied.synchronize()
         tokens, logprobs = self.host.tolist()
         return tokens, logprobs
-
-
-def _padded(ids: np.ndarray | torch.Tensor, rows: int) -> np.ndarray | torch.Tensor:
-    """Token ids for a step padded to its ``rows`` (padding rows read token 0)."""
-    if isinstance(ids, torch.Tensor):
-        return torch.nn.functional.pad(ids, (0, rows - ids.numel()))
-    return np.pad(ids.astype(np.int64), (0, rows - ids.size))
 
 
 def row_settings(params: SamplingParams, rows: list[list[int]], vocab: int, device: torch.device) -> RowParams:

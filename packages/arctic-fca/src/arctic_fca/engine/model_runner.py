@@ -1,5 +1,6 @@
 """The model on the device: its paged KV cache sized to the memory it may take, the packed prefill
-pass, and the decode pass (replayed from a CUDA graph where one fits, eager otherwise).
+pass (with one decode row per running sequence in front when prefill and decode are mixed), and the
+decode pass (replayed from a CUDA graph where one fits, eager otherwise).
 
 Qwen3, Qwen2, Llama and Mistral models run on the engine's own decoder (``decoder``: fused
 kernels, the model's weights); any other transformers causal LM runs its own modules with the
@@ -18,9 +19,9 @@ from arctic_core.hf import copy_weights_, set_attention_implementation
 from arctic_fca.engine.attention import ATTENTION_NAME, PrefillSpan, StepMetadata
 from arctic_fca.engine.decoder import FusedDecoder
 from arctic_fca.engine.kv_cache import PagedKVCache
-from arctic_fca.engine.sequence import PromptGroup
+from arctic_fca.engine.sequence import PrefillPiece
 from arctic_fca.engine.step_planner import StepPlan
-from arctic_fca.fca.decode import default_kernel, prepare_decode
+from arctic_fca.fca.decode import PreparedDecode, default_kernel, prepare_decode
 from arctic_fca.fca.tuning import Tuning
 
 CPU_DEFAULT_KV_TOKENS = 1 << 16
@@ -74,38 +75,55 @@ class ModelRunner:
 
     # ---- forward passes ----------------------------------------------------------------------
 
-    def prefill(self, groups: list[PromptGroup]) -> torch.Tensor:
-        """Each group's uncached prompt tokens in one packed pass; the logits ``[groups, vocab]``
-        at each prompt's last position (they start all ``n`` samples)."""
+    def prefill(self, pieces: list[PrefillPiece], step: StepPlan | None = None,
+                ids: np.ndarray | None = None) -> torch.Tensor:
+        """The pieces' prompt tokens in one packed pass, after one decode row per sequence of ``step``
+        (whose input tokens are ``ids``) when given. The logits ``[decode rows + completed prompts,
+        vocab]``: each decoded sequence's, then each completed prompt's last position's (they start
+        its ``n`` samples)."""
         bs = self.options.block_size
-        ids, positions, slots, spans, start = [], [], [], [], 0
-        for g in groups:
-            pos = np.arange(g.cached, len(g.prompt))
-            all_slots = _slots(g.blocks, np.arange(len(g.prompt)), bs)
-            ids.append(g.prompt[g.cached:])
+        decode_rows = step.positions.size if step is not None else 0
+        rows, positions, slots, spans, start = [], [], [], [], decode_rows
+        for piece in pieces:
+            pos = np.arange(piece.start, piece.end)
+            all_slots = _slots(piece.group.blocks, np.arange(piece.end), bs)
+            rows.append(piece.group.prompt[piece.start : piece.end])
             positions.append(pos)
-            slots.append(all_slots[g.cached:])
-            context = torch.from_numpy(all_slots).to(self.device) if g.cached else None
-            spans.append(PrefillSpan(start, start + pos.size, g.cached, context))
+            slots.append(all_slots[piece.start :])
+            context = torch.from_numpy(all_slots).to(self.device) if piece.start else None
+            spans.append(PrefillSpan(start, start + pos.size, piece.start, context))
             start += pos.size
-        meta = StepMetadata(self.cache, torch.from_numpy(np.concatenate(slots)).to(self.device), spans=tuple(spans))
-        last_rows = torch.tensor([s.end - 1 for s in spans], device=self.device)
-        return self.forward(np.concatenate([np.asarray(i) for i in ids]), np.concatenate(positions), meta, last_rows)
+        logit_rows = [s.end - 1 for s, p in zip(spans, pieces, strict=True) if p.completes]
+        decode = None
+        if step is not None:
+            rows.insert(0, _padded(ids, decode_rows))
+            positions.insert(0, step.positions)
+            slots.insert(0, step.slots)
+            logit_rows = list(range(ids.size)) + logit_rows
+            decode = self._prepare_decode(step)
+        meta = StepMetadata(self.cache, torch.from_numpy(np.concatenate(slots)).to(self.device), decode=decode,
+                            spans=tuple(spans))
+        return self.forward(np.concatenate([np.asarray(r) for r in rows]), np.concatenate(positions), meta,
+                            torch.tensor(logit_rows, dtype=torch.long, device=self.device))
 
     def decode(self, ids: np.ndarray | torch.Tensor, step: StepPlan) -> torch.Tensor:
-        """One token for every row of the (padded) step; the logits ``[rows, vocab]``. ``ids``: on the
-        host, or on the device (the previous step's samples, not yet read by the host)."""
+        """One token for every running sequence of the step; the logits ``[rows, vocab]`` (rows: the
+        step's, padding included). ``ids``: on the host, or on the device (the previous step's samples,
+        not yet read by the host)."""
+        ids = _padded(ids, step.positions.size)
         if self.graphs is not None:
             logits = self.graphs.run(ids, step.positions, step.slots, step.work, step.layout.tables.numpy(),
                                      step.layout.key)
             if logits is not None:
                 return logits
         # No graphs, or a step that does not fit them: eager, with this step's prepared attention.
-        decode = prepare_decode(step.layout.tables, step.seq_lens, self.options.block_size, **self.heads,
-                                mode="fca" if step.plan is not None else "plain", kernel=self.options.kernel,
-                                device=self.device, plan=step.plan, tuning=self.tuning)
-        meta = StepMetadata(self.cache, torch.from_numpy(step.slots).to(self.device), decode=decode)
+        meta = StepMetadata(self.cache, torch.from_numpy(step.slots).to(self.device), decode=self._prepare_decode(step))
         return self.forward(ids, step.positions, meta, None)
+
+    def _prepare_decode(self, step: StepPlan) -> PreparedDecode:
+        return prepare_decode(step.layout.tables, step.seq_lens, self.options.block_size, **self.heads,
+                              mode="fca" if step.plan is not None else "plain", kernel=self.options.kernel,
+                              device=self.device, plan=step.plan, tuning=self.tuning)
 
     def forward(self, ids: np.ndarray | torch.Tensor, positions: np.ndarray, meta: StepMetadata,
                 rows: torch.Tensor | None) -> torch.Tensor:
@@ -152,6 +170,13 @@ def check_supported(model: PreTrainedModel) -> None:
                           "use the hf-generate sampler")
     if model.get_output_embeddings() is None:
         raise ConfigError(f"{type(model).__name__} has no output embedding: not a causal LM")
+
+
+def _padded(ids: np.ndarray | torch.Tensor, rows: int) -> np.ndarray | torch.Tensor:
+    """A step's input token ids padded to its ``rows`` (padding rows read token 0)."""
+    if isinstance(ids, torch.Tensor):
+        return torch.nn.functional.pad(ids, (0, rows - ids.numel()))
+    return np.pad(np.asarray(ids, dtype=np.int64), (0, rows - ids.size))
 
 
 def _slots(blocks: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:

@@ -1,9 +1,12 @@
-"""Admission and KV blocks: which prompt groups run next, the blocks they take, and the fork of a
-prefilled prompt into its ``n`` samples.
+"""Admission and KV blocks: which prompt groups run next, the blocks they take, which of their
+prompt tokens each prefill step computes, and the fork of a prefilled prompt into its ``n`` samples.
 
 A group is admitted while its worst case fits: its prompt's blocks not already cached (the prefix
 index finds full blocks another prompt holds), plus ``n`` times the blocks for ``max_tokens``. So
 a running sequence never waits for memory and nothing is ever preempted.
+
+Admitted prompts are computed first in, first out, ``max_prefill_tokens`` per step: a prompt whose
+blocks another admitted prompt shares is therefore never computed before them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from arctic_core.config import SamplingParams
 from arctic_core.errors import RequestError
 from arctic_fca.engine.blocks import BlockPool, block_hashes
 from arctic_fca.engine.kv_cache import PagedKVCache
-from arctic_fca.engine.sequence import PromptGroup, Sequence
+from arctic_fca.engine.sequence import PrefillPiece, PromptGroup, Sequence
 
 
 class Scheduler:
@@ -48,9 +51,9 @@ class Scheduler:
         return prompt_blocks + params.n * self.own_blocks(prompt_len, params)
 
     def admit(self, waiting: deque[PromptGroup], num_running: int, params: SamplingParams) -> list[PromptGroup]:
-        """Take groups off ``waiting`` while their samples, blocks and prefill tokens fit."""
+        """Take groups off ``waiting`` while their samples and blocks fit (``num_running``: samples
+        running or being prefilled)."""
         admitted: list[PromptGroup] = []
-        tokens = 0
         bs = self.block_size
         while waiting:
             group = waiting[0]
@@ -67,17 +70,32 @@ class Scheduler:
                 shared.pop()  # keep the last prompt token to compute: its logits start the samples
             if self.group_blocks(len(group.prompt), len(shared), params) > self.pool.num_free:
                 break
-            new_tokens = len(group.prompt) - len(shared) * bs
-            if admitted and tokens + new_tokens > self.max_prefill_tokens:
-                break
             self.pool.share(shared)
             fresh = self.pool.allocate(math.ceil(len(group.prompt) / bs) - len(shared))
             for digest, block in zip(hashes[len(shared):], fresh, strict=False):
                 self.pool.register(block, digest)
             group.blocks, group.cached = shared + fresh, len(shared) * bs
+            group.prefilled = group.cached
             admitted.append(waiting.popleft())
-            tokens += new_tokens
         return admitted
+
+    def next_prefill(self, prefilling: deque[PromptGroup], split: bool) -> list[PrefillPiece]:
+        """The prompt tokens of the next prefill step, ``max_prefill_tokens`` at most (at least one
+        whole prompt when not ``split``); whole prompts leave ``prefilling``."""
+        pieces: list[PrefillPiece] = []
+        budget = self.max_prefill_tokens
+        while prefilling and budget > 0:
+            group = prefilling[0]
+            left = len(group.prompt) - group.prefilled
+            if not split and pieces and left > budget:
+                break
+            take = min(left, budget) if split else left
+            pieces.append(PrefillPiece(group, group.prefilled, group.prefilled + take))
+            group.prefilled += take
+            budget -= take
+            if group.prefilled == len(group.prompt):
+                prefilling.popleft()
+        return pieces
 
     def fork(self, group: PromptGroup, params: SamplingParams, first_tokens: list[int], first_logprobs: list[float],
              stops: set[int]) -> list[Sequence]:

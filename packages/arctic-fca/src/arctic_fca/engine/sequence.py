@@ -27,6 +27,21 @@ class PromptGroup:
     prompt: list[int]
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks, while it is prefilled
     cached: int = 0  # prompt tokens whose K/V another prompt already holds
+    prefilled: int = 0  # prompt tokens whose K/V are in the cache (cached ones included)
+
+
+@dataclass(frozen=True)
+class PrefillPiece:
+    """Prompt positions ``start:end`` of ``group`` computed in one step (a chunk of its prompt)."""
+
+    group: PromptGroup
+    start: int
+    end: int
+
+    @property
+    def completes(self) -> bool:
+        """Whether the prompt's last token is in this piece: its logits start the ``n`` samples."""
+        return self.end == len(self.group.prompt)
 
 
 @dataclass
