@@ -297,16 +297,25 @@ def test_bad_requests_and_unsupported_models_get_clear_errors(tokenizer):
     assert engine.generate([[5, 6]], SamplingParams(max_tokens=2))  # still serving
 
 
-def test_a_failing_call_gives_every_block_back(tokenizer, monkeypatch):
-    engine, reference = make_engine(tokenizer)
+@pytest.mark.parametrize("failing", ["decode", "second prefill chunk"])
+def test_a_failing_call_gives_every_block_back(tokenizer, monkeypatch, failing):
+    # Chunks of 16 tokens: when the second one fails, the prompts' blocks are indexed but not all computed.
+    engine, reference = make_engine(tokenizer, chunked_prefill=True, max_prefill_tokens=16)
     prompts = random_prompts((20, 33), len(tokenizer))
     params = SamplingParams(n=2, temperature=0, max_tokens=8, stop_token_ids=NO_STOP)
+    prefill, calls = engine.runner.prefill, []
 
     def dies(*args, **kwargs):
-        raise RuntimeError("device fell over mid-decode")
+        calls.append(1)
+        if failing == "second prefill chunk" and len(calls) == 1:
+            return prefill(*args, **kwargs)
+        raise RuntimeError(f"device fell over in the {failing}")
 
-    monkeypatch.setattr(engine, "_decode", dies)
-    with pytest.raises(RuntimeError, match="mid-decode"):
+    if failing == "decode":
+        monkeypatch.setattr(engine, "_decode", dies)
+    else:
+        monkeypatch.setattr(engine.runner, "prefill", dies)
+    with pytest.raises(RuntimeError, match=failing):
         engine.generate(prompts, params)
     monkeypatch.undo()
     assert engine.pool.num_free == engine.pool.capacity

@@ -233,6 +233,7 @@ def engine_matches_generate() -> bool:
     # Prefill chunks of 24 tokens: the longer prompt's last chunks run with its sibling's decode rows.
     options = EngineOptions(kv_cache_tokens=2048, fca="fca", kernel="triton", max_prefill_tokens=24, chunked_prefill=True)
     engine = EmbeddedEngine(model, options, tuning=TUNING)
+    engine.planner.with_work = True  # as on a GPU with graphs: eager steps run the planner's work items
     prompts = [[5 + (i * 7 + j) % 200 for j in range(length)] for i, length in enumerate((20, 33))]
     outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=[10**6]))
     for out in outputs:

@@ -2,9 +2,11 @@
 
 As in the demo, a short SFT warm-up teaches the tiny random policy the answer format (its sampled
 reward stays low, about 0.1); SkyRL's own loop then runs GRPO through the Arctic override and must
-raise the mean reward SkyRL logs (``reward/avg_raw_reward``) by at least 0.3 (its first three
-steps against its last three). The task is the demo's "repeat a digit" part, which GRPO teaches the
-tiny policy within minutes of CPU time (sampling is not seeded: the margin covers run-to-run noise).
+raise the mean reward SkyRL logs (``reward/avg_raw_reward``) by at least 0.25 (its first five
+steps against its last five). The task is the demo's "repeat a digit" part, which GRPO teaches the
+tiny policy within minutes of CPU time. Sampling is not seeded: the same task through verl gained
+0.55-0.65 in most runs of 35 steps but 0.27 in one, so the run is longer and the windows wider than
+a typical run needs; without learning the gain would be 0 +- 0.05.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from arctic_core.demo.task import CountingTask
 from skyrl_run import counting_rows, logged_scalars, main_base_args, run_main_base, write_parquet
 
 OPS = ("repeat",)
-STEPS = 35
-WINDOW = 3
+STEPS = 45
+WINDOW = 5
 
 
 @pytest.mark.timeout(1500)
@@ -33,4 +35,5 @@ def test_skyrl_grpo_on_arctic_raises_the_task_reward(tmp_path):
     rewards = [value for _, value in sorted(logged_scalars(tmp_path / "tensorboard")["reward/avg_raw_reward"].items())]
     assert len(rewards) == STEPS
     first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
-    assert last - first >= 0.3, rewards
+    print(f"SkyRL GRPO on Arctic: reward {first:.3f} -> {last:.3f} over {STEPS} steps")
+    assert last - first >= 0.25, rewards

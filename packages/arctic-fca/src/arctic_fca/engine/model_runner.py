@@ -121,9 +121,10 @@ class ModelRunner:
         return self.forward(ids, step.positions, meta, None)
 
     def _prepare_decode(self, step: StepPlan) -> PreparedDecode:
+        """The step's attention, run eagerly (its work items, when the planner built them for the graphs, reused)."""
         return prepare_decode(step.layout.tables, step.seq_lens, self.options.block_size, **self.heads,
                               mode="fca" if step.plan is not None else "plain", kernel=self.options.kernel,
-                              device=self.device, plan=step.plan, tuning=self.tuning)
+                              device=self.device, plan=step.plan, tuning=self.tuning, work=step.work)
 
     def forward(self, ids: np.ndarray | torch.Tensor, positions: np.ndarray, meta: StepMetadata,
                 rows: torch.Tensor | None) -> torch.Tensor:

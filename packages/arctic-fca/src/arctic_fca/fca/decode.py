@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -20,6 +20,9 @@ from arctic_fca.fca.layout import SUPPORTED_DTYPES, check_block_size
 from arctic_fca.fca.plan import FCAPlan, build_plan
 from arctic_fca.fca.reference import plain_decode
 from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
+
+if TYPE_CHECKING:
+    from arctic_fca.fca.work import DecodeWork
 
 Mode = Literal["auto", "fca", "plain"]
 Kernel = Literal["auto", "triton", "torch"]
@@ -71,12 +74,14 @@ def choose_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
 def prepare_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, *, num_q_heads: int,
                    num_kv_heads: int, head_dim: int, dtype: torch.dtype, mode: Mode = "auto",
                    kernel: Kernel = "auto", device: torch.device | str | None = None,
-                   plan: FCAPlan | None = None, tuning: Tuning = DEFAULT_TUNING) -> PreparedDecode:
+                   plan: FCAPlan | None = None, tuning: Tuning = DEFAULT_TUNING,
+                   work: DecodeWork | None = None) -> PreparedDecode:
     """Plan one decode step from the host copies of ``block_tables`` / ``seq_lens`` (int32), for
     caches on ``device`` (default: where the tables are). ``mode``: "auto" lets the cost model pick
     FCA or plain; ``kernel``: "auto" picks Triton on CUDA and torch elsewhere. ``plan``: the tree of
     these tables when the caller already has it (an engine reuses it until a block fills up);
-    ``tuning``: the Triton kernels' launch and split settings."""
+    ``tuning``: the Triton kernels' launch and split settings; ``work``: the Triton kernels' work
+    items for this plan when the caller built them on the host (``arctic_fca.fca.work.build_work``)."""
     device = torch.device(device) if device is not None else block_tables.device
     block_tables, seq_lens = block_tables.cpu(), seq_lens.cpu()
     check_block_size(block_size)
@@ -90,10 +95,11 @@ def prepare_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_siz
     tables_on_device = block_tables.to(device, non_blocking=True)
     prepared = PreparedDecode(tables_on_device, seq_lens.to(device, non_blocking=True), plan, chosen_kernel)
     if chosen_kernel == "triton":
-        from arctic_fca.fca.work import plan_work
+        from arctic_fca.fca.work import plan_work, to_device
 
-        prepared.work = plan_work(plan, tables_on_device, seq_lens, block_size, num_q_heads, num_kv_heads, head_dim,
-                                  tuning=tuning)
+        prepared.work = (to_device(work, tables_on_device, num_q_heads, head_dim, tuning) if work is not None else
+                         plan_work(plan, tables_on_device, seq_lens, block_size, num_q_heads, num_kv_heads, head_dim,
+                                   tuning=tuning))
     elif plan is not None:
         prepared.plan = plan.to(device)
     return prepared
