@@ -190,6 +190,38 @@ def test_checkpointing_the_first_layers_recomputes_only_those_and_keeps_the_grad
     assert max_relative_error(grads, reference["full_grads"]) < 1e-4
 
 
+@pytest.mark.parametrize(("backend", "free", "recomputed"), [
+    ("deepspeed3", "one layer's worth", [1, 0]), ("torch", "one layer's worth", [1, 0]),
+    ("deepspeed3", "plenty", [0, 0]), ("deepspeed3", "none (CPU)", [1, 1]),
+])
+def test_auto_checkpointing_keeps_the_layers_free_memory_holds(config_of, batch, reference, monkeypatch, backend, free,
+                                                              recomputed):
+    # One micro-batch per call. "One layer's worth" is the budget in which exactly the last of the two
+    # layers keeps its activations; "plenty" holds both; off CUDA there is no budget: all are recomputed.
+    from arctic_zorro import checkpoint_policy
+    from arctic_zorro.packed_forward import HEAD_CHUNK_TOKENS
+
+    options = {"backend": "deepspeed", "options": {"zero_stage": 3}} if backend == "deepspeed3" else {"backend": "torch"}
+    trainer = {**options, "micro_batch_tokens": 4096, "gradient_checkpointing": True, "checkpoint_layers": "auto"}
+    with ArcticClient.in_process(config_of(trainer=trainer)) as client:
+        engine = trainer_of(client)
+        model = engine.model
+        tokens = checkpoint_policy.micro_batch_tokens(batch, grouped=True)
+        kept = checkpoint_policy.kept_layer_bytes(model.config, 4)
+        head = min(int(batch.response_lens.sum()), HEAD_CHUNK_TOKENS) * model.config.vocab_size * checkpoint_policy.HEAD_BYTES_PER_LOGIT
+        budget = {"one layer's worth": tokens * (2 * kept + model.config.hidden_size * 4) + head,
+                  "plenty": 1 << 40, "none (CPU)": None}[free]
+        monkeypatch.setattr(checkpoint_policy, "activation_budget", lambda device: budget)
+        layers = model.model.layers
+        calls = [0] * len(layers)
+        for index, layer in enumerate(layers):
+            layer.mlp.forward = counting(layer.mlp.forward, calls, index)
+        client.fwd_bwd(batch, LOSS)
+        grads = engine.full_gradients()
+    assert calls == [1 + recomputed[0], 1 + recomputed[1]]
+    assert max_relative_error(grads, reference["full_grads"]) < 1e-4
+
+
 def test_checkpoint_layers_are_checked_against_the_model(config_of):
     with pytest.raises(ConfigError, match="checkpoint_layers needs gradient_checkpointing"):
         config_of(trainer={"checkpoint_layers": 1})

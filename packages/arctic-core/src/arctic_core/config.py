@@ -90,9 +90,10 @@ class TrainerConfig(EngineSection):
         16384, description="Token budget of one micro-batch inside a fwd_bwd or log_probs call."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass.")
-    checkpoint_layers: Annotated[int, Field(ge=0)] | None = Field(None, description=(
+    checkpoint_layers: Annotated[int, Field(ge=0)] | Literal["auto"] | None = Field(None, description=(
         "With gradient_checkpointing: checkpoint only the first N decoder layers; the others keep "
-        "their activations (less recompute, more memory). None: every layer."))
+        "their activations (less recompute, more memory). None: every layer. auto: before each "
+        "micro-batch, as few as the free GPU memory allows (every layer on the CPU)."))
     options: dict[str, Any] = Field(default_factory=dict, description="Backend-specific settings.")
 
     @model_validator(mode="after")

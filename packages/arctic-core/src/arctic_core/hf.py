@@ -78,20 +78,30 @@ def set_attention_implementation(model: torch.nn.Module, name: str) -> None:
 
 def enable_gradient_checkpointing(model: PreTrainedModel, layers: int | None = None) -> None:
     """Recompute decoder layers' activations in the backward pass instead of keeping them: every
-    layer (``layers`` None) or only the first ``layers``. The first ones, because the backward pass
-    runs the last layers first: their kept activations are freed before any layer is recomputed,
-    so the peak stays at the forward's end (the checkpointed layers' inputs plus the others'
-    activations). Takes effect in training mode only (transformers' rule)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
+    layer (``layers`` None) or only the first ``layers`` (:func:`checkpoint_first_layers`). Takes
+    effect in training mode only (transformers' rule)."""
     kwargs = {"use_reentrant": False}  # a reentrant checkpoint drops the gradients of keyword inputs
     if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5.24
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if layers is None:
-        return
-    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if layers is not None:
+        checkpoint_first_layers(model, layers)
+
+
+def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The layers transformers can checkpoint, in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def checkpoint_first_layers(model: PreTrainedModel, layers: int) -> None:
+    """Checkpoint only the first ``layers`` decoder layers (checkpointing enabled). The first ones,
+    because the backward pass runs the last layers first: their kept activations are freed before
+    any layer is recomputed, so the peak stays at the forward's end (the checkpointed layers'
+    inputs plus the others' activations)."""
+    blocks = decoder_layers(model)
     if layers > len(blocks):
         raise ConfigError(f"checkpoint_layers ({layers}) exceeds the model's {len(blocks)} decoder layers")
     for index, block in enumerate(blocks):

@@ -26,6 +26,7 @@ from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerC
 from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
+from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.lr_schedule import lr_factor, set_lr
 from arctic_zorro.param_groups import param_groups
 from arctic_zorro.micro_batches import Align, micro_forward_backward, micro_log_probs
@@ -254,12 +255,14 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         super().__init__(config, model, seed=seed)
         if config.gradient_checkpointing:
             self.engine.train()  # transformers only checkpoints in training mode
+        self.train_forward = training_forward(self.engine, config, self.model, self.device, self.options.zorro,
+                                              agree=True)
         self.steps = 0
         self.has_gradients = False  # a backward ran since the last step (DeepSpeed cannot step without one)
 
     def _initialize(self, module: torch.nn.Module, config: Any, model: ModelConfig) -> Any:
         if config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model, config.checkpoint_layers)
+            enable_gradient_checkpointing(self.model, fixed_layers(config))
         factor = lr_factor(config.scheduler)
         engine, *_ = deepspeed.initialize(
             model=module,
@@ -276,7 +279,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         self.has_gradients = True  # even a failure part-way may have added some: discard_gradients() clears them
         # engine.backward only accumulates here: step() is the one accumulation boundary.
         return micro_forward_backward(
-            self.engine, self.engine.backward, batch, objective, ctx, scale,
+            self.train_forward, self.engine.backward, batch, objective, ctx, scale,
             self.micro_batch_tokens, self.options.zorro.enable, self.device, self._align(backward=True),
         )
 

@@ -52,6 +52,13 @@ def forest_cost(batch: RolloutBatch, rows: list[int]) -> int:
     return int(sum(int(batch.prompt_lens[p]) for p in prompts) + batch.response_lens[rows].sum())
 
 
+def micro_batch_tokens(batch: RolloutBatch, grouped: bool) -> int:
+    """Tokens the forward runs for all of ``batch``: deduplicated (``grouped``) or padded rows."""
+    if grouped:
+        return forest_cost(batch, list(range(batch.num_responses)))
+    return batch.num_responses * int((batch.prompt_lens[batch.prompt_index] + batch.response_lens).max())
+
+
 def _split_group(batch: RolloutBatch, rows: list[int], token_budget: int) -> list[list[int]]:
     """A group as chunks of its responses whose cost (prompt + responses) fits the budget."""
     prompt = int(batch.prompt_lens[batch.prompt_index[rows[0]]])

@@ -16,6 +16,7 @@ from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerC
 from arctic_core.errors import RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
+from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
 from arctic_zorro.lr_schedule import lr_factor, set_lr
 from arctic_zorro.param_groups import param_groups
@@ -43,6 +44,7 @@ class TorchLogProbEngine:
         self.model = load_causal_lm(model)
         self.model.eval()  # no dropout: RL needs the same log-probs from every forward
         self.forward = select_forward(self.model, options.zorro)
+        self.zorro = options.zorro
         self.grouped = options.zorro.enable  # the packed forward wants whole prompt groups per micro-batch
         self.device = next(self.model.parameters()).device
         self.asleep = False
@@ -88,8 +90,9 @@ class TorchTrainer(TorchLogProbEngine):
         super().__init__(config, model, seed=seed)
         self.config = config
         if config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model, config.checkpoint_layers)
+            enable_gradient_checkpointing(self.model, fixed_layers(config))
             self.model.train()  # transformers only checkpoints in training mode
+        self.train_forward = training_forward(self._micro_forward, config, self.model, self.device, self.zorro)
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(param_groups(self.model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.scheduler))
@@ -100,7 +103,7 @@ class TorchTrainer(TorchLogProbEngine):
     ) -> dict[str, float]:
         self._check(batch)
         return micro_forward_backward(
-            self._micro_forward, torch.Tensor.backward, batch, objective, ctx, scale,
+            self.train_forward, torch.Tensor.backward, batch, objective, ctx, scale,
             self.micro_batch_tokens, self.grouped, self.device,
         )
 
