@@ -15,6 +15,7 @@ measured (0.83 GiB per kept layer at 8,192 tokens, 2.5 GiB at 24,576): on the sa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 
 import torch
@@ -27,6 +28,8 @@ from arctic_core.plugins.interfaces import Processor
 from arctic_zorro.micro_batches import MicroForward as Forward
 from arctic_zorro.micro_batches import micro_batch_tokens
 from arctic_zorro.packed_forward import ZorroOptions
+
+log = logging.getLogger(__name__)
 
 RESERVE_FRACTION = 0.1
 """Device memory never planned for activations: allocator fragmentation, ZeRO-3 gathers, kernels' scratch."""
@@ -99,6 +102,8 @@ class AutoCheckpointing:
         if self.agree:
             checkpointed = _most_over_ranks(checkpointed, self.device)
         if checkpointed != self.checkpointed:
+            log.info("checkpoint_layers auto: %d of %d layers for %d tokens", checkpointed, self.num_layers,
+                     self.tokens_of(micro))
             checkpoint_first_layers(self.model, checkpointed)
             self.checkpointed = checkpointed
         return checkpointed
