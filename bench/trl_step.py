@@ -5,6 +5,7 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     P=2048 STEPS=4 python3 bench/trl_step.py               # the embedded sampler
     P=2048 STEPS=4 SAMPLER=vllm python3 bench/trl_step.py   # vLLM 0.24 + FCA as Arctic's sampler
     P=2048 STEPS=4 CHECKPOINT_LAYERS=auto python3 bench/trl_step.py  # recompute only what memory needs
+    P=2048 STEPS=4 COMPILE_ELEMENTWISE=1 python3 bench/trl_step.py   # norms and SiLU x up compiled
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
 The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
@@ -94,9 +95,14 @@ def main() -> None:
     if os.environ.get("SAMPLER", "embedded") == "vllm":  # the same switch a user flips: arctic={"sampler": ...}
         sampler = {"backend": "vllm", "options": {**sampler["options"], "fca": True}}
     arctic = {"sampler": sampler}
+    trainer_options = {}
     if os.environ.get("CHECKPOINT_LAYERS"):  # "auto" or a count: recompute fewer layers than TRL's every one
         layers = os.environ["CHECKPOINT_LAYERS"]
-        arctic["trainer"] = {"checkpoint_layers": layers if layers == "auto" else int(layers)}
+        trainer_options["checkpoint_layers"] = layers if layers == "auto" else int(layers)
+    if os.environ.get("COMPILE_ELEMENTWISE") == "1":
+        trainer_options["compile_elementwise"] = True
+    if trainer_options:
+        arctic["trainer"] = trainer_options
     trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": texts}),
                           callbacks=[timer], arctic=arctic)
     timer.wrap(trainer.arctic)

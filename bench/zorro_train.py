@@ -29,6 +29,7 @@ from arctic_core.hf import enable_gradient_checkpointing, set_attention_implemen
 from arctic_core.losses.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest
 from arctic_zorro.forward import response_outputs, scatter_values
+from arctic_zorro.fused_elementwise import compile_elementwise
 from arctic_zorro import packed_forward
 from arctic_zorro.packed_forward import enable_forest_attention, head_outputs
 from shapes import QWEN3_1_7B
@@ -189,6 +190,23 @@ def profile(model, batch: RolloutBatch) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), file=sys.stderr)
 
 
+def compiled_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
+    """ZoRRo with the RMSNorms and SiLU x up compiled (``trainer.compile_elementwise``), every
+    layer checkpointed and none."""
+    fused = compile_elementwise(model)
+    enable_forest_attention(model)
+    try:
+        ckpt_ms, ckpt_peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
+        model.gradient_checkpointing_disable()
+        nockpt_ms, nockpt_peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
+    finally:
+        enable_gradient_checkpointing(model)
+        for module in fused:
+            del module.forward
+    return {"zorro_compiled_ms": round(ckpt_ms, 1), "zorro_compiled_peak_gib": round(ckpt_peak, 2),
+            "zorro_compiled_no_ckpt_ms": round(nockpt_ms, 1), "zorro_compiled_no_ckpt_peak_gib": round(nockpt_peak, 2)}
+
+
 def extra_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
     """ZoRRo without gradient checkpointing (its memory allows it) and the full-head baseline."""
     set_attention_implementation(model, "arctic_varlen")
@@ -245,6 +263,8 @@ def gpu(args) -> dict[str, object]:
                "baseline_step_gib": round(b_extra, 2), "zorro_step_gib": round(z_extra, 2)}
         if args.extra_variants:
             row.update(extra_variants(model, batch, args.iters))
+        if args.compile_elementwise:
+            row.update(compiled_variants(model, batch, args.iters))
         if args.checkpoint_layers:
             row.update(partial_checkpointing(model, batch, args.iters, args.checkpoint_layers, b_peak,
                                              (args.layers, z_ms, z_peak)))
@@ -270,6 +290,8 @@ def main() -> None:
                         default=SHAPES, help="P/R/N,P/R/N,...")
     parser.add_argument("--no-bf16-check", dest="bf16_check", action="store_false")
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels at the first shape")
+    parser.add_argument("--compile-elementwise", action="store_true",
+                        help="also time ZoRRo with the RMSNorms and SiLU x up compiled, checkpointed and not")
     parser.add_argument("--extra-variants", action="store_true", help="also time the full-head baseline and ZoRRo without checkpointing")
     parser.add_argument("--checkpoint-layers", type=lambda s: [int(k) for k in s.split(",")], default=[],
                         help="K,K,...: also time ZoRRo with only its first K layers checkpointed")

@@ -222,6 +222,38 @@ def test_auto_checkpointing_keeps_the_layers_free_memory_holds(config_of, batch,
     assert max_relative_error(grads, reference["full_grads"]) < 1e-4
 
 
+@pytest.mark.parametrize("backend", ["deepspeed3", "torch"])
+def test_compiled_elementwise_layers_give_the_reference_log_probs_and_gradients(config_of, batch, reference, backend):
+    import functools
+
+    from arctic_zorro import fused_elementwise
+
+    options = {"backend": "deepspeed", "options": {"zero_stage": 3}} if backend == "deepspeed3" else {"backend": "torch"}
+    trainer = {**options, "compile_elementwise": True, "gradient_checkpointing": True}  # recomputed layers too
+    with ArcticClient.in_process(config_of(trainer=trainer)) as client:
+        model = trainer_of(client).model
+        fused = [m for m in model.modules() if isinstance(m.forward, functools.partial)
+                 and m.forward.func in (fused_elementwise._norm_forward, fused_elementwise._mlp_forward)]
+        norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+        assert len(fused) == len(norms) + len(model.model.layers) and len(norms) == 4 * len(model.model.layers) + 1
+        logprobs = client.log_probs(batch, processors=["logprobs", "entropy"]).outputs
+        client.fwd_bwd(batch, LOSS)
+        grads = trainer_of(client).full_gradients()
+    for name in ("logprobs", "entropy"):
+        torch.testing.assert_close(logprobs[name], reference["logprobs"][name], atol=1e-5, rtol=0)
+    assert max_relative_error(grads, reference["full_grads"]) < 1e-4
+
+
+def test_compile_elementwise_refuses_models_it_does_not_cover():
+    from transformers import AutoConfig
+
+    from arctic_zorro.fused_elementwise import compile_elementwise
+
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ConfigError, match="compile_elementwise supports qwen3, qwen2, llama, mistral models, not 'gpt2'"):
+        compile_elementwise(gpt2)
+
+
 def test_checkpoint_layers_are_checked_against_the_model(config_of):
     with pytest.raises(ConfigError, match="checkpoint_layers needs gradient_checkpointing"):
         config_of(trainer={"checkpoint_layers": 1})

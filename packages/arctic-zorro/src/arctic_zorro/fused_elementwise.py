@@ -1,0 +1,70 @@
+"""``trainer.compile_elementwise``: the decoder layers' RMSNorms and SiLU x up as fused kernels.
+
+In training, transformers' RMSNorm runs about six elementwise kernels forward (upcast, square,
+mean, rsqrt, multiply, downcast and the weight) and more backward, SiLU x up three; with gradient
+checkpointing the forward ones run twice. On the H200 they are about a third of a GRPO
+micro-batch's GPU time for the Qwen3-1.7B shape. ``torch.compile`` turns each into one kernel
+forward and one or two backward, from the same expressions as transformers' (the casts where
+transformers casts), so the result is the same math; only the order of the fp32 sums differs.
+
+Two functions are compiled once per process (dynamic shapes: any token count, the hidden and the
+head norms' widths) and every matching module's ``forward`` calls them, so no module is compiled
+on its own; hooks on the modules (ZeRO-3's weight gathers) run as before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from arctic_core.errors import ConfigError
+
+FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of these families, expression for expression."""
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(dtype)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+def _norm_forward(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return _compiled(rms_norm)(hidden, module.weight, module.variance_epsilon)
+
+
+def _mlp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module.down_proj(_compiled(silu_and_mul)(module.gate_proj(x), module.up_proj(x)))
+
+
+def compile_elementwise(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """Point ``model``'s RMSNorms and MLPs at the compiled functions; the modules that now use them
+    (``del module.forward`` gives one back its own)."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        raise ConfigError(f"compile_elementwise supports {', '.join(FAMILIES)} models, not {config.model_type!r}")
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        raise ConfigError("compile_elementwise needs SiLU MLPs without biases")
+    fused = []
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = functools.partial(_norm_forward, module)
+        elif all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj")):
+            module.forward = functools.partial(_mlp_forward, module)
+        else:
+            continue
+        fused.append(module)
+    return fused
