@@ -201,7 +201,7 @@ def test_auto_checkpointing_keeps_the_layers_free_memory_holds(config_of, batch,
     from arctic_zorro import checkpoint_policy
     from arctic_zorro.packed_forward import HEAD_CHUNK_TOKENS
 
-    options = {"backend": "deepspeed", "options": {"zero_stage": 3}} if backend == "deepspeed3" else {"backend": "torch"}
+    options = deepspeed_trainer(3) if backend == "deepspeed3" else REFERENCE
     trainer = {**options, "micro_batch_tokens": 4096, "gradient_checkpointing": True, "checkpoint_layers": "auto"}
     with ArcticClient.in_process(config_of(trainer=trainer)) as client:
         engine = trainer_of(client)
@@ -228,7 +228,7 @@ def test_compiled_elementwise_layers_give_the_reference_log_probs_and_gradients(
 
     from arctic_zorro import fused_elementwise
 
-    options = {"backend": "deepspeed", "options": {"zero_stage": 3}} if backend == "deepspeed3" else {"backend": "torch"}
+    options = deepspeed_trainer(3) if backend == "deepspeed3" else REFERENCE
     trainer = {**options, "compile_elementwise": True, "gradient_checkpointing": True}  # recomputed layers too
     with ArcticClient.in_process(config_of(trainer=trainer)) as client:
         model = trainer_of(client).model

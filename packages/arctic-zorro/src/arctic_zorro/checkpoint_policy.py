@@ -93,17 +93,15 @@ class AutoCheckpointing:
 
     def before(self, micro: RolloutBatch) -> int:
         """Checkpoint the layers ``micro`` needs; returns how many."""
-        budget = activation_budget(self.device)
+        budget, tokens = activation_budget(self.device), self.tokens_of(micro)
         checkpointed = self.num_layers
         if budget is not None:
             budget -= self.head_tokens_of(micro) * self.model.config.vocab_size * HEAD_BYTES_PER_LOGIT
-            checkpointed = layers_to_checkpoint(self.num_layers, self.tokens_of(micro), self.kept_bytes,
-                                                self.input_bytes, budget)
+            checkpointed = layers_to_checkpoint(self.num_layers, tokens, self.kept_bytes, self.input_bytes, budget)
         if self.agree:
             checkpointed = _most_over_ranks(checkpointed, self.device)
         if checkpointed != self.checkpointed:
-            log.info("checkpoint_layers auto: %d of %d layers for %d tokens", checkpointed, self.num_layers,
-                     self.tokens_of(micro))
+            log.info("checkpoint_layers auto: %d of %d layers for %d tokens", checkpointed, self.num_layers, tokens)
             checkpoint_first_layers(self.model, checkpointed)
             self.checkpointed = checkpointed
         return checkpointed

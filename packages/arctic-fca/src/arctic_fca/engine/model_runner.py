@@ -21,7 +21,7 @@ from arctic_fca.engine.decoder import FusedDecoder
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.engine.sequence import PrefillPiece
 from arctic_fca.engine.step_planner import StepPlan
-from arctic_fca.fca.decode import PreparedDecode, default_kernel, prepare_decode
+from arctic_fca.fca.decode import PreparedDecode, prepare_decode, resolve_kernel
 from arctic_fca.fca.tuning import Tuning
 
 CPU_DEFAULT_KV_TOKENS = 1 << 16
@@ -40,7 +40,7 @@ class ModelRunner:
                           dtype=model.dtype)
         self.cache = PagedKVCache(config.num_hidden_layers, self._num_blocks(), options.block_size, self.num_kv_heads,
                                   self.head_dim, model.dtype, self.device)
-        self.triton = options.kernel == "triton" or (options.kernel == "auto" and default_kernel(self.device) == "triton")
+        self.triton = resolve_kernel(options.kernel, self.device) == "triton"
         self.max_model_len = options.max_model_len or getattr(config, "max_position_embeddings", None) or 1 << 16
         self.decoder = FusedDecoder.of(model, self.max_model_len) if options.fused_decoder else None
         self.graphs = None

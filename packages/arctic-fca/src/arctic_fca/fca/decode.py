@@ -32,6 +32,11 @@ def default_kernel(device: torch.device) -> Literal["triton", "torch"]:
     return "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
 
 
+def resolve_kernel(kernel: Kernel, device: torch.device) -> Literal["triton", "torch"]:
+    """The kernels that run: ``kernel``, or for "auto" the device's default."""
+    return default_kernel(device) if kernel == "auto" else kernel
+
+
 @dataclass
 class PreparedDecode:
     block_tables: torch.Tensor
@@ -89,7 +94,7 @@ def prepare_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_siz
         raise TypeError(f"decode attention supports fp32/bf16/fp16, got {dtype}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    chosen_kernel = default_kernel(device) if kernel == "auto" else kernel
+    chosen_kernel = resolve_kernel(kernel, device)
     plan = choose_plan(block_tables, seq_lens, block_size, mode=mode, num_q_heads=num_q_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, plan=plan)
     tables_on_device = block_tables.to(device, non_blocking=True)
