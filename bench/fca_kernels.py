@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from arctic_fca.fca import fca_attention_with_lse, fca_decode_attention
 from arctic_fca.fca.decode import prepare_decode
 from arctic_fca.fca.reference import gather_paged_kv, paged_decode_attention
-from fca_common import (GPU_PREFIXES, GPU_SHAPES, GPU_SUFFIX, QWEN3_8B_HEADS, attention_args, build_batch,
-                        copy_bandwidth_bytes_per_s, describe, layer_copies, max_abs_diff, per_layer_us, time_us)
+from fca_common import (GPU_PREFIXES, GPU_SHAPES, GPU_SUFFIX, QWEN3_1_7B_HEADS, QWEN3_8B_HEADS, attention_args,
+                        build_batch, copy_bandwidth_bytes_per_s, describe, layer_copies, max_abs_diff, per_layer_us,
+                        time_us)
 
 # ----------------------------------------------------------------------------- CPU smoke
 
@@ -119,20 +120,20 @@ def gpu() -> dict:
             "results": results}
 
 
-def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096))) -> dict:
-    """Where an FCA step's time goes (Qwen3-8B heads): the node launch alone, the single-request
+def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096)), heads=QWEN3_8B_HEADS) -> dict:
+    """Where an FCA step's time goes (``heads``: Qwen3-8B's by default): the node launch alone, the single-request
     launch alone, both side by side, the merge alone, and the whole step, each from a CUDA graph;
     with the unique-byte bandwidth of the whole step and the node launch's tensor-core rate."""
     from arctic_fca.fca import triton_decode as td
 
     copy_bw = copy_bandwidth_bytes_per_s()
-    scale = 1 / math.sqrt(QWEN3_8B_HEADS["head_dim"])
+    scale = 1 / math.sqrt(heads["head_dim"])
     rows = []
     for groups, samples, prefix in shapes:
-        batch = build_batch(groups, samples, prefix, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **QWEN3_8B_HEADS)
+        batch = build_batch(groups, samples, prefix, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **heads)
         query, key_cache, value_cache, block_tables, seq_lens = attention_args(batch)
         prepared = prepare_decode(block_tables.cpu(), seq_lens.cpu(), key_cache.shape[1], mode="fca",
-                                  dtype=query.dtype, device="cuda", **QWEN3_8B_HEADS)
+                                  dtype=query.dtype, device="cuda", **heads)
         work = prepared.work
         out = torch.empty_like(query)
         caches = layer_copies(key_cache, value_cache)
@@ -148,7 +149,7 @@ def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096
         us = {name: per_layer_us(run) for name, run in runs.items()}
         info = describe(batch)
         node_items = int(work.node.count.item())
-        node_flops = 4 * 128 * 32 * samples * groups * prefix  # QK and PV over each request's shared tokens
+        node_flops = 4 * heads["head_dim"] * heads["num_q_heads"] * samples * groups * prefix  # QK and PV over each request's shared tokens
         row = {"shape": f"{groups}x{samples}@{prefix}", "node_items": node_items,
                "single_items": int(work.single.count.item()), "partial_rows": int(work.merge_rows.numel()),
                **{f"{k}_us": round(v, 1) for k, v in us.items()},
@@ -165,13 +166,16 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="GPU: an FCA step's launches timed one by one")
     parser.add_argument("--shapes", type=lambda s: [tuple(map(int, x.split("/"))) for x in s.split(",")],
                         help="G/S/P,...: groups/samples/prefix for --breakdown")
+    parser.add_argument("--heads", choices=["qwen3-8b", "qwen3-1.7b"], default="qwen3-8b",
+                        help="attention heads of --breakdown")
     args = parser.parse_args()
     if args.smoke:
         print(json.dumps(smoke()))
     elif not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --smoke for the CPU exactness check")
     elif args.breakdown:
-        print(json.dumps(breakdown(*[args.shapes] if args.shapes else [])))
+        heads = QWEN3_8B_HEADS if args.heads == "qwen3-8b" else QWEN3_1_7B_HEADS
+        print(json.dumps(breakdown(*[args.shapes] if args.shapes else [], heads=heads)))
     else:
         print(json.dumps(gpu()))
 

@@ -150,7 +150,7 @@ def gpu(args) -> dict:
                "decode_floor_ms": round(1e3 * step_bytes(model, prompts_count, samples, length, args.new_tokens)
                                         / copy_rate, 2)}
         for tuning in args.tunings:  # FCA kernel settings to compare ({}: the defaults)
-            use_tuning(engine, DEFAULT_TUNING.replace(**tuning))
+            use_tuning(engine, tuning_of(tuning))
             suffix = f" {json.dumps(tuning)}" if tuning else ""
             row.update({key + suffix: value for key, value in time_decoders(engine, decoders, prompts, params, args).items()})
         if hf_model is not None:
@@ -180,6 +180,13 @@ def time_decoders(engine: EmbeddedEngine, decoders: Decoders, prompts, params: S
                 if option is not None:
                     setattr(engine.options, option, setting)
     return row
+
+
+def tuning_of(changes: dict) -> Tuning:
+    """The default tuning with ``changes`` (a launch's own settings as a dict: {"node": {"num_stages": 3}})."""
+    launches = {name: dataclasses.replace(getattr(DEFAULT_TUNING, name), **changes[name])
+                for name in ("node", "single") if name in changes}
+    return DEFAULT_TUNING.replace(**{**changes, **launches})
 
 
 def use_tuning(engine: EmbeddedEngine, tuning: Tuning) -> None:

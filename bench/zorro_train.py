@@ -173,21 +173,37 @@ def bf16_error(model_bf16, shape) -> dict[str, float]:
     }
 
 
-def profile(model, batch: RolloutBatch) -> None:
-    """Top CUDA kernels of one ZoRRo and one baseline fwd+bwd (where the time goes)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    for name, forward, attention in (("zorro", packed_response_outputs, None), ("baseline", plain_packed_outputs, "arctic_varlen")):
+def profile(model, batch: RolloutBatch, compiled: bool = False) -> None:
+    """Top CUDA kernels of one ZoRRo and one baseline fwd+bwd (where the time goes); ``compiled``:
+    also ZoRRo with ``compile_elementwise`` and no checkpointing."""
+    variants = [("zorro", packed_response_outputs, None), ("baseline", plain_packed_outputs, "arctic_varlen")]
+    for name, forward, attention in variants:
         if attention:
             set_attention_implementation(model, attention)
         else:
             enable_forest_attention(model)
-        timed_fwd_bwd(model, forward, batch, 1)
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            timed_fwd_bwd(model, forward, batch, 0)
-        print(f"== {name}", file=sys.stderr)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), file=sys.stderr)
+        _print_profile(name, model, forward, batch)
+    if compiled:
+        fused = compile_elementwise(model)
+        enable_forest_attention(model)
+        model.gradient_checkpointing_disable()
+        try:
+            _print_profile("zorro, compiled, no checkpointing", model, packed_response_outputs, batch)
+        finally:
+            enable_gradient_checkpointing(model)
+            for module in fused:
+                del module.forward
+
+
+def _print_profile(name: str, model, forward, batch: RolloutBatch) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    timed_fwd_bwd(model, forward, batch, 1)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_fwd_bwd(model, forward, batch, 0)
+    print(f"== {name}", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), file=sys.stderr)
 
 
 def compiled_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
@@ -275,7 +291,7 @@ def gpu(args) -> dict[str, object]:
         rows.append(row)
     result = {"device": torch.cuda.get_device_name(), "layers": args.layers, "torch": torch.__version__, "rows": rows}
     if args.profile:
-        profile(model, grpo_batch(*args.shapes[0], config.vocab_size))
+        profile(model, grpo_batch(*args.shapes[0], config.vocab_size), compiled=args.compile_elementwise)
     if args.bf16_check:
         result["bf16_error_1024_512_8"] = bf16_error(model, (1024, 512, 8))
     return result

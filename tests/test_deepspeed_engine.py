@@ -244,14 +244,19 @@ def test_compiled_elementwise_layers_give_the_reference_log_probs_and_gradients(
     assert max_relative_error(grads, reference["full_grads"]) < 1e-4
 
 
-def test_compile_elementwise_refuses_models_it_does_not_cover():
+def test_compile_elementwise_refuses_models_it_does_not_cover_and_auto_skips_them(tiny_policy):
     from transformers import AutoConfig
 
-    from arctic_zorro.fused_elementwise import compile_elementwise
+    from arctic_zorro.fused_elementwise import apply_compile_elementwise
 
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ConfigError, match="compile_elementwise supports qwen3, qwen2, llama, mistral models, not 'gpt2'"):
-        compile_elementwise(gpt2)
+        apply_compile_elementwise(gpt2, True)
+    assert apply_compile_elementwise(gpt2, "auto") == []  # the default: other families run as they are
+    qwen3 = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    assert apply_compile_elementwise(qwen3, "auto") == []  # compiling pays on a GPU, not on the CPU
+    assert apply_compile_elementwise(qwen3, False) == []
+    assert len(apply_compile_elementwise(qwen3, True)) == 5 * qwen3.config.num_hidden_layers + 1
 
 
 def test_checkpoint_layers_are_checked_against_the_model(config_of):

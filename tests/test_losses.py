@@ -17,7 +17,7 @@ import torch
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LossTermConfig
-from arctic_core.errors import BatchError, ConfigError, PluginNotFoundError
+from arctic_core.errors import BatchError, ConfigError, PluginNotFoundError, RequestError
 from arctic_core.plugins.interfaces import LossContext
 from arctic_core.losses.policy import CISPOLoss, GSPOLoss, PolicyGradientLoss, PPOLoss, SAPOLoss, VESPOLoss
 from arctic_core.losses.regularizers import EntropyBonus, KLLoss, SFTLoss
@@ -391,6 +391,33 @@ def test_logprobs_processor(temperature: float, target: int, expected: float) ->
     logits = torch.tensor([[0.0, math.log(2.0)]])
     out = LogProbs(temperature=temperature)(logits, torch.tensor([target]))
     assert out["logprobs"].item() == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_compiled_processors_equal_the_eager_expressions(temperature: float, dtype: torch.dtype) -> None:
+    """On a GPU the processors run compiled (``fused``); compiled here on the CPU, the same functions
+    give the eager values and gradients (bf16 logits are upcast inside) for any number of rows."""
+    from arctic_core.losses import processors
+
+    gen = torch.Generator().manual_seed(0)
+    grad_rtol = 1e-4 if dtype == torch.float32 else 8e-3  # bf16: one rounding step of the gradient
+    for rows in (7, 33):  # one compilation serves both (dynamic shapes)
+        logits = (3 * torch.randn(rows, 1000, generator=gen)).to(dtype)
+        targets = torch.randint(0, 1000, (rows,), generator=gen)
+        for fn, args in ((processors.log_probs_at, (targets, temperature)), (processors.entropy_of, (temperature,))):
+            eager_in, compiled_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+            eager, compiled = fn(eager_in, *args), processors._compiled(fn)(compiled_in, *args)
+            torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=0)
+            weights = torch.randn(rows, generator=gen)
+            (eager * weights).sum().backward()
+            (compiled * weights).sum().backward()
+            torch.testing.assert_close(compiled_in.grad, eager_in.grad, rtol=grad_rtol, atol=1e-7)
+
+
+def test_a_temperature_of_zero_is_refused_when_the_processor_is_built() -> None:
+    with pytest.raises(RequestError, match="processor temperature must be > 0, got 0"):
+        LogProbs(temperature=0)
 
 
 # --------------------------------------------------------------------------- errors

@@ -12,7 +12,9 @@ from datasets import Dataset
 
 from arctic_core.demo.task import CountingTask
 from arctic_core.demo.tiny_model import save_tiny_policy
+from arctic_core.config import ArcticConfig
 from arctic_trl import GRPOTrainer
+from arctic_trl.mapping import arctic_config
 from arctic_trl.trainer import group_micro_batches
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
@@ -251,6 +253,16 @@ def test_trls_training_settings_reach_the_backend(policy, tmp_path):
     logged = {key for h in trainer.state.log_history for key in h}
     assert {"rewards/variety_reward/mean", "rewards/length_reward/mean", "arctic/kl/kl"} <= logged
     trainer.arctic.close()
+
+
+def test_trls_gradient_checkpointing_recomputes_only_the_layers_memory_cannot_keep(tmp_path):
+    """TRL's gradient_checkpointing=True (its default) becomes checkpoint_layers: auto (the same
+    gradients; fewer layers recomputed where the free GPU memory keeps them); arctic= still wins."""
+    checkpointed = grpo_args(tmp_path, gradient_checkpointing=True)
+    assert ArcticConfig.from_dict(arctic_config("m", checkpointed)).trainer.checkpoint_layers == "auto"
+    pinned = arctic_config("m", checkpointed, {"trainer": {"checkpoint_layers": None}})
+    assert ArcticConfig.from_dict(pinned).trainer.checkpoint_layers is None
+    assert ArcticConfig.from_dict(arctic_config("m", grpo_args(tmp_path))).trainer.checkpoint_layers is None
 
 
 def test_unsupported_settings_fail_clearly(policy, tmp_path):

@@ -94,9 +94,10 @@ class TrainerConfig(EngineSection):
         "With gradient_checkpointing: checkpoint only the first N decoder layers; the others keep "
         "their activations (less recompute, more memory). None: every layer. auto: before each "
         "micro-batch, as few as the free GPU memory allows (every layer on the CPU)."))
-    compile_elementwise: bool = Field(False, description=(
+    compile_elementwise: bool | Literal["auto"] = Field("auto", description=(
         "Run the decoder layers' RMSNorms and SiLU x up (Qwen3, Qwen2, Llama, Mistral) as kernels fused "
-        "by torch.compile: the same expressions, fewer kernels; the first calls compile."))
+        "by torch.compile: the same expressions, fewer kernels; the first calls compile. auto: on for "
+        "those families on a CUDA device; true: on, refusing other models."))
     options: dict[str, Any] = Field(default_factory=dict, description="Backend-specific settings.")
 
     @model_validator(mode="after")

@@ -128,6 +128,9 @@ def arctic_config(model_path: str, args: GRPOConfig, overrides: dict[str, Any] |
             "gradient_checkpointing": bool(args.gradient_checkpointing),
         },
     }
+    if args.gradient_checkpointing:
+        # TRL checkpoints to fit in memory: recompute only the layers the free memory cannot keep.
+        config["trainer"]["checkpoint_layers"] = "auto"
     if args.beta != 0.0:
         config["reference"] = {}
     for key, value in (overrides or {}).items():

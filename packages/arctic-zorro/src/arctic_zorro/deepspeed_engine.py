@@ -27,7 +27,7 @@ from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
-from arctic_zorro.fused_elementwise import compile_elementwise
+from arctic_zorro.fused_elementwise import apply_compile_elementwise
 from arctic_zorro.lr_schedule import lr_factor, set_lr
 from arctic_zorro.param_groups import param_groups
 from arctic_zorro.micro_batches import Align, micro_forward_backward, micro_log_probs
@@ -262,8 +262,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         self.has_gradients = False  # a backward ran since the last step (DeepSpeed cannot step without one)
 
     def _initialize(self, module: torch.nn.Module, config: Any, model: ModelConfig) -> Any:
-        if config.compile_elementwise:
-            compile_elementwise(self.model)
+        apply_compile_elementwise(self.model, config.compile_elementwise)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, fixed_layers(config))
         factor = lr_factor(config.scheduler)

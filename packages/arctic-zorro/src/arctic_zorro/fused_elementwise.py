@@ -15,12 +15,16 @@ on its own; hooks on the modules (ZeRO-3's weight gathers) run as before.
 from __future__ import annotations
 
 import functools
+import logging
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from arctic_core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 
@@ -50,14 +54,33 @@ def _mlp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module.down_proj(_compiled(silu_and_mul)(module.gate_proj(x), module.up_proj(x)))
 
 
+def unsupported_reason(model: PreTrainedModel) -> str | None:
+    """Why ``model``'s layers cannot use the compiled functions (None: they can)."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"compile_elementwise supports {', '.join(FAMILIES)} models, not {config.model_type!r}"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+        return "compile_elementwise needs SiLU MLPs without biases"
+    return None
+
+
+def apply_compile_elementwise(model: PreTrainedModel, setting: bool | Literal["auto"]) -> list[torch.nn.Module]:
+    """The ``trainer.compile_elementwise`` setting: True compiles (refusing models it does not cover),
+    "auto" compiles where it pays and applies (a CUDA model of a covered family), False never."""
+    if setting == "auto":
+        reason = "the model is not on a CUDA device" if model.device.type != "cuda" else unsupported_reason(model)
+        if reason is not None:
+            log.info("compile_elementwise auto: off (%s)", reason)
+            return []
+    return compile_elementwise(model) if setting else []
+
+
 def compile_elementwise(model: PreTrainedModel) -> list[torch.nn.Module]:
     """Point ``model``'s RMSNorms and MLPs at the compiled functions; the modules that now use them
     (``del module.forward`` gives one back its own)."""
-    config = model.config
-    if config.model_type not in FAMILIES:
-        raise ConfigError(f"compile_elementwise supports {', '.join(FAMILIES)} models, not {config.model_type!r}")
-    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
-        raise ConfigError("compile_elementwise needs SiLU MLPs without biases")
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ConfigError(reason)
     fused = []
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):

@@ -17,7 +17,7 @@ from arctic_core.errors import RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
-from arctic_zorro.fused_elementwise import compile_elementwise
+from arctic_zorro.fused_elementwise import apply_compile_elementwise
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
 from arctic_zorro.lr_schedule import lr_factor, set_lr
 from arctic_zorro.param_groups import param_groups
@@ -90,8 +90,7 @@ class TorchTrainer(TorchLogProbEngine):
     def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
         super().__init__(config, model, seed=seed)
         self.config = config
-        if config.compile_elementwise:
-            compile_elementwise(self.model)
+        apply_compile_elementwise(self.model, config.compile_elementwise)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(self.model, fixed_layers(config))
             self.model.train()  # transformers only checkpoints in training mode

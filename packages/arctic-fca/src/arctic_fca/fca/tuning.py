@@ -24,7 +24,9 @@ class LaunchConfig:
 class Tuning:
     node: LaunchConfig = LaunchConfig(num_stages=5)  # shared-node items: tall query tiles
     single: LaunchConfig = LaunchConfig(num_stages=2)  # one request's own tokens
-    programs_per_sm: int = 32  # persistent programs (x KV heads) per streaming multiprocessor
+    # Persistent programs (x KV heads) per streaming multiprocessor: 4 rather than one program per
+    # item lifted small rollouts by 1-2.5% on the H200 (tail items run in the same wave).
+    programs_per_sm: int = 4
     merge_rows: int = 16  # partial rows a merge program reads at once
     overlap_launches: bool = True  # node and single launches on two CUDA streams (they write disjoint rows)
     items_per_sm: int = 2  # split target: work items (x KV heads) per streaming multiprocessor
