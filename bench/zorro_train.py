@@ -13,6 +13,7 @@ does not fit at the larger shapes). Both use gradient checkpointing. The last li
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -184,15 +185,9 @@ def profile(model, batch: RolloutBatch, compiled: bool = False) -> None:
             enable_forest_attention(model)
         _print_profile(name, model, forward, batch)
     if compiled:
-        fused = compile_elementwise(model)
-        enable_forest_attention(model)
-        model.gradient_checkpointing_disable()
-        try:
+        with elementwise_compiled(model), without_checkpointing(model):
+            enable_forest_attention(model)
             _print_profile("zorro, compiled, no checkpointing", model, packed_response_outputs, batch)
-        finally:
-            enable_gradient_checkpointing(model)
-            for module in fused:
-                del module.forward
 
 
 def _print_profile(name: str, model, forward, batch: RolloutBatch) -> None:
@@ -206,19 +201,35 @@ def _print_profile(name: str, model, forward, batch: RolloutBatch) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), file=sys.stderr)
 
 
+@contextlib.contextmanager
+def elementwise_compiled(model):
+    """``model`` with ``compile_elementwise`` applied, given back its own forwards after."""
+    fused = compile_elementwise(model)
+    try:
+        yield
+    finally:
+        for module in fused:
+            del module.forward
+
+
+@contextlib.contextmanager
+def without_checkpointing(model):
+    """``model`` with no layer checkpointed, every layer again after."""
+    model.gradient_checkpointing_disable()
+    try:
+        yield
+    finally:
+        enable_gradient_checkpointing(model)
+
+
 def compiled_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
     """ZoRRo with the RMSNorms and SiLU x up compiled (``trainer.compile_elementwise``), every
     layer checkpointed and none."""
-    fused = compile_elementwise(model)
     enable_forest_attention(model)
-    try:
+    with elementwise_compiled(model):
         ckpt_ms, ckpt_peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
-        model.gradient_checkpointing_disable()
-        nockpt_ms, nockpt_peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
-    finally:
-        enable_gradient_checkpointing(model)
-        for module in fused:
-            del module.forward
+        with without_checkpointing(model):
+            nockpt_ms, nockpt_peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
     return {"zorro_compiled_ms": round(ckpt_ms, 1), "zorro_compiled_peak_gib": round(ckpt_peak, 2),
             "zorro_compiled_no_ckpt_ms": round(nockpt_ms, 1), "zorro_compiled_no_ckpt_peak_gib": round(nockpt_peak, 2)}
 
@@ -228,11 +239,8 @@ def extra_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
     set_attention_implementation(model, "arctic_varlen")
     full_ms, full_peak, _ = timed_fwd_bwd(model, lambda m, b, p: plain_packed_outputs(m, b, p, full_head=True), batch, iters)
     enable_forest_attention(model)
-    model.gradient_checkpointing_disable()
-    try:
+    with without_checkpointing(model):
         nockpt_ms, nockpt_peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
-    finally:
-        enable_gradient_checkpointing(model)
     return {"baseline_full_head_ms": round(full_ms, 1), "baseline_full_head_peak_gib": round(full_peak, 2),
             "zorro_no_ckpt_ms": round(nockpt_ms, 1), "zorro_no_ckpt_peak_gib": round(nockpt_peak, 2)}
 

@@ -398,6 +398,7 @@ def test_logprobs_processor(temperature: float, target: int, expected: float) ->
 def test_the_compiled_processors_equal_the_eager_expressions(temperature: float, dtype: torch.dtype) -> None:
     """On a GPU the processors run compiled (``fused``); compiled here on the CPU, the same functions
     give the eager values and gradients (bf16 logits are upcast inside) for any number of rows."""
+    from arctic_core.compiling import compiled
     from arctic_core.losses import processors
 
     gen = torch.Generator().manual_seed(0)
@@ -407,11 +408,11 @@ def test_the_compiled_processors_equal_the_eager_expressions(temperature: float,
         targets = torch.randint(0, 1000, (rows,), generator=gen)
         for fn, args in ((processors.log_probs_at, (targets, temperature)), (processors.entropy_of, (temperature,))):
             eager_in, compiled_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-            eager, compiled = fn(eager_in, *args), processors._compiled(fn)(compiled_in, *args)
-            torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=0)
+            eager, fused = fn(eager_in, *args), compiled(fn)(compiled_in, *args)
+            torch.testing.assert_close(fused, eager, atol=1e-5, rtol=0)
             weights = torch.randn(rows, generator=gen)
             (eager * weights).sum().backward()
-            (compiled * weights).sum().backward()
+            (fused * weights).sum().backward()
             torch.testing.assert_close(compiled_in.grad, eager_in.grad, rtol=grad_rtol, atol=1e-7)
 
 

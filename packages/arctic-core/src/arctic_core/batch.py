@@ -216,9 +216,13 @@ class RolloutBatch:
             out[p].append(row)
         return out
 
+    def sequence_lens(self) -> torch.Tensor:
+        """``[B]``: each row's prompt + response length."""
+        return self.prompt_lens[self.prompt_index] + self.response_lens
+
     def total_tokens(self) -> int:
         """Tokens of the plain (non-deduplicated) batch: sum of prompt + response lengths."""
-        return int(self.prompt_lens[self.prompt_index].sum() + self.response_lens.sum())
+        return int(self.sequence_lens().sum())
 
     def sequences(self) -> list[torch.Tensor]:
         """``prompt + response`` token ids of every row (int64, CPU)."""

@@ -16,7 +16,7 @@ from arctic_core.plugins.interfaces import Processor
 
 
 def _rows(batch: RolloutBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = batch.prompt_lens[batch.prompt_index] + batch.response_lens
+    lengths = batch.sequence_lens()
     ids = torch.zeros(batch.num_responses, int(lengths.max()), dtype=torch.long)
     for i in range(batch.num_responses):
         seq = batch.prompt(i) + batch.response(i)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from arctic_core.compiling import compiled
 from arctic_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -41,17 +42,12 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=True)
-
-
 def _norm_forward(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    return _compiled(rms_norm)(hidden, module.weight, module.variance_epsilon)
+    return compiled(rms_norm)(hidden, module.weight, module.variance_epsilon)
 
 
 def _mlp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return module.down_proj(_compiled(silu_and_mul)(module.gate_proj(x), module.up_proj(x)))
+    return module.down_proj(compiled(silu_and_mul)(module.gate_proj(x), module.up_proj(x)))
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:

@@ -56,7 +56,7 @@ def micro_batch_tokens(batch: RolloutBatch, grouped: bool) -> int:
     """Tokens the forward runs for all of ``batch``: deduplicated (``grouped``) or padded rows."""
     if grouped:
         return forest_cost(batch, list(range(batch.num_responses)))
-    return batch.num_responses * int((batch.prompt_lens[batch.prompt_index] + batch.response_lens).max())
+    return batch.num_responses * int(batch.sequence_lens().max())
 
 
 def _split_group(batch: RolloutBatch, rows: list[int], token_budget: int) -> list[list[int]]:
@@ -75,7 +75,7 @@ def _split_group(batch: RolloutBatch, rows: list[int], token_budget: int) -> lis
 
 
 def _padded_plan(batch: RolloutBatch, token_budget: int) -> list[list[int]]:
-    lengths = (batch.prompt_lens[batch.prompt_index] + batch.response_lens).tolist()
+    lengths = batch.sequence_lens().tolist()
     plans: list[list[int]] = []
     current: list[int] = []
     longest = 0

@@ -11,11 +11,11 @@ Qwen3), about a sixth of a GRPO micro-batch on the H200; compiled, log-probs and
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
+from arctic_core.compiling import compiled
 from arctic_core.errors import RequestError
 
 
@@ -36,14 +36,9 @@ def entropy_of(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.logsumexp(z, dim=-1) - (probs * z).sum(-1)
 
 
-@functools.cache
-def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    return torch.compile(fn, dynamic=True)
-
-
 def fused(fn: Callable[..., torch.Tensor], logits: torch.Tensor, *args: object) -> torch.Tensor:
     """``fn(logits, *args)``: compiled for CUDA logits, eager elsewhere (where compiling does not pay)."""
-    return (_compiled(fn) if logits.is_cuda else fn)(logits, *args)
+    return (compiled(fn) if logits.is_cuda else fn)(logits, *args)
 
 
 def _check_temperature(temperature: float) -> float:
