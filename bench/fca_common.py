@@ -3,6 +3,7 @@ decode step runs the kernels (replayed from CUDA graphs, layer after layer, each
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -10,6 +11,7 @@ import time
 import torch
 
 from arctic_fca.fca import build_plan, choose, estimate_bytes
+from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 
 QWEN3_8B_HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 QWEN3_1_7B_HEADS = dict(num_q_heads=16, num_kv_heads=8, head_dim=128)
@@ -75,6 +77,13 @@ def describe(batch: dict) -> dict:
     return {"plan": plan, "nodes": plan.num_nodes, "byte_ratio": round(plan.plain_kv_tokens() / plan.fca_kv_tokens(), 3),
             "choice": choose(plan, **heads), "bytes": estimate_bytes(plan, **heads)}
 
+
+
+def tuning_of(changes: dict) -> Tuning:
+    """The default tuning with ``changes`` (a launch's own settings as a dict: {"node": {"num_stages": 3}})."""
+    launches = {name: dataclasses.replace(getattr(DEFAULT_TUNING, name), **changes[name])
+                for name in ("node", "single") if name in changes}
+    return DEFAULT_TUNING.replace(**{**changes, **launches})
 
 
 # ----------------------------------------------------------------------------- GPU timing

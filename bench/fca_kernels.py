@@ -22,6 +22,7 @@ vLLM path's device-built work: bench/fca_device_work.py.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -35,7 +36,7 @@ from arctic_fca.fca.decode import prepare_decode
 from arctic_fca.fca.reference import gather_paged_kv, paged_decode_attention
 from fca_common import (GPU_PREFIXES, GPU_SHAPES, GPU_SUFFIX, QWEN3_1_7B_HEADS, QWEN3_8B_HEADS, attention_args,
                         build_batch, copy_bandwidth_bytes_per_s, describe, layer_copies, max_abs_diff, per_layer_us,
-                        time_us)
+                        time_us, tuning_of)
 
 # ----------------------------------------------------------------------------- CPU smoke
 
@@ -120,20 +121,22 @@ def gpu() -> dict:
             "results": results}
 
 
-def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096)), heads=QWEN3_8B_HEADS) -> dict:
+def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096)), heads=QWEN3_8B_HEADS,
+              tunings=({},)) -> dict:
     """Where an FCA step's time goes (``heads``: Qwen3-8B's by default): the node launch alone, the single-request
     launch alone, both side by side, the merge alone, and the whole step, each from a CUDA graph;
-    with the unique-byte bandwidth of the whole step and the node launch's tensor-core rate."""
+    with the unique-byte bandwidth of the whole step and the node launch's tensor-core rate; per
+    FCA tuning of ``tunings`` (overrides of the defaults, ``{}``: the defaults)."""
     from arctic_fca.fca import triton_decode as td
 
     copy_bw = copy_bandwidth_bytes_per_s()
     scale = 1 / math.sqrt(heads["head_dim"])
     rows = []
-    for groups, samples, prefix in shapes:
+    for (groups, samples, prefix), changes in itertools.product(shapes, tunings):
         batch = build_batch(groups, samples, prefix, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **heads)
         query, key_cache, value_cache, block_tables, seq_lens = attention_args(batch)
         prepared = prepare_decode(block_tables.cpu(), seq_lens.cpu(), key_cache.shape[1], mode="fca",
-                                  dtype=query.dtype, device="cuda", **heads)
+                                  dtype=query.dtype, device="cuda", tuning=tuning_of(changes), **heads)
         work = prepared.work
         out = torch.empty_like(query)
         caches = layer_copies(key_cache, value_cache)
@@ -150,7 +153,7 @@ def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096
         info = describe(batch)
         node_items = int(work.node.count.item())
         node_flops = 4 * heads["head_dim"] * heads["num_q_heads"] * samples * groups * prefix  # QK and PV over each request's shared tokens
-        row = {"shape": f"{groups}x{samples}@{prefix}", "node_items": node_items,
+        row = {"shape": f"{groups}x{samples}@{prefix}", "tuning": changes, "node_items": node_items,
                "single_items": int(work.single.count.item()), "partial_rows": int(work.merge_rows.numel()),
                **{f"{k}_us": round(v, 1) for k, v in us.items()},
                "step_unique_bw": round(info["bytes"].unique_kv / (us["step"] * 1e-6) / copy_bw, 3),
@@ -168,6 +171,8 @@ def main() -> None:
                         help="G/S/P,...: groups/samples/prefix for --breakdown")
     parser.add_argument("--heads", choices=["qwen3-8b", "qwen3-1.7b"], default="qwen3-8b",
                         help="attention heads of --breakdown")
+    parser.add_argument("--tunings", type=json.loads, default=[{}],
+                        help='JSON list of FCA Tuning overrides for --breakdown, e.g. [{}, {"node": {"num_warps": 8}}]')
     args = parser.parse_args()
     if args.smoke:
         print(json.dumps(smoke()))
@@ -175,7 +180,7 @@ def main() -> None:
         sys.exit("no CUDA device: run with --smoke for the CPU exactness check")
     elif args.breakdown:
         heads = QWEN3_8B_HEADS if args.heads == "qwen3-8b" else QWEN3_1_7B_HEADS
-        print(json.dumps(breakdown(*[args.shapes] if args.shapes else [], heads=heads)))
+        print(json.dumps(breakdown(*[args.shapes] if args.shapes else [], heads=heads, tunings=args.tunings)))
     else:
         print(json.dumps(gpu()))
 

@@ -33,7 +33,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from arctic_core.config import SamplingParams
 from arctic_core.hf import set_attention_implementation
 from arctic_fca.engine import EmbeddedEngine, EngineOptions
-from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
+from arctic_fca.fca.tuning import Tuning
+from fca_common import tuning_of
 from shapes import QWEN3_1_7B
 
 # prompts x samples @ prompt length
@@ -180,13 +181,6 @@ def time_decoders(engine: EmbeddedEngine, decoders: Decoders, prompts, params: S
                 if option is not None:
                     setattr(engine.options, option, setting)
     return row
-
-
-def tuning_of(changes: dict) -> Tuning:
-    """The default tuning with ``changes`` (a launch's own settings as a dict: {"node": {"num_stages": 3}})."""
-    launches = {name: dataclasses.replace(getattr(DEFAULT_TUNING, name), **changes[name])
-                for name in ("node", "single") if name in changes}
-    return DEFAULT_TUNING.replace(**{**changes, **launches})
 
 
 def use_tuning(engine: EmbeddedEngine, tuning: Tuning) -> None:
