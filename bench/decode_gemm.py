@@ -30,7 +30,7 @@ from fca_common import copy_bandwidth_bytes_per_s, graphed, time_us
 from skinny_linear import LinearConfig, skinny_linear
 
 LAYERS = 28
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 2048, 16, 8, 128, 6144, 151936
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 2048, 16, 8, 128, 6144
 # name: (output columns, depth)
 PRODUCTS = {
     "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),

@@ -18,15 +18,14 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.runtime.errors import OutOfResources
 
+from arctic_fca.engine.triton_ops import silu_times_up
+from arctic_fca.fca.triton_decode import launch_fitting_stages
 from arctic_fca.fca.work import device_sms
 
 MAX_ROWS = 128  # decode batches; beyond, cuBLAS tiles fill the GPU on their own
 _COUNTERS = 1 << 14  # column tiles a split launch may have
 _counters: dict[torch.device, torch.Tensor] = {}
-# Pipeline stages that fit each (device, dtype, tile) where the configured ones do not (fp32, 128 rows).
-_fitted_stages: dict[tuple, int] = {}
 
 
 @dataclass(frozen=True)
@@ -88,10 +87,8 @@ def _epilogue(acc, up, b_ptr, out_ptr, rows, cols, M, N, stride_om, HAS_BIAS: tl
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        gate = acc.to(dtype).to(tl.float32)
-        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = activated * up.to(dtype).to(tl.float32)
+    if GATED:  # each product rounded to the model's dtype, as the unfused path stores them
+        acc = silu_times_up(acc.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(dtype), mask=mask)
 
 
@@ -168,19 +165,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     counters = _arrival_counters(x.device)
     if tiles > counters.numel():
         raise ValueError(f"skinny_linear: {tiles} column tiles exceed the {counters.numel()} arrival counters")
-    fit_key = (x.device, x.dtype, block_m, gated, config)
-    stages = _fitted_stages.get(fit_key, config.num_stages)
-    while True:
-        try:
-            _skinny_linear_kernel[(tiles, split)](
-                x, weight, bias if bias is not None else weight, out, partials, counters, rows, n, depth, x.stride(0),
-                weight.stride(0), out.stride(0), k_per_split,
-                HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                BLOCK_K=config.block_k, IEEE=x.dtype == torch.float32, PDL=pdl,
-                num_warps=config.num_warps, num_stages=stages, launch_pdl=pdl)
-            break
-        except OutOfResources:  # raised when compiling, before anything runs: fewer stages fit
-            if stages == 1:
-                raise
-            stages = _fitted_stages[fit_key] = stages - 1
+    launch_fitting_stages((x.device, x.dtype, block_m, gated, config), config.num_stages,
+                          lambda stages: _skinny_linear_kernel[(tiles, split)](
+        x, weight, bias if bias is not None else weight, out, partials, counters, rows, n, depth, x.stride(0),
+        weight.stride(0), out.stride(0), k_per_split,
+        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, IEEE=x.dtype == torch.float32, PDL=pdl,
+        num_warps=config.num_warps, num_stages=stages, launch_pdl=pdl))
     return out

@@ -111,6 +111,14 @@ def qk_rope_store(qkv: torch.Tensor, heads: tuple[int, int, int], positions: tor
 
 
 @triton.jit
+def silu_times_up(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` of fp32 values, rounded as transformers rounds in ``dtype``: the activation
+    rounded first, then the product (returned in fp32, for the caller to round)."""
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return activated * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -118,8 +126,7 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_up_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * n + cols, (activated * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * n + cols, silu_times_up(gate, up, dtype).to(dtype), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

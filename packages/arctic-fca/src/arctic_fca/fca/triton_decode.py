@@ -21,6 +21,8 @@ suite checks them against the exact torch path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -161,25 +163,32 @@ def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cach
     config = tuning.node if launch.requests_per_tile > 1 else tuning.single
     programs = max(1, min(launch.items.shape[1], tuning.programs_per_sm * device_sms(query.device) // num_kv_heads))
     fit_key = (query.device, query.dtype, head_dim, block_q, config.block_n, config.num_stages)
-    stages = _fitted_stages.get(fit_key, config.num_stages)
+    launch_fitting_stages(fit_key, config.num_stages, lambda stages: _partial_attention[(programs, num_kv_heads)](
+        query, key_cache, value_cache, work.kv_index, work.q_index, launch.items, launch.count,
+        out, lse,
+        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        out.stride(0), out.stride(1), lse.stride(0), launch.items.stride(0),
+        scale * LOG2E,
+        GROUP=group, PAGE=page, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
+        BLOCK_N=config.block_n, DIRECT=work.direct, IEEE=query.dtype == torch.float32,
+        num_warps=config.num_warps, num_stages=stages,
+    ))
+
+
+def launch_fitting_stages(key: tuple, stages: int, launch: Callable[[int], object]) -> None:
+    """``launch(stages)``, with fewer software-pipeline stages where ``stages`` do not fit the
+    device's shared memory (Triton raises before anything runs); the stages that fit are
+    remembered per ``key`` (device, dtype and tile of the launch)."""
+    stages = _fitted_stages.get(key, stages)
     while True:
         try:
-            _partial_attention[(programs, num_kv_heads)](
-                query, key_cache, value_cache, work.kv_index, work.q_index, launch.items, launch.count,
-                out, lse,
-                query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-                value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-                out.stride(0), out.stride(1), lse.stride(0), launch.items.stride(0),
-                scale * LOG2E,
-                GROUP=group, PAGE=page, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
-                BLOCK_N=config.block_n, DIRECT=work.direct, IEEE=query.dtype == torch.float32,
-                num_warps=config.num_warps, num_stages=stages,
-            )
+            launch(stages)
             return
-        except OutOfResources:  # raised when compiling, before anything runs
+        except OutOfResources:
             if stages == 1:
                 raise
-            stages = _fitted_stages[fit_key] = stages - 1
+            stages = _fitted_stages[key] = stages - 1
 
 
 def triton_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
