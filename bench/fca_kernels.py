@@ -122,19 +122,24 @@ def gpu() -> dict:
 
 
 def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096)), heads=QWEN3_8B_HEADS,
-              tunings=({},)) -> dict:
+              tunings=({},), layouts=("token-major",)) -> dict:
     """Where an FCA step's time goes (``heads``: Qwen3-8B's by default): the node launch alone, the single-request
     launch alone, both side by side, the merge alone, and the whole step, each from a CUDA graph;
     with the unique-byte bandwidth of the whole step and the node launch's tensor-core rate; per
-    FCA tuning of ``tunings`` (overrides of the defaults, ``{}``: the defaults)."""
+    FCA tuning of ``tunings`` (overrides of the defaults, ``{}``: the defaults) and cache layout of
+    ``layouts``: "token-major" (``[blocks, block_size, kv_heads, head_dim]`` in memory, a token's
+    heads side by side) or "head-major" (the same tensor stored ``[blocks, kv_heads, block_size,
+    head_dim]``: a head's tokens of a block side by side)."""
     from arctic_fca.fca import triton_decode as td
 
     copy_bw = copy_bandwidth_bytes_per_s()
     scale = 1 / math.sqrt(heads["head_dim"])
     rows = []
-    for (groups, samples, prefix), changes in itertools.product(shapes, tunings):
+    for (groups, samples, prefix), changes, layout in itertools.product(shapes, tunings, layouts):
         batch = build_batch(groups, samples, prefix, GPU_SUFFIX, dtype=torch.bfloat16, device="cuda", **heads)
         query, key_cache, value_cache, block_tables, seq_lens = attention_args(batch)
+        if layout == "head-major":
+            key_cache, value_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (key_cache, value_cache))
         prepared = prepare_decode(block_tables.cpu(), seq_lens.cpu(), key_cache.shape[1], mode="fca",
                                   dtype=query.dtype, device="cuda", tuning=tuning_of(changes), **heads)
         work = prepared.work
@@ -151,13 +156,15 @@ def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096
                 "step": lambda layer: prepared(query, *caches[layer], scale)}
         us = {name: per_layer_us(run) for name, run in runs.items()}
         info = describe(batch)
+        exact = fca_attention_with_lse(query, key_cache, value_cache, block_tables, scale, info["plan"])[0]
         node_items = int(work.node.count.item())
         node_flops = 4 * heads["head_dim"] * heads["num_q_heads"] * samples * groups * prefix  # QK and PV over each request's shared tokens
-        row = {"shape": f"{groups}x{samples}@{prefix}", "tuning": changes, "node_items": node_items,
+        row = {"shape": f"{groups}x{samples}@{prefix}", "tuning": changes, "layout": layout, "node_items": node_items,
                "single_items": int(work.single.count.item()), "partial_rows": int(work.merge_rows.numel()),
                **{f"{k}_us": round(v, 1) for k, v in us.items()},
                "step_unique_bw": round(info["bytes"].unique_kv / (us["step"] * 1e-6) / copy_bw, 3),
-               "node_tflops": round(node_flops / (us["node"] * 1e-6) / 1e12, 1)}
+               "node_tflops": round(node_flops / (us["node"] * 1e-6) / 1e12, 1),
+               "max_abs_diff_vs_torch": max_abs_diff(runs["step"](0), exact)}
         print(row, flush=True)
         rows.append(row)
     return {"copy_tb_s": round(copy_bw / 1e12, 3), "breakdown": rows}
@@ -171,6 +178,8 @@ def main() -> None:
                         help="G/S/P,...: groups/samples/prefix for --breakdown")
     parser.add_argument("--heads", choices=["qwen3-8b", "qwen3-1.7b"], default="qwen3-8b",
                         help="attention heads of --breakdown")
+    parser.add_argument("--layouts", nargs="+", default=["token-major"], choices=["token-major", "head-major"],
+                        help="KV cache layouts in memory for --breakdown")
     parser.add_argument("--tunings", type=json.loads, default=[{}],
                         help='JSON list of FCA Tuning overrides for --breakdown, e.g. [{}, {"node": {"num_warps": 8}}]')
     args = parser.parse_args()
@@ -180,7 +189,8 @@ def main() -> None:
         sys.exit("no CUDA device: run with --smoke for the CPU exactness check")
     elif args.breakdown:
         heads = QWEN3_8B_HEADS if args.heads == "qwen3-8b" else QWEN3_1_7B_HEADS
-        print(json.dumps(breakdown(*[args.shapes] if args.shapes else [], heads=heads, tunings=args.tunings)))
+        print(json.dumps(breakdown(*[args.shapes] if args.shapes else [], heads=heads, tunings=args.tunings,
+                                   layouts=args.layouts)))
     else:
         print(json.dumps(gpu()))
 

@@ -71,46 +71,81 @@ def _attend_item(q_ptr, k_ptr, v_ptr, kv_index_ptr, q_index_ptr, items_ptr, out_
     q_count = tl.load(items_ptr + 3 * stride_items + item)
     out_row = tl.load(items_ptr + 4 * stride_items + item)
 
-    rows = tl.arange(0, BLOCK_Q)
-    local = rows // GROUP  # which of the item's requests a row belongs to
-    row_ok = local < q_count
-    request = tl.load(q_index_ptr + q_start + local, mask=row_ok, other=0).to(tl.int64)
-    head = kv_head * GROUP + rows % GROUP
-    dims = tl.arange(0, DIM_P2)
-    dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + request[:, None] * stride_qr + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-
+    request, head, local, row_ok = _query_rows(q_index_ptr, q_start, q_count, kv_head, GROUP, BLOCK_Q)
+    q = _query_tile(q_ptr, request, head, row_ok, stride_qr, stride_qh, HEAD_DIM, DIM_P2)
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, DIM_P2], tl.float32)
     for start in range(0, kv_len, BLOCK_N):
-        tokens = start + tl.arange(0, BLOCK_N)
-        tok_ok = tokens < kv_len
-        page = tl.load(kv_index_ptr + kv_start + tokens // PAGE, mask=tok_ok, other=0).to(tl.int64)
-        slot = tokens % PAGE
-        k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-                    mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(tok_ok[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-                    mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = _attend_block(q, k_ptr, v_ptr, kv_index_ptr, kv_start, kv_len, start, kv_head, m, l, acc,
+                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+                                  PAGE, HEAD_DIM, DIM_P2, BLOCK_N, IEEE)
+    _write_result(out_ptr, lse_ptr, acc, m, l, request, head, local, row_ok, out_row,
+                  stride_or, stride_oh, stride_lr, HEAD_DIM, DIM_P2, DIRECT)
 
+
+@triton.jit
+def _query_rows(q_index_ptr, q_start, q_count, kv_head, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """The rows of an item's query tile: the GROUP heads of ``kv_head`` of each of its ``q_count``
+    requests (ids at ``q_index[q_start:]``) in turn. Per row: its request, head, index among the
+    item's requests, and whether it is real (rows past the requests are padding)."""
+    rows = tl.arange(0, BLOCK_Q)
+    local = rows // GROUP
+    row_ok = local < q_count
+    request = tl.load(q_index_ptr + q_start + local, mask=row_ok, other=0).to(tl.int64)
+    return request, kv_head * GROUP + rows % GROUP, local, row_ok
+
+
+@triton.jit
+def _query_tile(q_ptr, request, head, row_ok, stride_qr, stride_qh, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr):
+    """The query tile of those rows (padding rows and dims past HEAD_DIM are zeros)."""
+    dims = tl.arange(0, DIM_P2)
+    return tl.load(q_ptr + request[:, None] * stride_qr + head[:, None] * stride_qh + dims[None, :],
+                   mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _attend_block(q, k_ptr, v_ptr, kv_index_ptr, kv_start, kv_len, start, kv_head, m, l, acc,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+                  PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Tokens ``start : start + BLOCK_N`` of an item (pages through ``kv_index[kv_start:]``) into
+    the online softmax state (running max ``m``, sum ``l``, ``acc``) of the query tile ``q``."""
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
+    tokens = start + tl.arange(0, BLOCK_N)
+    tok_ok = tokens < kv_len
+    page = tl.load(kv_index_ptr + kv_start + tokens // PAGE, mask=tok_ok, other=0).to(tl.int64)
+    slot = tokens % PAGE
+    k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+                mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(tok_ok[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
+                mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
+def _write_result(out_ptr, lse_ptr, acc, m, l, request, head, local, row_ok, out_row,
+                  stride_or, stride_oh, stride_lr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, DIRECT: tl.constexpr):
+    """An item's rows: its final output (DIRECT: a request's only item, row = the request), or one
+    fp32 partial (out, natural-log lse) per request at ``out_row + local``."""
+    dims = tl.arange(0, DIM_P2)
+    dim_ok = dims < HEAD_DIM
     out = acc / l[:, None]
     if DIRECT:
-        # Single unsplit item per request: this is the final result (row = the request).
         target = request[:, None] * stride_or + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + target, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
