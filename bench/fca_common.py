@@ -58,6 +58,11 @@ def build_batch(groups: int, samples: int, prefix: int, suffix: int, *, system: 
     }
 
 
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """A ``--shapes`` argument "G/S/P,G/S/P,...": (groups, samples, prefix) per shape."""
+    return [tuple(map(int, shape.split("/"))) for shape in text.split(",")]
+
+
 def max_abs_diff(out: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest ``|out - expected|``, inf when either holds a NaN or an inf (never read as small)."""
     if not (torch.isfinite(out).all() and torch.isfinite(expected).all()):

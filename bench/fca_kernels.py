@@ -35,8 +35,8 @@ from arctic_fca.fca import fca_attention_with_lse, fca_decode_attention
 from arctic_fca.fca.decode import prepare_decode
 from arctic_fca.fca.reference import gather_paged_kv, paged_decode_attention
 from fca_common import (GPU_PREFIXES, GPU_SHAPES, GPU_SUFFIX, QWEN3_1_7B_HEADS, QWEN3_8B_HEADS, attention_args,
-                        build_batch, copy_bandwidth_bytes_per_s, describe, layer_copies, max_abs_diff, per_layer_us,
-                        time_us, tuning_of)
+                        build_batch, copy_bandwidth_bytes_per_s, describe, layer_copies, max_abs_diff, parse_shapes,
+                        per_layer_us, time_us, tuning_of)
 
 # ----------------------------------------------------------------------------- CPU smoke
 
@@ -174,7 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU exactness check (< 1 min)")
     parser.add_argument("--breakdown", action="store_true", help="GPU: an FCA step's launches timed one by one")
-    parser.add_argument("--shapes", type=lambda s: [tuple(map(int, x.split("/"))) for x in s.split(",")],
+    parser.add_argument("--shapes", type=parse_shapes,
                         help="G/S/P,...: groups/samples/prefix for --breakdown")
     parser.add_argument("--heads", choices=["qwen3-8b", "qwen3-1.7b"], default="qwen3-8b",
                         help="attention heads of --breakdown")

@@ -41,7 +41,7 @@ from arctic_fca.fca.triton_decode import (LOG2E, _attend_block, _merge, _query_r
                                           launch_fitting_stages)
 from arctic_fca.fca.work import DeviceWork, device_sms
 from fca_common import (QWEN3_1_7B_HEADS, GPU_SUFFIX, attention_args, build_batch, describe, layer_copies,
-                        max_abs_diff, per_layer_us, tuning_of)
+                        max_abs_diff, parse_shapes, per_layer_us, tuning_of)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,6 @@ class OneLaunch:
     num_warps: int = 4
     block_n: int = 64
     merge: bool = False
-
 
 
 @triton.jit
@@ -201,12 +200,10 @@ def _zero_requests_without_rows(final_ptr, indptr_ptr, num_requests, kv_head, fi
                  mask=empty[:, None] & (dims < HEAD_DIM)[None, :])
 
 
-
-
 def one_launch_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, work: DeviceWork,
                          scale: float, setting: OneLaunch) -> torch.Tensor:
     """``triton_decode_attention``'s result from one launch (and the merge launch unless
-    ``setting.merge``); ``work`` must carry an ``arrivals`` tensor for the merge (see ``_arrivals``)."""
+    ``setting.merge``; the in-launch merge's counts are kept with ``work``: ``_arrivals``)."""
     out = torch.empty_like(query)
     head_dim = query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
@@ -307,7 +304,7 @@ def gpu(shapes, settings: list[OneLaunch]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU exactness check under TRITON_INTERPRET=1")
-    parser.add_argument("--shapes", type=lambda s: [tuple(map(int, x.split("/"))) for x in s.split(",")],
+    parser.add_argument("--shapes", type=parse_shapes,
                         default=[(8, 8, 2048), (8, 8, 4096), (16, 16, 4096), (64, 8, 2048)],
                         help="G/S/P,...: groups/samples/prefix")
     parser.add_argument("--settings", type=json.loads, default=[{}],

@@ -18,7 +18,7 @@ import torch
 from arctic_fca.fca.decode import prepare_decode
 from arctic_fca.fca.tuning import DEFAULT_TUNING, LaunchConfig, Tuning
 from fca_common import (GPU_SUFFIX, QWEN3_1_7B_HEADS, QWEN3_8B_HEADS, VLLM_SHAPES, attention_args, build_batch,
-                        layer_copies, per_layer_us)
+                        layer_copies, parse_shapes, per_layer_us)
 
 SWEEP_SHAPES = [(32, 8, 4096), (8, 16, 16384), (1, 64, 4096), (128, 1, 4096)]
 
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--vllm-shapes", action="store_true",
                         help="Qwen3-1.7B heads at bench/vllm_fca.py's shapes (default: Qwen3-8B's)")
     parser.add_argument("--quick", action="store_true", help="the defaults and COMBOS only")
-    parser.add_argument("--shapes", type=lambda s: [tuple(map(int, x.split("/"))) for x in s.split(",")],
+    parser.add_argument("--shapes", type=parse_shapes,
                         help="G/S/P,...: groups/samples/prefix")
     parser.add_argument("--match", type=lambda s: s.split(","), help="only settings naming one of these")
     args = parser.parse_args()
