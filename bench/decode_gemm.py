@@ -78,7 +78,8 @@ def chain_us(rows: int, device: str) -> dict:
     layers = [{name: randn(n, k) for name, (n, k) in PRODUCTS.items()} for _ in range(LAYERS)]
     hidden = torch.randn(rows, HIDDEN, generator=gen, device=device).bfloat16()
     variants = {"cublas": cublas, "triton": skinny_linear,
-                "triton_pdl": lambda x, w, gated=False: skinny_linear(x, w, gated=gated, pdl=True)}
+                "triton_pdl": lambda x, w, gated=False: skinny_linear(x, w, gated=gated, pdl=True),
+                "triton_pdl_early": lambda x, w, gated=False: skinny_linear(x, w, gated=gated, pdl=True, early=True)}
 
     def step(linear):
         h = hidden
@@ -105,17 +106,20 @@ def check(rows: int, device: str) -> dict:
 
 def smoke() -> dict:
     """fp32 on the CPU (Triton's interpreter): rows, columns and depth off the tiles, with and
-    without a bias, K unsplit and split in 2 and 3, each launch twice (the arrival counters reset)."""
+    without a bias, K unsplit and split in 2 and 3, the first weight block loaded early or not, each
+    launch twice (the arrival counters reset)."""
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
     for rows, n, k in ((1, 40, 48), (5, 70, 300), (33, 130, 200)):
         x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((rows, k), (n, k), (n,)))
         weight /= k**0.5  # outputs of order one: the difference is the relative one
-        for split, b, _ in itertools.product((1, 2, 3), (None, bias), range(2)):
+        for split, b, early, _ in itertools.product((1, 2, 3), (None, bias), (False, True), range(2)):
             config = LinearConfig(block_n=32, block_k=32, split_k=split)
-            worst = max(worst, (skinny_linear(x, weight, b, config=config) - F.linear(x, weight, b)).abs().max().item())
+            got = skinny_linear(x, weight, b, config=config, early=early)
+            worst = max(worst, (got - F.linear(x, weight, b)).abs().max().item())
             even = weight[: n - n % 2]
-            gated = skinny_linear(x, even, gated=True, config=config) - silu_and_mul(F.linear(x, even), triton=False)
+            gated = (skinny_linear(x, even, gated=True, config=config, early=early)
+                     - silu_and_mul(F.linear(x, even), triton=False))
             worst = max(worst, gated.abs().max().item())
     return {"max_abs_diff": worst}
 

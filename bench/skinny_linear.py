@@ -4,7 +4,8 @@ columns for all rows and a slice of K (split-K; the last program of a column til
 the partials in a fixed order and resets its arrival counter, so a product stays one launch), and
 a gated form that computes a tile's gate and up columns together and writes ``silu(gate) * up``
 rounded as the unfused path rounds. ``pdl``: programmatic dependent launch (Hopper and later): the
-kernel may start while the one before it finishes and waits for it before reading ``x``.
+kernel may start while the one before it finishes and waits for it before reading ``x``; ``early``
+loads the first weight block before that wait (weights do not depend on the kernel before).
 
 On the H200 it matches cuBLAS within a few percent at Qwen3-1.7B's products and does not beat it,
 so the engine keeps cuBLAS; the figures are in docs/benchmarks.md.
@@ -59,26 +60,36 @@ def _dot(x, w, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _partial_products(x_ptr, w_ptr, rows, cols, k_begin, k_end, M, N, K, stride_xm, stride_wn,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                      GATED: tl.constexpr):
-    """``x[rows, k_begin:k_end] @ W[cols, k_begin:k_end].T`` in fp32, and with GATED the same for
-    the up rows ``N + cols`` in the same loop (else the second result is the first)."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    row_ok, col_ok = rows < M, cols < N
-    for k in range(k_begin, k_end, BLOCK_K):
-        ks = k + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_rows = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-        w_ok = col_ok[:, None] & k_ok[None, :]
-        acc += _dot(x, tl.load(w_rows, mask=w_ok, other=0.0), IEEE)
-        if GATED:
-            up += _dot(x, tl.load(w_rows + N * stride_wn, mask=w_ok, other=0.0), IEEE)
+def _weight_block(w_ptr, cols, k, N, K, stride_wn, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """Columns ``cols`` x depth ``k:k + BLOCK_K`` of the weight (GATED: and of its up half)."""
+    ks = k + tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols[:, None] * stride_wn + ks[None, :]
+    w_ok = (cols < N)[:, None] & (ks < K)[None, :]
+    w = tl.load(w_rows, mask=w_ok, other=0.0)
     if GATED:
-        return acc, up
-    return acc, acc
+        return w, tl.load(w_rows + N * stride_wn, mask=w_ok, other=0.0)
+    return w, w
+
+
+@triton.jit
+def _x_block(x_ptr, rows, k, M, K, stride_xm, BLOCK_K: tl.constexpr):
+    ks = k + tl.arange(0, BLOCK_K)
+    return tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows < M)[:, None] & (ks < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _partial_products(x_ptr, w_ptr, acc, up, rows, cols, k_begin, k_end, M, N, K, stride_xm, stride_wn,
+                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr):
+    """``acc + x[rows, k_begin:k_end] @ W[cols, k_begin:k_end].T`` in fp32, and with GATED the same
+    for the up rows ``N + cols`` into ``up`` in the same loop."""
+    for k in range(k_begin, k_end, BLOCK_K):
+        x = _x_block(x_ptr, rows, k, M, K, stride_xm, BLOCK_K)
+        w, u = _weight_block(w_ptr, cols, k, N, K, stride_wn, BLOCK_K, GATED)
+        acc += _dot(x, w, IEEE)
+        if GATED:
+            up += _dot(x, u, IEEE)
+    return acc, up
 
 
 @triton.jit
@@ -96,7 +107,8 @@ def _epilogue(acc, up, b_ptr, out_ptr, rows, cols, M, N, stride_om, HAS_BIAS: tl
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
                           stride_om, k_per_split,
                           HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                          EARLY: tl.constexpr):
     # Program (column tile, K slice). GATED: weight rows [0, N) are the gate, [N, 2N) the up.
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -104,11 +116,21 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, 
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = split * k_per_split
     k_end = tl.minimum(K, k_begin + k_per_split)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if EARLY:  # the first weight block does not depend on the kernel before: load it before waiting
+        w0, u0 = _weight_block(w_ptr, cols, k_begin, N, K, stride_wn, BLOCK_K, GATED)
     if PDL:  # launched while the kernel before still runs: let the next launch, wait for x
         gdc_launch_dependents()
         gdc_wait()
-    acc, up = _partial_products(x_ptr, w_ptr, rows, cols, k_begin, k_end, M, N, K, stride_xm, stride_wn,
-                                BLOCK_M, BLOCK_N, BLOCK_K, IEEE, GATED)
+    if EARLY:
+        x0 = _x_block(x_ptr, rows, k_begin, M, K, stride_xm, BLOCK_K)
+        acc += _dot(x0, w0, IEEE)
+        if GATED:
+            up += _dot(x0, u0, IEEE)
+        k_begin += BLOCK_K
+    acc, up = _partial_products(x_ptr, w_ptr, acc, up, rows, cols, k_begin, k_end, M, N, K, stride_xm, stride_wn,
+                                BLOCK_K, IEEE, GATED)
     if SPLIT_K == 1:
         _epilogue(acc, up, b_ptr, out_ptr, rows, cols, M, N, stride_om, HAS_BIAS, GATED)
     else:
@@ -144,7 +166,7 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
-                  config: LinearConfig | None = None, pdl: bool = False) -> torch.Tensor:
+                  config: LinearConfig | None = None, pdl: bool = False, early: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M <= MAX_ROWS, K]`` (``weight [N, K]``, rows contiguous);
     ``gated``: ``weight`` stacks gate over up (``[2 I, K]``) and the result is ``silu(gate) * up``
     ``[M, I]``, as ``silu_and_mul(F.linear(x, weight))``."""
@@ -170,6 +192,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias if bias is not None else weight, out, partials, counters, rows, n, depth, x.stride(0),
         weight.stride(0), out.stride(0), k_per_split,
         HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, IEEE=x.dtype == torch.float32, PDL=pdl,
+        BLOCK_K=config.block_k, IEEE=x.dtype == torch.float32, PDL=pdl, EARLY=early,
         num_warps=config.num_warps, num_stages=stages, launch_pdl=pdl))
     return out

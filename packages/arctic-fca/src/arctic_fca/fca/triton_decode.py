@@ -196,7 +196,8 @@ def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cach
     block_q = max(16, triton.next_power_of_2(launch.requests_per_tile * group))
     tuning = work.tuning
     config = tuning.node if launch.requests_per_tile > 1 else tuning.single
-    programs = max(1, min(launch.items.shape[1], tuning.programs_per_sm * device_sms(query.device) // num_kv_heads))
+    per_sm = config.programs_per_sm or tuning.programs_per_sm
+    programs = max(1, min(launch.items.shape[1], int(per_sm * device_sms(query.device)) // num_kv_heads))
     fit_key = (query.device, query.dtype, head_dim, block_q, config.block_n, config.num_stages)
     launch_fitting_stages(fit_key, config.num_stages, lambda stages: _partial_attention[(programs, num_kv_heads)](
         query, key_cache, value_cache, work.kv_index, work.q_index, launch.items, launch.count,

@@ -18,6 +18,7 @@ class LaunchConfig:
     block_n: int = 64  # KV tokens per inner step: a gather of block_n / block_size pages
     num_warps: int = 4
     num_stages: int = 2  # software-pipeline stages (a GPU with less shared memory steps down)
+    programs_per_sm: float | None = None  # this launch's own grid (None: Tuning.programs_per_sm)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,181 @@
+"""What would a decode step cost if it were one persistent kernel? A skeleton that moves exactly a
+Qwen3-1.7B decode step's bytes, in the step's order and with its dependencies, and computes
+nothing, timed three ways on the same buffers:
+
+- "kernels": one streaming-read kernel per phase of each layer (QKV weights, the attention's KV,
+  the output product's weights, gate/up's, down's) and a one-program kernel for each small step
+  between them (norms, rotary + cache store, the attention's merge), as today's engine launches
+  them (28 layers, then the LM head, in one CUDA graph);
+- "persistent": one launch whose programs stream every phase in turn, with a grid-wide barrier
+  where the step has a dependency (after every phase and small step): what a whole-step
+  persistent kernel pays for its synchronisation alone, before any compute;
+- "one pass": all the bytes in one streaming read, the floor a step can approach.
+
+The step's bytes at --shape (groups/samples/prompt, --suffix own tokens per sample): every weight
+once and the KV FCA reads (each prompt once, each sample's own tokens). The per-layer phases
+follow the fused decoder with the gated gate/up product (no separate SiLU x up).
+
+--smoke (CPU, under TRITON_INTERPRET=1, without barriers: the interpreter runs programs one at a
+time): the kernels' sums against torch's. GPU otherwise; the last line printed is a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from decode_gemm import LAYERS, PRODUCTS
+from fca_common import graphed, time_us
+
+HIDDEN, VOCAB, KV_BYTES_PER_TOKEN = 2048, 151936, 8 * 128 * 2 * 2  # Qwen3-1.7B: 8 KV heads of 128, K and V, bf16
+BLOCK = 2048  # int32 words per program and iteration (8 KB)
+SMALL_STEPS = {"norm": 0, "rope_store": 0, "merge": 0}  # between the phases: a dependency, (almost) no bytes
+
+
+def step_phases(groups: int, samples: int, prompt: int, suffix: int) -> list[tuple[str, int]]:
+    """(name, bytes) of one decode step in order; 0 bytes: a small step (a dependency only)."""
+    weight = {name: n * k * 2 for name, (n, k) in PRODUCTS.items()}
+    kv = (groups * prompt + groups * samples * suffix) * KV_BYTES_PER_TOKEN
+    layer = [("norm", 0), ("qkv", weight["qkv"]), ("rope_store", 0), ("attention", kv), ("merge", 0),
+             ("o", weight["o"]), ("norm", 0), ("gate_up", weight["gate_up"]), ("down", weight["down"])]
+    return layer * LAYERS + [("norm", 0), ("lm_head", VOCAB * HIDDEN * 2), ("sample", 0)]
+
+
+@triton.jit
+def _stream(buf_ptr, lo, hi, acc, BLOCK: tl.constexpr):
+    """``acc`` plus the blocks ``lo:hi`` of ``buf`` (whole blocks: Step pads every phase, so no
+    mask and vector loads)."""
+    for block in range(lo, hi):
+        acc += tl.load(buf_ptr + block * BLOCK + tl.arange(0, BLOCK))  # int32 offsets: Step checks
+    return acc
+
+
+@triton.jit
+def _share(start, length, pid, programs):
+    """This program's slice ``[lo, hi)`` of the blocks ``[start, start + length)``."""
+    per = tl.cdiv(length, programs)
+    lo = start + pid * per
+    return lo, tl.minimum(start + length, lo + per)
+
+
+@triton.jit
+def _read_kernel(buf_ptr, start, length, out_ptr, BLOCK: tl.constexpr):
+    """One phase as its own launch: the programs share its blocks; each stores its sum."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    lo, hi = _share(start, length, pid, programs)
+    acc = _stream(buf_ptr, lo, hi, tl.zeros([BLOCK], tl.int32), BLOCK)
+    tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+
+@triton.jit
+def _persistent_kernel(buf_ptr, phase_ptr, num_phases, counter_ptr, out_ptr, BLOCK: tl.constexpr,
+                       BARRIERS: tl.constexpr):
+    """Every phase in turn (``phase_ptr``: start and length in blocks per phase), all programs
+    meeting at a grid-wide barrier after each (BARRIERS). The programs must all be resident."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    acc = tl.zeros([BLOCK], tl.int32)
+    for phase in range(num_phases):
+        lo, hi = _share(tl.load(phase_ptr + 2 * phase), tl.load(phase_ptr + 2 * phase + 1), pid, programs)
+        acc = _stream(buf_ptr, lo, hi, acc, BLOCK)
+        if BARRIERS:
+            tl.atomic_add(counter_ptr, 1)  # arrive (release: this phase's work is done)
+            target = (phase + 1) * programs
+            arrived = tl.load(counter_ptr, volatile=True)
+            while arrived < target:  # wait for every program (volatile reads, as a grid sync spins)
+                arrived = tl.load(counter_ptr, volatile=True)
+    tl.store(out_ptr + pid, tl.sum(acc, 0))
+    if BARRIERS:  # the last program out resets the barrier for the next launch (graph replays)
+        if tl.atomic_add(counter_ptr + 1, 1) == programs - 1:
+            tl.atomic_xchg(counter_ptr, 0)
+            tl.atomic_xchg(counter_ptr + 1, 0)
+
+
+class Step:
+    """The step's phases laid out one after another in one buffer of int32 words, each padded to
+    whole blocks of BLOCK words; ``spans``: (first block, blocks) per phase."""
+
+    def __init__(self, phases: list[tuple[str, int]], device: str) -> None:
+        blocks = [triton.cdiv(size, 4 * BLOCK) for _, size in phases]
+        starts = torch.tensor([0, *blocks[:-1]]).cumsum(0)
+        self.spans = list(zip(starts.tolist(), blocks, strict=True))
+        if sum(blocks) * BLOCK >= 2**31:
+            raise ValueError("the step's bytes exceed the kernels' int32 offsets (8 GiB): a smaller --shape")
+        self.buffer = torch.randint(-8, 8, (sum(blocks) * BLOCK,), dtype=torch.int32, device=device)
+        self.table = torch.tensor([x for span in self.spans for x in span], dtype=torch.int64, device=device)
+        self.counter = torch.zeros(2, dtype=torch.int32, device=device)
+        self.bytes = 4 * self.buffer.numel()
+
+    def kernels(self, programs: int) -> torch.Tensor:
+        out = torch.zeros(programs, dtype=torch.int32, device=self.buffer.device)
+        for start, length in self.spans:
+            grid = programs if length else 1
+            _read_kernel[(grid,)](self.buffer, start, length, out, BLOCK=BLOCK, num_warps=8)
+        return out
+
+    def persistent(self, programs: int, barriers: bool = True) -> torch.Tensor:
+        out = torch.zeros(programs, dtype=torch.int32, device=self.buffer.device)
+        _persistent_kernel[(programs,)](self.buffer, self.table, len(self.spans), self.counter, out, BLOCK=BLOCK,
+                                        BARRIERS=barriers, num_warps=8)
+        return out
+
+    def one_pass(self, programs: int) -> torch.Tensor:
+        out = torch.zeros(programs, dtype=torch.int32, device=self.buffer.device)
+        _read_kernel[(programs,)](self.buffer, 0, self.buffer.numel() // BLOCK, out, BLOCK=BLOCK, num_warps=8)
+        return out
+
+
+def smoke() -> dict:
+    """Each way's total against torch's sum on a small step (no barriers: see the module doc)."""
+    step = Step([("a", 4 * 5000), ("small", 0), ("b", 4 * 70001), ("c", 4 * 3)], "cpu")  # padded to blocks
+    expected = int(step.buffer.sum())
+    got = {"kernels": step.kernels(3), "persistent": step.persistent(3, barriers=False), "one_pass": step.one_pass(4)}
+    # "kernels" stores each phase's sums over the last ones: its total is the last phase's; check it alone
+    last_start, last_blocks = step.spans[-1]
+    last = step.buffer[last_start * BLOCK:(last_start + last_blocks) * BLOCK]
+    checks = {"persistent": int(got["persistent"].sum()) == expected,
+              "one_pass": int(got["one_pass"].sum()) == expected,
+              "kernels_last_phase": int(got["kernels"].sum()) == int(last.sum())}
+    return {"all_equal": all(checks.values()), **checks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU check (run with TRITON_INTERPRET=1)")
+    parser.add_argument("--shape", default="8/8/2048", help="groups/samples/prompt")
+    parser.add_argument("--suffix", type=int, default=256, help="own tokens per sample (its mean over a rollout)")
+    parser.add_argument("--programs-per-sm", type=json.loads, default=[1, 2, 4])
+    args = parser.parse_args()
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke runs the kernels on the CPU: set TRITON_INTERPRET=1")
+        print(json.dumps(smoke()))
+        return
+    if not torch.cuda.is_available():
+        sys.exit("persistent_step.py times GPU kernels: no CUDA device here (--smoke checks on the CPU)")
+    groups, samples, prompt = map(int, args.shape.split("/"))
+    phases = step_phases(groups, samples, prompt, args.suffix)
+    step = Step(phases, "cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    expected = int(step.buffer.sum())
+    results = {"device": torch.cuda.get_device_name(), "shape": args.shape, "suffix": args.suffix,
+               "step_gb": round(step.bytes / 1e9, 3), "launches_per_step": len(phases), "ms": {}}
+    for per_sm in args.programs_per_sm:
+        programs = per_sm * sms
+        assert int(step.persistent(programs).sum()) == expected and int(step.one_pass(programs).sum()) == expected
+        for name in ("kernels", "persistent", "one_pass"):
+            replay = graphed(lambda n=name, p=programs: getattr(step, n)(p))
+            results["ms"][f"{name}/{per_sm} per SM"] = round(time_us(replay) / 1e3, 3)
+        print(per_sm, {k: v for k, v in results["ms"].items() if k.endswith(f"/{per_sm} per SM")}, flush=True)
+    best_pass = min(v for k, v in results["ms"].items() if k.startswith("one_pass"))
+    results["one_pass_tb_s"] = round(step.bytes / (best_pass * 1e-3) / 1e12, 2)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
