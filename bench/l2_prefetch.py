@@ -38,7 +38,7 @@ import triton.language as tl
 from arctic_fca.engine.fused_ops import silu_and_mul
 from arctic_fca.fca.decode import prepare_decode
 from decode_gemm import HEAD_DIM, HEADS, LAYERS, PRODUCTS
-from fca_common import QWEN3_1_7B_HEADS, attention_args, build_batch, graphed, time_us
+from fca_common import QWEN3_1_7B_HEADS, attention_args, build_batch, graphed, parse_shapes, time_us
 
 LINE = 128  # bytes of an L2 line
 BULK_CHUNK = 64 * 1024  # bytes per bulk prefetch instruction
@@ -72,12 +72,10 @@ class SideStreamPrefetch:
     ``join`` makes the current stream wait for all of them (before a graph capture ends)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device)
         self.pending = False
 
     def ahead(self, tensor: torch.Tensor, max_bytes: int | None = None, **kwargs) -> None:
-        if self.stream is None:
-            return
         self.stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(self.stream):
             prefetch_l2(tensor, max_bytes, **kwargs)
@@ -89,18 +87,14 @@ class SideStreamPrefetch:
             self.pending = False
 
 
-def prefetch_l2(tensor: torch.Tensor, max_bytes: int | None = None, *, programs: int = 8,
-                bulk: bool | None = None) -> None:
-    """Start fetching the first ``max_bytes`` (default: all) of the contiguous ``tensor`` into L2."""
-    if tensor.device.type != "cuda":
-        return
+def prefetch_l2(tensor: torch.Tensor, max_bytes: int | None = None, *, bulk: bool, programs: int = 8) -> None:
+    """Start fetching the first ``max_bytes`` (default: all) of the contiguous ``tensor`` into L2
+    (``bulk``: the sm_90 bulk form, else one prefetch per line)."""
     assert tensor.is_contiguous(), "prefetch_l2 reads a contiguous tensor's bytes"
     n_bytes = tensor.numel() * tensor.element_size()
     if max_bytes is not None:
         n_bytes = min(n_bytes, max_bytes)
     data = tensor.view(torch.uint8).view(-1)
-    if bulk is None:
-        bulk = torch.cuda.get_device_capability(tensor.device)[0] >= 9
     if bulk:
         chunks = triton.cdiv(n_bytes, BULK_CHUNK)
         per_program = triton.cdiv(chunks, programs)
@@ -173,7 +167,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("l2_prefetch.py times GPU kernels: no CUDA device here")
-    groups, samples, prefix = map(int, args.shape.split("/"))
+    groups, samples, prefix = parse_shapes(args.shape)[0]
     layers, hidden, prepared = build_layers(groups, samples, prefix, args.suffix)
     variants = {"none": None}
     sides = (True, False) if args.in_line else (True,)

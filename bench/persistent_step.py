@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from decode_gemm import LAYERS, PRODUCTS
-from fca_common import graphed, time_us
+from decode_gemm import HEAD_DIM, HIDDEN, KV_HEADS, LAYERS, PRODUCTS
+from fca_common import graphed, parse_shapes, time_us
 
-HIDDEN, VOCAB, KV_BYTES_PER_TOKEN = 2048, 151936, 8 * 128 * 2 * 2  # Qwen3-1.7B: 8 KV heads of 128, K and V, bf16
+VOCAB, KV_BYTES_PER_TOKEN = 151936, KV_HEADS * HEAD_DIM * 2 * 2  # Qwen3-1.7B: K and V, bf16
 BLOCK = 2048  # int32 words per program and iteration (8 KB)
 SMALL_STEPS = {"norm": 0, "rope_store": 0, "merge": 0}  # between the phases: a dependency, (almost) no bytes
 
@@ -111,21 +111,24 @@ class Step:
         self.counter = torch.zeros(2, dtype=torch.int32, device=device)
         self.bytes = 4 * self.buffer.numel()
 
+    def _sums(self, programs: int) -> torch.Tensor:
+        return torch.zeros(programs, dtype=torch.int32, device=self.buffer.device)
+
     def kernels(self, programs: int) -> torch.Tensor:
-        out = torch.zeros(programs, dtype=torch.int32, device=self.buffer.device)
+        out = self._sums(programs)
         for start, length in self.spans:
             grid = programs if length else 1
             _read_kernel[(grid,)](self.buffer, start, length, out, BLOCK=BLOCK, num_warps=8)
         return out
 
     def persistent(self, programs: int, barriers: bool = True) -> torch.Tensor:
-        out = torch.zeros(programs, dtype=torch.int32, device=self.buffer.device)
+        out = self._sums(programs)
         _persistent_kernel[(programs,)](self.buffer, self.table, len(self.spans), self.counter, out, BLOCK=BLOCK,
                                         BARRIERS=barriers, num_warps=8)
         return out
 
     def one_pass(self, programs: int) -> torch.Tensor:
-        out = torch.zeros(programs, dtype=torch.int32, device=self.buffer.device)
+        out = self._sums(programs)
         _read_kernel[(programs,)](self.buffer, 0, self.buffer.numel() // BLOCK, out, BLOCK=BLOCK, num_warps=8)
         return out
 
@@ -158,7 +161,7 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("persistent_step.py times GPU kernels: no CUDA device here (--smoke checks on the CPU)")
-    groups, samples, prompt = map(int, args.shape.split("/"))
+    groups, samples, prompt = parse_shapes(args.shape)[0]
     phases = step_phases(groups, samples, prompt, args.suffix)
     step = Step(phases, "cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
