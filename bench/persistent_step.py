@@ -11,6 +11,13 @@ nothing, timed three ways on the same buffers:
   persistent kernel pays for its synchronisation alone, before any compute;
 - "one pass": all the bytes in one streaming read, the floor a step can approach.
 
+"fused/..." runs the first two with the small steps folded into the heavy phases' prologues and
+epilogues (five dependencies per layer: QKV, attention, output, gate/up, down), and
+"persistent+prefetch" has each program, once it has arrived at a barrier, load the first
+``--prefetch`` blocks of its share of the next phase before it waits (weights and cached KV do not
+depend on the phase before): what a whole-step kernel whose programs stream the next product's
+weights while the last one finishes could reach.
+
 The step's bytes at --shape (groups/samples/prompt, --suffix own tokens per sample): every weight
 once and the KV FCA reads (each prompt once, each sample's own tokens). The per-layer phases
 follow the fused decoder with the gated gate/up product (no separate SiLU x up).
@@ -38,13 +45,15 @@ BLOCK = 2048  # int32 words per program and iteration (8 KB)
 SMALL_STEPS = {"norm": 0, "rope_store": 0, "merge": 0}  # between the phases: a dependency, (almost) no bytes
 
 
-def step_phases(groups: int, samples: int, prompt: int, suffix: int) -> list[tuple[str, int]]:
-    """(name, bytes) of one decode step in order; 0 bytes: a small step (a dependency only)."""
+def step_phases(groups: int, samples: int, prompt: int, suffix: int, small_steps: bool = True) -> list[tuple[str, int]]:
+    """(name, bytes) of one decode step in order; 0 bytes: a small step (a dependency only), left
+    out without ``small_steps`` (folded into the heavy phases)."""
     weight = {name: n * k * 2 for name, (n, k) in PRODUCTS.items()}
     kv = (groups * prompt + groups * samples * suffix) * KV_BYTES_PER_TOKEN
     layer = [("norm", 0), ("qkv", weight["qkv"]), ("rope_store", 0), ("attention", kv), ("merge", 0),
              ("o", weight["o"]), ("norm", 0), ("gate_up", weight["gate_up"]), ("down", weight["down"])]
-    return layer * LAYERS + [("norm", 0), ("lm_head", VOCAB * HIDDEN * 2), ("sample", 0)]
+    phases = layer * LAYERS + [("norm", 0), ("lm_head", VOCAB * HIDDEN * 2), ("sample", 0)]
+    return phases if small_steps else [phase for phase in phases if phase[1]]
 
 
 @triton.jit
@@ -74,21 +83,56 @@ def _read_kernel(buf_ptr, start, length, out_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _wait(counter_ptr, target, MAX_SPINS: tl.constexpr = 1 << 20):
+    """Spin until ``target`` programs have arrived (volatile reads, as a grid sync spins). A grid
+    whose programs cannot all be resident would wait forever: after MAX_SPINS reads the program
+    raises the flag ``counter[2]`` and opens every barrier of the launch (its timing is void)."""
+    arrived = tl.load(counter_ptr, volatile=True)
+    spins = 0
+    while (arrived < target) & (spins < MAX_SPINS):
+        arrived = tl.load(counter_ptr, volatile=True)
+        spins += 1
+    if arrived < target:
+        tl.atomic_xchg(counter_ptr + 2, 1)
+        tl.atomic_max(counter_ptr, 1 << 30)  # idempotent: several programs may give up at once
+
+
+@triton.jit
+def _phase_share(phase_ptr, phase, pid, programs):
+    return _share(tl.load(phase_ptr + 2 * phase), tl.load(phase_ptr + 2 * phase + 1), pid, programs)
+
+
+@triton.jit
+def _prefetch(buf_ptr, lo, hi, PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
+    """The blocks ``lo:lo + PREFETCH`` of ``buf`` (zeros past ``hi``) as one [PREFETCH, BLOCK] load."""
+    blocks = lo + tl.arange(0, PREFETCH)
+    return tl.load(buf_ptr + blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :], mask=(blocks < hi)[:, None],
+                   other=0)
+
+
+@triton.jit
 def _persistent_kernel(buf_ptr, phase_ptr, num_phases, counter_ptr, out_ptr, BLOCK: tl.constexpr,
-                       BARRIERS: tl.constexpr):
-    """Every phase in turn (``phase_ptr``: start and length in blocks per phase), all programs
-    meeting at a grid-wide barrier after each (BARRIERS). The programs must all be resident."""
+                       BARRIERS: tl.constexpr, PREFETCH: tl.constexpr):
+    """Every phase in turn (``phase_ptr``: start and length in blocks per phase, then a (0, 0)
+    sentinel), all programs meeting at a grid-wide barrier after each (BARRIERS). With PREFETCH
+    (a power of two, or 0), a program loads its first PREFETCH blocks of a phase before waiting
+    for the phase before. The programs must all be resident."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     acc = tl.zeros([BLOCK], tl.int32)
+    if PREFETCH:
+        ahead = _prefetch(buf_ptr, *_phase_share(phase_ptr, 0, pid, programs), PREFETCH, BLOCK)
     for phase in range(num_phases):
-        lo, hi = _share(tl.load(phase_ptr + 2 * phase), tl.load(phase_ptr + 2 * phase + 1), pid, programs)
+        lo, hi = _phase_share(phase_ptr, phase, pid, programs)
+        if PREFETCH:
+            acc += tl.sum(ahead, 0)
+            lo = tl.minimum(hi, lo + PREFETCH)
         acc = _stream(buf_ptr, lo, hi, acc, BLOCK)
         if BARRIERS:
             tl.atomic_add(counter_ptr, 1)  # arrive (release: this phase's work is done)
-            target = (phase + 1) * programs
-            arrived = tl.load(counter_ptr, volatile=True)
-            while arrived < target:  # wait for every program (volatile reads, as a grid sync spins)
-                arrived = tl.load(counter_ptr, volatile=True)
+        if PREFETCH:  # the next phase's first blocks, in flight while this program waits
+            ahead = _prefetch(buf_ptr, *_phase_share(phase_ptr, phase + 1, pid, programs), PREFETCH, BLOCK)
+        if BARRIERS:
+            _wait(counter_ptr, (phase + 1) * programs)
     tl.store(out_ptr + pid, tl.sum(acc, 0))
     if BARRIERS:  # the last program out resets the barrier for the next launch (graph replays)
         if tl.atomic_add(counter_ptr + 1, 1) == programs - 1:
@@ -107,9 +151,16 @@ class Step:
         if sum(blocks) * BLOCK >= 2**31:
             raise ValueError("the step's bytes exceed the kernels' int32 offsets (8 GiB): a smaller --shape")
         self.buffer = torch.randint(-8, 8, (sum(blocks) * BLOCK,), dtype=torch.int32, device=device)
-        self.table = torch.tensor([x for span in self.spans for x in span], dtype=torch.int64, device=device)
-        self.counter = torch.zeros(2, dtype=torch.int32, device=device)
+        self.table = torch.tensor([x for span in [*self.spans, (0, 0)] for x in span], dtype=torch.int64,
+                                  device=device)
+        self.counter = torch.zeros(3, dtype=torch.int32, device=device)  # arrivals, departures, stuck
         self.bytes = 4 * self.buffer.numel()
+
+    def stuck(self) -> bool:
+        """Whether a persistent launch since the last call found its programs not all resident."""
+        stuck = bool(self.counter[2])
+        self.counter[2] = 0
+        return stuck
 
     def _sums(self, programs: int) -> torch.Tensor:
         return torch.zeros(programs, dtype=torch.int32, device=self.buffer.device)
@@ -121,10 +172,10 @@ class Step:
             _read_kernel[(grid,)](self.buffer, start, length, out, BLOCK=BLOCK, num_warps=8)
         return out
 
-    def persistent(self, programs: int, barriers: bool = True) -> torch.Tensor:
+    def persistent(self, programs: int, barriers: bool = True, prefetch: int = 0) -> torch.Tensor:
         out = self._sums(programs)
         _persistent_kernel[(programs,)](self.buffer, self.table, len(self.spans), self.counter, out, BLOCK=BLOCK,
-                                        BARRIERS=barriers, num_warps=8)
+                                        BARRIERS=barriers, PREFETCH=prefetch, num_warps=8)
         return out
 
     def one_pass(self, programs: int) -> torch.Tensor:
@@ -137,11 +188,13 @@ def smoke() -> dict:
     """Each way's total against torch's sum on a small step (no barriers: see the module doc)."""
     step = Step([("a", 4 * 5000), ("small", 0), ("b", 4 * 70001), ("c", 4 * 3)], "cpu")  # padded to blocks
     expected = int(step.buffer.sum())
-    got = {"kernels": step.kernels(3), "persistent": step.persistent(3, barriers=False), "one_pass": step.one_pass(4)}
+    got = {"kernels": step.kernels(3), "persistent": step.persistent(3, barriers=False), "one_pass": step.one_pass(4),
+           "persistent+prefetch": step.persistent(3, barriers=False, prefetch=4)}
     # "kernels" stores each phase's sums over the last ones: its total is the last phase's; check it alone
     last_start, last_blocks = step.spans[-1]
     last = step.buffer[last_start * BLOCK:(last_start + last_blocks) * BLOCK]
     checks = {"persistent": int(got["persistent"].sum()) == expected,
+              "persistent+prefetch": int(got["persistent+prefetch"].sum()) == expected,
               "one_pass": int(got["one_pass"].sum()) == expected,
               "kernels_last_phase": int(got["kernels"].sum()) == int(last.sum())}
     return {"all_equal": all(checks.values()), **checks}
@@ -153,6 +206,8 @@ def main() -> None:
     parser.add_argument("--shape", default="8/8/2048", help="groups/samples/prompt")
     parser.add_argument("--suffix", type=int, default=256, help="own tokens per sample (its mean over a rollout)")
     parser.add_argument("--programs-per-sm", type=json.loads, default=[1, 2, 4])
+    parser.add_argument("--prefetch", type=json.loads, default=[1, 2, 4],
+                        help="blocks of 8 KB each program loads of the next phase before it waits (powers of two)")
     args = parser.parse_args()
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -162,19 +217,29 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("persistent_step.py times GPU kernels: no CUDA device here (--smoke checks on the CPU)")
     groups, samples, prompt = parse_shapes(args.shape)[0]
-    phases = step_phases(groups, samples, prompt, args.suffix)
-    step = Step(phases, "cuda")
+    step = Step(step_phases(groups, samples, prompt, args.suffix), "cuda")
+    fused = Step(step_phases(groups, samples, prompt, args.suffix, small_steps=False), "cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    expected = int(step.buffer.sum())
     results = {"device": torch.cuda.get_device_name(), "shape": args.shape, "suffix": args.suffix,
-               "step_gb": round(step.bytes / 1e9, 3), "launches_per_step": len(phases), "ms": {}}
+               "step_gb": round(step.bytes / 1e9, 3), "launches_per_step": len(step.spans),
+               "fused_launches_per_step": len(fused.spans), "ms": {}}
     for per_sm in args.programs_per_sm:
         programs = per_sm * sms
-        assert int(step.persistent(programs).sum()) == expected and int(step.one_pass(programs).sum()) == expected
-        for name in ("kernels", "persistent", "one_pass"):
-            replay = graphed(lambda n=name, p=programs: getattr(step, n)(p))
-            results["ms"][f"{name}/{per_sm} per SM"] = round(time_us(replay) / 1e3, 3)
-        print(per_sm, {k: v for k, v in results["ms"].items() if k.endswith(f"/{per_sm} per SM")}, flush=True)
+        ways = {"kernels": (step, "kernels", {}), "persistent": (step, "persistent", {}),
+                "one_pass": (step, "one_pass", {}), "fused/kernels": (fused, "kernels", {}),
+                "fused/persistent": (fused, "persistent", {}),
+                **{f"fused/persistent+prefetch {n}": (fused, "persistent", {"prefetch": n}) for n in args.prefetch}}
+        for name, (which, way, options) in ways.items():
+            key = f"{name}/{per_sm} per SM"
+            sums = getattr(which, way)(programs, **options)
+            if which.stuck():
+                results["ms"][key] = "programs not all resident"
+            else:
+                if way != "kernels" and int(sums.sum()) != int(which.buffer.sum()):
+                    raise AssertionError(f"{key}: its sums differ from torch's")
+                replay = graphed(lambda w=which, f=way, p=programs, o=options: getattr(w, f)(p, **o))
+                results["ms"][key] = round(time_us(replay) / 1e3, 3)
+            print(key, results["ms"][key], flush=True)
     best_pass = min(v for k, v in results["ms"].items() if k.startswith("one_pass"))
     results["one_pass_tb_s"] = round(step.bytes / (best_pass * 1e-3) / 1e12, 2)
     print(json.dumps(results))
