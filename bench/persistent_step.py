@@ -22,8 +22,8 @@ The step's bytes at --shape (groups/samples/prompt, --suffix own tokens per samp
 once and the KV FCA reads (each prompt once, each sample's own tokens). The per-layer phases
 follow the fused decoder with the gated gate/up product (no separate SiLU x up).
 
---smoke (CPU, under TRITON_INTERPRET=1, without barriers: the interpreter runs programs one at a
-time): the kernels' sums against torch's. GPU otherwise; the last line printed is a JSON object.
+--smoke (CPU, under TRITON_INTERPRET=1, barriers only in a one-program launch: the interpreter
+runs programs one at a time): the kernels' sums against torch's. GPU otherwise; the last line printed is a JSON object.
 """
 
 from __future__ import annotations
@@ -185,16 +185,19 @@ class Step:
 
 
 def smoke() -> dict:
-    """Each way's total against torch's sum on a small step (no barriers: see the module doc)."""
+    """Each way's total against torch's sum on a small step (barriers with one program only: see
+    the module doc)."""
     step = Step([("a", 4 * 5000), ("small", 0), ("b", 4 * 70001), ("c", 4 * 3)], "cpu")  # padded to blocks
     expected = int(step.buffer.sum())
     got = {"kernels": step.kernels(3), "persistent": step.persistent(3, barriers=False), "one_pass": step.one_pass(4),
-           "persistent+prefetch": step.persistent(3, barriers=False, prefetch=4)}
+           "persistent+prefetch": step.persistent(3, barriers=False, prefetch=4),
+           "one program, barriers": step.persistent(1, prefetch=2)}
     # "kernels" stores each phase's sums over the last ones: its total is the last phase's; check it alone
     last_start, last_blocks = step.spans[-1]
     last = step.buffer[last_start * BLOCK:(last_start + last_blocks) * BLOCK]
     checks = {"persistent": int(got["persistent"].sum()) == expected,
               "persistent+prefetch": int(got["persistent+prefetch"].sum()) == expected,
+              "one program, barriers": int(got["one program, barriers"].sum()) == expected and not step.stuck(),
               "one_pass": int(got["one_pass"].sum()) == expected,
               "kernels_last_phase": int(got["kernels"].sum()) == int(last.sum())}
     return {"all_equal": all(checks.values()), **checks}
