@@ -1,6 +1,7 @@
 """A decode step's matrix products at Qwen3-1.7B's shapes, bf16: cuBLAS (``F.linear``, what the
 embedded engine's decoder runs) against a split-K Triton kernel written for a few rows
-(``skinny_linear.py``), alone and with programmatic dependent launch.
+(``skinny_linear.py``), alone and with programmatic dependent launch; and cuBLAS through cuBLASLt
+(``torch.backends.cuda.preferred_blas_library("cublaslt")``).
 
 Each product is timed as a decode step runs it: one CUDA graph calls it once per layer over 28
 layers' own weights (nothing left in L2 from one call to the next), and the time per call is the
@@ -47,6 +48,16 @@ def cublas(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.
     return silu_and_mul(product, triton=True) if gated else product
 
 
+def cublaslt(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """``cublas`` with torch's matrix products routed to cuBLASLt (its own kernel heuristics)."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return cublas(x, weight, gated)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
 def per_call_us(fn, weights: list[torch.Tensor]) -> float:
     replay = graphed(lambda: [fn(w) for w in weights])
     return time_us(replay, min_seconds=0.05) / len(weights)
@@ -56,6 +67,7 @@ def time_product(name: str, weights: list[torch.Tensor], x: torch.Tensor, sweep:
     gated = name == "gate_up"
     weight_bytes = weights[0].numel() * weights[0].element_size()
     result = {"cublas_us": per_call_us(lambda w: cublas(x, w, gated), weights),
+              "cublaslt_us": per_call_us(lambda w: cublaslt(x, w, gated), weights),
               "triton_us": per_call_us(lambda w: skinny_linear(x, w, gated=gated), weights)}
     if sweep:
         times = {}
@@ -77,7 +89,7 @@ def chain_us(rows: int, device: str) -> dict:
     randn = lambda *shape: (torch.randn(*shape, generator=gen, device=device) * shape[-1] ** -0.5).bfloat16()
     layers = [{name: randn(n, k) for name, (n, k) in PRODUCTS.items()} for _ in range(LAYERS)]
     hidden = torch.randn(rows, HIDDEN, generator=gen, device=device).bfloat16()
-    variants = {"cublas": cublas, "triton": skinny_linear,
+    variants = {"cublas": cublas, "cublaslt": cublaslt, "triton": skinny_linear,
                 "triton_pdl": lambda x, w, gated=False: skinny_linear(x, w, gated=gated, pdl=True),
                 "triton_pdl_early": lambda x, w, gated=False: skinny_linear(x, w, gated=gated, pdl=True, early=True)}
 
