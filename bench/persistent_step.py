@@ -23,7 +23,8 @@ once and the KV FCA reads (each prompt once, each sample's own tokens). The per-
 follow the fused decoder with the gated gate/up product (no separate SiLU x up).
 
 --smoke (CPU, under TRITON_INTERPRET=1, barriers only in a one-program launch: the interpreter
-runs programs one at a time): the kernels' sums against torch's. GPU otherwise; the last line printed is a JSON object.
+runs programs one at a time): the kernels' sums against torch's. GPU otherwise; the last line
+printed is a JSON object.
 """
 
 from __future__ import annotations
@@ -142,15 +143,20 @@ def _persistent_kernel(buf_ptr, phase_ptr, num_phases, counter_ptr, out_ptr, BLO
 
 class Step:
     """The step's phases laid out one after another in one buffer of int32 words, each padded to
-    whole blocks of BLOCK words; ``spans``: (first block, blocks) per phase."""
+    whole blocks of BLOCK words; ``spans``: (first block, blocks) per phase. ``buffer``: another
+    Step's, when these phases lay out the same bytes (the same step without its 0-byte phases)."""
 
-    def __init__(self, phases: list[tuple[str, int]], device: str) -> None:
+    def __init__(self, phases: list[tuple[str, int]], device: str, buffer: torch.Tensor | None = None) -> None:
         blocks = [triton.cdiv(size, 4 * BLOCK) for _, size in phases]
         starts = torch.tensor([0, *blocks[:-1]]).cumsum(0)
         self.spans = list(zip(starts.tolist(), blocks, strict=True))
         if sum(blocks) * BLOCK >= 2**31:
             raise ValueError("the step's bytes exceed the kernels' int32 offsets (8 GiB): a smaller --shape")
-        self.buffer = torch.randint(-8, 8, (sum(blocks) * BLOCK,), dtype=torch.int32, device=device)
+        words = sum(blocks) * BLOCK
+        if buffer is not None and buffer.numel() != words:
+            raise ValueError(f"a shared buffer must hold these phases' {words} words, not {buffer.numel()}")
+        self.buffer = buffer if buffer is not None else torch.randint(-8, 8, (words,), dtype=torch.int32,
+                                                                      device=device)
         self.table = torch.tensor([x for span in [*self.spans, (0, 0)] for x in span], dtype=torch.int64,
                                   device=device)
         self.counter = torch.zeros(3, dtype=torch.int32, device=device)  # arrivals, departures, stuck
@@ -221,7 +227,7 @@ def main() -> None:
         sys.exit("persistent_step.py times GPU kernels: no CUDA device here (--smoke checks on the CPU)")
     groups, samples, prompt = parse_shapes(args.shape)[0]
     step = Step(step_phases(groups, samples, prompt, args.suffix), "cuda")
-    fused = Step(step_phases(groups, samples, prompt, args.suffix, small_steps=False), "cuda")
+    fused = Step(step_phases(groups, samples, prompt, args.suffix, small_steps=False), "cuda", buffer=step.buffer)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = {"device": torch.cuda.get_device_name(), "shape": args.shape, "suffix": args.suffix,
                "step_gb": round(step.bytes / 1e9, 3), "launches_per_step": len(step.spans),
