@@ -43,7 +43,6 @@ from fca_common import graphed, parse_shapes, time_us
 
 VOCAB, KV_BYTES_PER_TOKEN = 151936, KV_HEADS * HEAD_DIM * 2 * 2  # Qwen3-1.7B: K and V, bf16
 BLOCK = 2048  # int32 words per program and iteration (8 KB)
-SMALL_STEPS = {"norm": 0, "rope_store": 0, "merge": 0}  # between the phases: a dependency, (almost) no bytes
 
 
 def step_phases(groups: int, samples: int, prompt: int, suffix: int, small_steps: bool = True) -> list[tuple[str, int]]:
