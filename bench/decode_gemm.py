@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import sys
 
 import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from arctic_fca.engine.fused_ops import silu_and_mul
-from fca_common import copy_bandwidth_bytes_per_s, graphed, time_us
+from fca_common import copy_bandwidth_bytes_per_s, graphed, smoke_or_gpu, time_us
 from skinny_linear import LinearConfig, skinny_linear
 
 LAYERS = 28
@@ -142,13 +140,8 @@ def main() -> None:
     parser.add_argument("--rows", type=json.loads, default=[16, 64, 128])
     parser.add_argument("--sweep", action="store_true", help="a grid of tile settings at 64 rows")
     args = parser.parse_args()
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("--smoke runs the Triton kernel on the CPU: set TRITON_INTERPRET=1")
-        print(json.dumps(smoke()))
+    if smoke_or_gpu(args.smoke, smoke, "decode_gemm.py"):
         return
-    if not torch.cuda.is_available():
-        sys.exit("decode_gemm.py times GPU kernels: no CUDA device here (--smoke checks on the CPU)")
     device = "cuda"
     results = {"copy_read_tb_s": copy_bandwidth_bytes_per_s() / 2e12, "check": {r: check(r, device) for r in args.rows}}
     for rows in args.rows:

@@ -4,9 +4,13 @@ decode step runs the kernels (replayed from CUDA graphs, layer after layer, each
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import statistics
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -56,6 +60,19 @@ def build_batch(groups: int, samples: int, prefix: int, suffix: int, *, system: 
         "block_tables": block_tables.to(device),
         "seq_lens": torch.full((requests,), system + prefix + suffix, dtype=torch.int32, device=device),
     }
+
+
+def smoke_or_gpu(smoke_requested: bool, smoke: Callable[[], dict], script: str) -> bool:
+    """A Triton bench's start: with ``--smoke``, print ``smoke()`` (its kernels on the CPU, under
+    Triton's interpreter) and return True; else exit unless a CUDA device is here, and return False."""
+    if smoke_requested:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke runs the kernels on the CPU: set TRITON_INTERPRET=1")
+        print(json.dumps(smoke()))
+        return True
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} times GPU kernels: no CUDA device here (--smoke checks on the CPU)")
+    return False
 
 
 def parse_shapes(text: str) -> list[tuple[int, ...]]:

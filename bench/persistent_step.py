@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
 from decode_gemm import HEAD_DIM, HIDDEN, KV_HEADS, LAYERS, PRODUCTS
-from fca_common import graphed, parse_shapes, time_us
+from fca_common import graphed, parse_shapes, smoke_or_gpu, time_us
 
 VOCAB, KV_BYTES_PER_TOKEN = 151936, KV_HEADS * HEAD_DIM * 2 * 2  # Qwen3-1.7B: K and V, bf16
 BLOCK = 2048  # int32 words per program and iteration (8 KB)
@@ -217,13 +215,8 @@ def main() -> None:
     parser.add_argument("--prefetch", type=json.loads, default=[1, 2, 4],
                         help="blocks of 8 KB each program loads of the next phase before it waits (powers of two)")
     args = parser.parse_args()
-    if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("--smoke runs the kernels on the CPU: set TRITON_INTERPRET=1")
-        print(json.dumps(smoke()))
+    if smoke_or_gpu(args.smoke, smoke, "persistent_step.py"):
         return
-    if not torch.cuda.is_available():
-        sys.exit("persistent_step.py times GPU kernels: no CUDA device here (--smoke checks on the CPU)")
     groups, samples, prompt = parse_shapes(args.shape)[0]
     step = Step(step_phases(groups, samples, prompt, args.suffix), "cuda")
     fused = Step(step_phases(groups, samples, prompt, args.suffix, small_steps=False), "cuda", buffer=step.buffer)
