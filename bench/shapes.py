@@ -16,8 +16,8 @@ SMOKE_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
                    num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=True)
 
 
-def make_model(folder: str, shape: dict) -> None:
-    """Random bf16 weights and a small byte-level tokenizer (token ids stay below its vocabulary)."""
+def make_model(folder: str, shape: dict, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Random weights (bf16 unless told) and a small byte-level tokenizer (token ids stay below its vocabulary)."""
     if os.path.exists(os.path.join(folder, "config.json")):
         return
     tokenizer = build_tokenizer([f"w{i} alpha{i % 37} beta{i % 91}" for i in range(3000)], vocab_size=1000)
@@ -25,7 +25,7 @@ def make_model(folder: str, shape: dict) -> None:
                                   pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 1.7 B is slow on the CPU
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 

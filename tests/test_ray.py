@@ -312,3 +312,34 @@ def test_actor_weight_transports_refuse_engines_they_cannot_serve(tiny_policy):
         with ArcticClient.in_process(local) as client:
             with pytest.raises(ConfigError, match=f"'{transport}' needs engines in Ray actors.*TorchTrainer"):
                 client.sync_weights()
+
+
+def test_actors_ray_cannot_place_are_refused_with_the_resource_named(tiny_policy, monkeypatch):
+    """Ray would queue them forever (and the server would wait on them): a GPU share on a cluster
+    without GPUs, or more CPUs than the cluster has, is a clear error at start."""
+    from arctic_core.ray import actors
+
+    model = {"path": str(tiny_policy), "device": "cpu"}
+    gpus = {"model": model, "trainer": {"backend": "ray", "options": {"workers": 2, "gpus_per_worker": 0.5,
+                                                                       "backend": "torch"}}}
+    with pytest.raises(ConfigError, match=r"the ray trainer: 2 actor\(s\) x 0.5 GPU need 1 GPUs, 0 in the Ray cluster"):
+        ArcticClient.in_process(gpus)
+    cpus = {"model": model, "sampler": {"backend": "ray", "options": {"replicas": 3, "cpus_per_replica": 2,
+                                                                      "backend": "embedded"}}}
+    with pytest.raises(ConfigError, match=r"the ray sampler: 3 actor\(s\) x 2 CPU need 6 CPUs, 4 in the Ray cluster"):
+        ArcticClient.in_process(cpus)
+    # A cluster this process started frees only what it holds: what is free now counts.
+    monkeypatch.setattr(actors, "_local_cluster", True)
+    actors.require_resources(ray, "two actors", 2, 2.0, 0.0)  # the 4 CPUs, once earlier tests' actors are gone
+    with pytest.raises(ConfigError, match=r"five actors: 5 actor\(s\) x 1 CPU need 5 CPUs, [0-4] free in the local Ray"):
+        actors.require_resources(ray, "five actors", 5, 1.0, 0.0, settle_s=0.5)
+
+
+def test_nccl_is_refused_for_ranks_without_a_gpu_of_their_own():
+    from arctic_core.ray.trainer import RayTrainerOptions
+
+    with pytest.raises(ValueError, match="comm_backend 'nccl' needs gpus_per_worker >= 1"):
+        RayTrainerOptions(workers=2, gpus_per_worker=0.5, comm_backend="nccl")
+    assert RayTrainerOptions(workers=2, gpus_per_worker=0.5).resolved_comm_backend == "gloo"
+    assert RayTrainerOptions(workers=2, gpus_per_worker=1).resolved_comm_backend == "nccl"
+    assert RayTrainerOptions(workers=2).resolved_comm_backend == "gloo"

@@ -8,6 +8,7 @@ The backends themselves: :mod:`arctic_core.ray.trainer` (data-parallel ranks),
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,15 +52,44 @@ def build_inner(kind: str, backend: str, config_cls: type[StrictModel], config_j
     return registry, engine
 
 
+_local_cluster = False  # whether this process started its Ray cluster (rather than joining one)
+
+
 def ensure_ray(address: str | None, num_cpus: int | None = None) -> Any:
     """Ray, initialised once per process: joins ``address`` or starts a local cluster."""
     ray_environment()
     import ray
 
+    global _local_cluster
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  **({"num_cpus": num_cpus} if num_cpus and not address else {}))
+        _local_cluster = address is None
     return ray
+
+
+def require_resources(ray: Any, who: str, actors: int, cpus: float, gpus: float,
+                      settle_s: float = 15.0) -> None:
+    """Refuse ``actors`` actors of ``cpus``/``gpus`` each that Ray could not place: it would queue
+    them silently, and the server would wait forever. A cluster this process started only frees
+    what this process holds, so what is available counts (after ``settle_s`` for actors just killed
+    to hand theirs back); a cluster it joined (a framework's, a remote one) may free resources or
+    add nodes later, so there only its total does."""
+    joined = not _local_cluster
+    deadline = time.monotonic() + (0.0 if joined else settle_s)
+    while True:
+        have = ray.cluster_resources() if joined else ray.available_resources()
+        short = [(name, actors * each, have.get(name, 0.0)) for name, each in (("GPU", gpus), ("CPU", cpus))
+                 if actors * each > have.get(name, 0.0) + 1e-9]
+        if not short or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if short:
+        name, need, free = short[0]
+        held = "in the Ray cluster" if joined else "free in the local Ray cluster"
+        each = gpus if name == "GPU" else cpus
+        raise ConfigError(f"{who}: {actors} actor(s) x {each:g} {name} need {need:g} {name}s, {free:g} {held}; "
+                          f"lower its {name.lower()}s per actor or give Ray more")
 
 
 def ray_environment() -> None:

@@ -16,7 +16,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, validate_options
 from arctic_core.plugins.interfaces import NamedTensors, Processor
 from arctic_core.ray.actors import (InnerBackendOptions, build_inner, ensure_ray, get_one, log_probs_request,
-                                    named_tensors, run_log_probs, weights_blob)
+                                    named_tensors, require_resources, run_log_probs, weights_blob)
 
 
 class RayLogProbOptions(InnerBackendOptions):
@@ -48,6 +48,7 @@ class RayLogProbEngine:
         self.options = validate_options(self.options_model, config, "ray")
         inner = self.options.inner(config, "log-prob backend")
         ray = ensure_ray(self.options.address)
+        require_resources(ray, "the ray log-prob backend", 1, self.options.cpus, self.options.gpus)
         actor = ray.remote(num_cpus=self.options.cpus, num_gpus=self.options.gpus)(LogProbWorker)
         self.worker = actor.remote(self.options.backend, inner.model_dump_json(), model.model_dump_json(), seed)
         self.asleep = False

@@ -21,7 +21,8 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate_options
 from arctic_core.plugins.interfaces import NamedTensors
 from arctic_core.protocol import GenerateRequest, GenerateResult
-from arctic_core.ray.actors import InnerBackendOptions, build_inner, ensure_ray, get_one, named_tensors, weights_blob
+from arctic_core.ray.actors import (InnerBackendOptions, build_inner, ensure_ray, get_one, named_tensors,
+                                    require_resources, weights_blob)
 from arctic_core.weights.actor import WeightSyncActor
 
 
@@ -59,6 +60,8 @@ class RaySampler:
         self.options = validate_options(self.options_model, config, "ray")
         inner = self.options.inner(config, "sampler")
         ray = ensure_ray(self.options.address)
+        require_resources(ray, "the ray sampler", self.options.replicas, self.options.cpus_per_replica,
+                          self.options.gpus_per_replica)
         actor = ray.remote(num_cpus=self.options.cpus_per_replica, num_gpus=self.options.gpus_per_replica)(SamplerWorker)
         # Seeds differ per replica: two replicas must not draw the same random stream.
         self.replicas = [actor.remote(self.options.backend, inner.model_dump_json(), model.model_dump_json(), seed + i)

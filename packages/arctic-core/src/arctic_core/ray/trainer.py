@@ -2,8 +2,9 @@
 
 ``trainer: {backend: ray, options: {workers: 2, backend: deepspeed, options: {zero_stage: 2}}}``
 starts (or joins, with ``address``) a Ray cluster and runs ``workers`` copies of the inner backend
-as torch.distributed ranks (gloo on the CPU, NCCL on GPUs; DeepSpeed shards optimizer state and
-gradients over them). The server sees one training backend, so every client call works unchanged.
+as torch.distributed ranks (NCCL when each rank has a GPU of its own, gloo on the CPU or when ranks
+share a GPU; DeepSpeed shards optimizer state and gradients over them). The server sees one
+training backend, so every client call works unchanged.
 
 - ``forward_backward`` splits the batch by whole prompt groups (a group's shared prompt stays on
   one rank, as ZoRRo needs), balanced by tokens; every rank normalises by the GLOBAL loss context,
@@ -23,10 +24,10 @@ import os
 import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
@@ -35,7 +36,7 @@ from arctic_core.errors import RequestError, WorkerError
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_core.protocol import FwdBwdRequest
 from arctic_core.ray.actors import (InnerBackendOptions, build_inner, ensure_ray, log_probs_request, named_tensors,
-                                    run_log_probs, task_error, weights_blob)
+                                    require_resources, run_log_probs, task_error, weights_blob)
 from arctic_core.weights.actor import WeightSyncActor
 
 
@@ -44,16 +45,37 @@ class RayTrainerOptions(InnerBackendOptions):
     backend: str = Field("deepspeed", description="The training backend every worker runs.")
     gpus_per_worker: float = Field(0.0, ge=0, description="1 per worker for a GPU each; fractions to colocate.")
     cpus_per_worker: float = Field(1.0, ge=0, description="CPUs Ray reserves per worker (its compute threads).")
+    comm_backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="The ranks' torch.distributed backend. auto: NCCL when each rank has whole GPUs of "
+        "its own, gloo on the CPU or when ranks share a GPU (NCCL refuses two ranks on one device).")
+
+    @model_validator(mode="after")
+    def _nccl_needs_own_gpus(self) -> RayTrainerOptions:
+        if self.comm_backend == "nccl" and self.gpus_per_worker < 1:
+            raise ValueError("comm_backend 'nccl' needs gpus_per_worker >= 1: NCCL refuses ranks without a GPU "
+                             "of their own; use 'gloo' (or 'auto')")
+        return self
+
+    @property
+    def resolved_comm_backend(self) -> str:
+        if self.comm_backend != "auto":
+            return self.comm_backend
+        return "nccl" if self.gpus_per_worker >= 1 else "gloo"
 
 
 class TrainerWorker(WeightSyncActor):
     """One rank (a Ray actor): the inner training backend in its own process. Rank 0 is the
     sender of ``torch-broadcast`` weight syncs."""
 
-    def __init__(self, rank: int, world: int, port: int, backend: str, config_json: str, model_json: str,
-                 seed: int) -> None:
+    def __init__(self, rank: int, world: int, port: int, comm_backend: str, backend: str, config_json: str,
+                 model_json: str, seed: int) -> None:
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
+        # The group is made here, with the backend the placement needs; the inner backend (DeepSpeed)
+        # joins a group that exists instead of picking NCCL for any CUDA device.
+        if comm_backend == "nccl":
+            torch.cuda.set_device(0)  # Ray shows each rank only its own GPUs
+        torch.distributed.init_process_group(comm_backend, rank=rank, world_size=world)
         self.registry, self.trainer = build_inner("training_backend", backend, TrainerConfig, config_json, model_json, seed)
 
     def forward_backward(self, request: bytes, ctx: dict[str, int]) -> dict[str, float]:
@@ -94,7 +116,9 @@ class RayDataParallelTrainer:
     def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
         self.options = validate_options(self.options_model, config, "ray")
         inner = self.options.inner(config, "trainer")
-        ensure_ray(self.options.address, num_cpus=max(os.cpu_count() or 1, self.options.workers))
+        opts = self.options
+        ray = ensure_ray(opts.address, num_cpus=max(os.cpu_count() or 1, opts.workers))
+        require_resources(ray, "the ray trainer", opts.workers, opts.cpus_per_worker, opts.gpus_per_worker)
         self._spawn_args = (inner.model_dump_json(), model.model_dump_json(), seed)
         self.workers: list[Any] = []
         self.dead_ranks: list[int] = []
@@ -108,7 +132,8 @@ class RayDataParallelTrainer:
             ray.kill(worker)
         actor = ray.remote(num_cpus=self.options.cpus_per_worker, num_gpus=self.options.gpus_per_worker)(TrainerWorker)
         port = _free_port()
-        self.workers = [actor.remote(rank, self.options.workers, port, self.options.backend, *self._spawn_args)
+        self.workers = [actor.remote(rank, self.options.workers, port, self.options.resolved_comm_backend,
+                                     self.options.backend, *self._spawn_args)
                         for rank in range(self.options.workers)]
         self.dead_ranks = []
         self._gather([w.ready.remote() for w in self.workers], "start")  # surfaces construction errors

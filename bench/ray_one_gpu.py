@@ -1,0 +1,307 @@
+"""Data-parallel ranks and colocated engines on ONE GPU through Ray: what a single GPU can check of
+the multi-GPU paths (the speedup of several GPUs needs several GPUs).
+
+- collectives: which torch.distributed backends run the collectives ZeRO uses between two ranks
+  that share one GPU (NCCL refuses two ranks on one device; gloo moves CUDA tensors through the host);
+- training: ZoRRo with two DeepSpeed ranks sharing the GPU (``gpus_per_worker: 0.5``), ZeRO-2 and
+  ZeRO-3, against one rank on the same global batch: losses and weights after two steps (fp32), and
+  the time of fwd_bwd + step;
+- recovery: a rank killed inside fwd_bwd is named, ``load_checkpoint`` restarts both ranks, and the
+  next loss is the one the checkpoint gives;
+- colocation: GRPO steps (generate, log_probs, fwd_bwd, step, sync) with a trainer rank and an
+  embedded sampler replica as two Ray actors on the GPU, weights synced by CUDA IPC; the sampler's
+  log-probs of its own tokens match the trainer's after each sync, and not before it.
+
+--smoke runs the same on the CPU with a tiny model (gloo; the inprocess weight transport instead of
+CUDA IPC). The last line printed is a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from arctic_core.batch import RolloutBatch
+from arctic_core.client import ArcticClient
+from arctic_core.errors import WorkerError
+from shapes import QWEN3_1_7B, SMOKE_SHAPE, make_model
+
+PPO = [{"name": "ppo", "old_logprobs": "current"}, {"name": "entropy", "weight": 0.01}]
+# Adam with a large eps moves each weight in proportion to its gradient, so comparing updates
+# compares gradients (with the default eps a first step is ~lr * sign(grad), blind to them).
+OPTIMIZER = {"lr": 1e-2, "eps": 1.0}
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce")
+
+
+# ---- collectives between two ranks on one device ------------------------------------------------
+
+def _collective_rank(rank: int, backend: str, device: str, port: int, results) -> None:
+    torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x = torch.full((1024,), float(rank + 1), device=device)
+    calls = {"all_reduce": lambda: torch.distributed.all_reduce(x.clone()),
+             "broadcast": lambda: torch.distributed.broadcast(x.clone(), 0),
+             "all_gather_into_tensor": lambda: torch.distributed.all_gather_into_tensor(x.new_empty(2048), x),
+             "reduce_scatter_tensor": lambda: torch.distributed.reduce_scatter_tensor(x.new_empty(512), x),
+             "reduce": lambda: torch.distributed.reduce(x.clone(), 0)}
+    for name in COLLECTIVES:
+        try:
+            calls[name]()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            results[f"{rank}:{name}"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - what fails, and why, is the result
+            results[f"{rank}:{name}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            break  # a failed collective can leave the group out of step
+    torch.distributed.destroy_process_group()
+
+
+def collectives(device: str) -> dict[str, dict[str, str]]:
+    """Per backend, each collective's outcome on two ranks sharing ``device``."""
+    from arctic_core.ray.trainer import _free_port
+
+    context = multiprocessing.get_context("spawn")
+    report = {}
+    for backend in (("nccl", "gloo") if device != "cpu" else ("gloo",)):
+        with context.Manager() as manager:
+            results = manager.dict()
+            port = _free_port()
+            ranks = [context.Process(target=_collective_rank, args=(r, backend, device, port, results)) for r in (0, 1)]
+            for process in ranks:
+                process.start()
+            for process in ranks:
+                process.join(45)
+                if process.is_alive():
+                    process.kill()
+            outcome = {name: results.get(f"0:{name}", "not reached") for name in COLLECTIVES}
+            report[backend] = outcome
+        print(f"collectives, two ranks on one {device} device, {backend}: {outcome}", flush=True)
+    return report
+
+
+# ---- training: two ranks sharing the GPU against one ------------------------------------------
+
+def grpo_batch(vocab: int, groups: int, prompt: int, response: int, samples: int, seed: int = 0) -> RolloutBatch:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (prompt,), generator=gen).tolist() for _ in range(groups)]
+    responses = [torch.randint(3, vocab, (response - (i % 5) * response // 8,), generator=gen).tolist()
+                 for i in range(groups * samples)]
+    batch = RolloutBatch.from_lists(prompts, responses, [i // samples for i in range(groups * samples)])
+    return batch.replace(advantages=torch.randn(batch.num_responses, generator=gen))
+
+
+def trainer_config(args, stage: int, workers: int, micro_batch_tokens: int | None = None) -> dict:
+    deepspeed = {"zero_stage": stage}
+    if workers == 1:
+        trainer = {"backend": "deepspeed", "options": deepspeed}
+    else:
+        trainer = {"backend": "ray", "options": {"workers": workers, "gpus_per_worker": args.gpu_share,
+                                                 "backend": "deepspeed", "options": deepspeed}}
+    return {"model": {"path": str(args.small_model), "dtype": "float32", "device": args.device}, "seed": 0,
+            "sampler": {"backend": "embedded", "options": {"kv_cache_tokens": 4096}},
+            "trainer": {**trainer, "optimizer": OPTIMIZER,
+                        "micro_batch_tokens": micro_batch_tokens or args.micro_batch_tokens}}
+
+
+def train(args, stage: int, workers: int, batch: RolloutBatch, micro_batch_tokens: int | None = None) -> dict:
+    with ArcticClient.in_process(trainer_config(args, stage, workers, micro_batch_tokens)) as client:
+        before = {name: w.float().cpu().clone() for name, w in client.transport.server.trainer.named_weights()}
+        losses, seconds = [], []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            losses.append(client.fwd_bwd(batch, PPO).metrics["loss"])
+            client.step()
+            seconds.append(time.perf_counter() - start)
+        updates = {name: w.float().cpu() - before[name] for name, w in client.transport.server.trainer.named_weights()}
+    free_device_memory()
+    return {"losses": losses, "seconds": seconds, "updates": updates}
+
+
+def free_device_memory() -> None:
+    """What a closed client left in this process's allocator goes back to the device (the ranks
+    and replicas of the next part share it)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def update_gap(one: dict, other: dict) -> tuple[str, float]:
+    """The weight tensor whose updates differ most, against its largest update, and that ratio."""
+    gaps = {n: float((other["updates"][n] - u).abs().max() / u.abs().max().clamp_min(1e-12))
+            for n, u in one["updates"].items()}
+    worst = max(gaps, key=gaps.get)
+    return worst, gaps[worst]
+
+
+def training(args) -> dict:
+    batch = grpo_batch(args.vocab, args.groups, args.prompt, args.response, args.samples)
+    report = {}
+    for stage in (2, 3):
+        one, two = train(args, stage, 1, batch), train(args, stage, 2, batch)
+        worst, gap = update_gap(one, two)
+        report[f"zero{stage}"] = {
+            "losses_one": one["losses"], "losses_two": two["losses"],
+            "loss_gap": max(abs(a - b) for a, b in zip(one["losses"], two["losses"], strict=True)),
+            "update_gap_relative": gap, "worst_tensor": worst,
+            "step_s_one": statistics.median(one["seconds"][1:]), "step_s_two": statistics.median(two["seconds"][1:])}
+        print(f"training ZeRO-{stage}: {json.dumps(report[f'zero{stage}'])}", flush=True)
+    return report
+
+
+def noise_floor(args) -> dict:
+    """One rank against itself with half the micro-batch tokens: how far the same engine's updates
+    move when only the batch's packing changes (the floor any two-rank gap is read against)."""
+    batch = grpo_batch(args.vocab, args.groups, args.prompt, args.response, args.samples)
+    one, halves = train(args, 2, 1, batch), train(args, 2, 1, batch, args.micro_batch_tokens // 2)
+    worst, gap = update_gap(one, halves)
+    report = {"update_gap_relative": gap, "worst_tensor": worst}
+    print(f"one rank, half the micro-batch tokens: {json.dumps(report)}", flush=True)
+    return report
+
+
+# ---- recovery: a rank killed inside fwd_bwd -----------------------------------------------------
+
+def recovery(args, folder: Path) -> dict:
+    import ray
+
+    batch = grpo_batch(args.vocab, args.groups, args.prompt, args.response, args.samples)
+    long_call = grpo_batch(args.vocab, args.groups * args.long_call, args.prompt, args.response, args.samples, seed=1)
+    with ArcticClient.in_process(trainer_config(args, 2, 2)) as client:
+        trainer = client.transport.server.trainer
+        client.fwd_bwd(batch, PPO)
+        client.step()
+        client.save_checkpoint(str(folder / "ckpt"))
+        expected = client.fwd_bwd(batch, PPO).metrics["loss"]
+        client.step()
+        start = time.perf_counter()
+        client.fwd_bwd(long_call, PPO)
+        long_s = time.perf_counter() - start  # to kill the next one a third of the way in
+        client.step()
+        killer = threading.Timer(long_s / 3, ray.kill, [trainer.workers[1]])
+        killer.start()
+        try:
+            client.fwd_bwd(long_call, PPO)
+            error = "no error: the call ended before the kill"
+        except WorkerError as exc:
+            error = str(exc)
+        killer.join()
+        still_up = client.status().step
+        start = time.perf_counter()
+        client.load_checkpoint(str(folder / "ckpt"))
+        restore_s = time.perf_counter() - start
+        loss = client.fwd_bwd(batch, PPO).metrics["loss"]
+        grad_norm = client.step().metrics["grad_norm"]
+    free_device_memory()
+    report = {"long_call_s": long_s, "error": error, "step_while_degraded": still_up, "restore_s": restore_s,
+              "loss_after_restore": loss, "expected_loss": expected, "grad_norm_after": grad_norm}
+    print(f"recovery: {json.dumps(report)}", flush=True)
+    return report
+
+
+# ---- colocation: a GRPO step with the trainer and a sampler replica on one GPU ------------------
+
+def colocated_config(args) -> dict:
+    return {"model": {"path": str(args.big_model), "dtype": args.big_dtype, "device": args.device}, "seed": 0,
+            "trainer": {"backend": "ray", "optimizer": {"lr": 1e-4}, "micro_batch_tokens": args.micro_batch_tokens,
+                        "gradient_checkpointing": True,
+                        "options": {"workers": 1, "gpus_per_worker": args.gpu_share, "backend": "deepspeed",
+                                    "options": {"zero_stage": 2}}},
+            "sampler": {"backend": "ray", "options": {"replicas": 1, "gpus_per_replica": args.gpu_share,
+                                                      "backend": "embedded",
+                                                      "options": {"kv_cache_tokens": args.kv_cache_tokens}}},
+            "weight_sync": {"transport": "cuda-ipc" if args.device == "cuda" else "inprocess"}}
+
+
+def logprob_gap(batch: RolloutBatch, trainer_logprobs: torch.Tensor) -> float:
+    """Mean |sampler - trainer| log-prob over the response tokens."""
+    mask = batch.loss_mask.bool()
+    return float((batch.sampling_logprobs - trainer_logprobs).abs()[mask].mean())
+
+
+def colocation(args) -> dict:
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, args.vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.groups)]
+    params = {"n": args.samples, "max_tokens": args.response, "temperature": 1.0}
+    steps = []
+    with ArcticClient.in_process(colocated_config(args)) as client:
+        for _ in range(args.steps):
+            times = {}
+            start = time.perf_counter()
+            batch = client.generate(prompts, **params).batch
+            times["generate"] = time.perf_counter() - start
+            mark = time.perf_counter()
+            current = client.log_probs(batch).outputs["logprobs"]
+            times["log_probs"] = time.perf_counter() - mark
+            synced_gap = logprob_gap(batch, current)
+            advantages = torch.randn(batch.num_responses, generator=gen)
+            mark = time.perf_counter()
+            client.fwd_bwd(batch.replace(old_logprobs=current, advantages=advantages), PPO)
+            times["fwd_bwd"] = time.perf_counter() - mark
+            mark = time.perf_counter()
+            client.step()
+            times["step"] = time.perf_counter() - mark
+            stale_gap = logprob_gap(batch, client.log_probs(batch).outputs["logprobs"])  # stepped, not synced
+            mark = time.perf_counter()
+            sync = client.sync_weights()
+            times["sync"] = time.perf_counter() - mark
+            times["total"] = sum(times.values())  # the calls of a GRPO step (not the stale-weights check)
+            steps.append({"seconds": times, "version": int(batch.policy_version.max()),
+                          "response_tokens": int(batch.response_lens.sum()), "gap_synced": synced_gap,
+                          "gap_after_step_before_sync": stale_gap, "sync_bytes": sync.metrics.get("bytes")})
+            print(f"colocated GRPO step: {json.dumps(steps[-1])}", flush=True)
+    free_device_memory()
+    return {"steps": steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model")
+    parser.add_argument("--parts", nargs="+", default=["collectives", "training", "noise", "recovery", "colocation"])
+    parser.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-1.7B shape for the fp32 checks")
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--response", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--long-call", type=int, default=4, help="the killed call's batch, in training batches")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--kv-cache-tokens", type=int, default=65536)
+    parser.add_argument("--gpu-share", type=float, default=0.5)
+    args = parser.parse_args()
+    args.device = "cpu" if args.smoke else "cuda"
+    if args.smoke:
+        args.groups, args.samples, args.prompt, args.response, args.steps, args.long_call = 3, 3, 24, 8, 2, 300
+        args.micro_batch_tokens, args.kv_cache_tokens, args.gpu_share = 4096, 4096, 0.0
+    elif not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke on the CPU")
+    shape = SMOKE_SHAPE if args.smoke else QWEN3_1_7B
+    args.vocab = 1000 if not args.smoke else shape["vocab_size"]
+    args.big_dtype = "float32" if args.smoke else "bfloat16"
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        args.small_model, args.big_model = Path(tmp, "small"), Path(tmp, "big")
+        make_model(str(args.small_model), {**shape, "num_hidden_layers": 2 if args.smoke else args.layers},
+                   dtype=torch.float32)
+        make_model(str(args.big_model), shape, dtype=torch.float32 if args.smoke else torch.bfloat16)
+        parts = {"collectives": lambda: collectives(args.device), "training": lambda: training(args),
+                 "noise": lambda: noise_floor(args),
+                 "recovery": lambda: recovery(args, Path(tmp)), "colocation": lambda: colocation(args)}
+        for name in args.parts:
+            try:
+                report[name] = parts[name]()
+            except Exception as exc:  # noqa: BLE001 - one part's failure is reported, the others still run
+                report[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                print(f"{name} failed: {report[name]['error']}", flush=True)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
