@@ -20,6 +20,7 @@ CUDA IPC). The last line printed is a JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -233,6 +234,14 @@ def logprob_gap(batch: RolloutBatch, trainer_logprobs: torch.Tensor) -> float:
     return float((batch.sampling_logprobs - trainer_logprobs).abs()[mask].mean())
 
 
+@contextlib.contextmanager
+def timed(times: dict[str, float], name: str):
+    """``times[name]``: the seconds the block took."""
+    start = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - start
+
+
 def colocation(args) -> dict:
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, args.vocab, (args.prompt,), generator=gen).tolist() for _ in range(args.groups)]
@@ -241,24 +250,19 @@ def colocation(args) -> dict:
     with ArcticClient.in_process(colocated_config(args)) as client:
         for _ in range(args.steps):
             times = {}
-            start = time.perf_counter()
-            batch = client.generate(prompts, **params).batch
-            times["generate"] = time.perf_counter() - start
-            mark = time.perf_counter()
-            current = client.log_probs(batch).outputs["logprobs"]
-            times["log_probs"] = time.perf_counter() - mark
+            with timed(times, "generate"):
+                batch = client.generate(prompts, **params).batch
+            with timed(times, "log_probs"):
+                current = client.log_probs(batch).outputs["logprobs"]
             synced_gap = logprob_gap(batch, current)
             advantages = torch.randn(batch.num_responses, generator=gen)
-            mark = time.perf_counter()
-            client.fwd_bwd(batch.replace(old_logprobs=current, advantages=advantages), PPO)
-            times["fwd_bwd"] = time.perf_counter() - mark
-            mark = time.perf_counter()
-            client.step()
-            times["step"] = time.perf_counter() - mark
+            with timed(times, "fwd_bwd"):
+                client.fwd_bwd(batch.replace(old_logprobs=current, advantages=advantages), PPO)
+            with timed(times, "step"):
+                client.step()
             stale_gap = logprob_gap(batch, client.log_probs(batch).outputs["logprobs"])  # stepped, not synced
-            mark = time.perf_counter()
-            sync = client.sync_weights()
-            times["sync"] = time.perf_counter() - mark
+            with timed(times, "sync"):
+                sync = client.sync_weights()
             times["total"] = sum(times.values())  # the calls of a GRPO step (not the stale-weights check)
             steps.append({"seconds": times, "version": int(batch.policy_version.max()),
                           "response_tokens": int(batch.response_lens.sum()), "gap_synced": synced_gap,

@@ -79,17 +79,16 @@ def require_resources(ray: Any, who: str, actors: int, cpus: float, gpus: float,
     deadline = time.monotonic() + (0.0 if joined else settle_s)
     while True:
         have = ray.cluster_resources() if joined else ray.available_resources()
-        short = [(name, actors * each, have.get(name, 0.0)) for name, each in (("GPU", gpus), ("CPU", cpus))
+        short = [(name, each, have.get(name, 0.0)) for name, each in (("GPU", gpus), ("CPU", cpus))
                  if actors * each > have.get(name, 0.0) + 1e-9]
         if not short or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
     if short:
-        name, need, free = short[0]
+        name, each, free = short[0]
         held = "in the Ray cluster" if joined else "free in the local Ray cluster"
-        each = gpus if name == "GPU" else cpus
-        raise ConfigError(f"{who}: {actors} actor(s) x {each:g} {name} need {need:g} {name}s, {free:g} {held}; "
-                          f"lower its {name.lower()}s per actor or give Ray more")
+        raise ConfigError(f"{who}: {actors} actor(s) x {each:g} {name} need {actors * each:g} {name}s, "
+                          f"{free:g} {held}; lower its {name.lower()}s per actor or give Ray more")
 
 
 def ray_environment() -> None:
