@@ -9,9 +9,12 @@ the multi-GPU paths (the speedup of several GPUs needs several GPUs).
 - noise: one rank against itself with half the micro-batch tokens, the floor two ranks are read against;
 - recovery: a rank killed inside fwd_bwd is named, ``load_checkpoint`` restarts both ranks, and the
   next loss is the one the checkpoint gives;
-- colocation: GRPO steps (generate, log_probs, fwd_bwd, step, sync) with a trainer rank and an
-  embedded sampler replica as two Ray actors on the GPU, weights synced by CUDA IPC; the sampler's
-  log-probs of its own tokens match the trainer's after each sync, and not before it.
+- colocation: GRPO steps (generate, log_probs, fwd_bwd, step, sync) with a trainer rank and a
+  sampler replica (the embedded engine, or vLLM + FCA with ``--sampler vllm``) as two Ray actors on
+  the GPU, weights synced by CUDA IPC; the sampler's log-probs of its own tokens match the trainer's
+  after each sync, and not before it. ``--colocate``: the server also puts the engine a call does
+  not need to sleep (the sampler's KV cache freed and weights offloaded, the trainer's optimizer
+  states offloaded) and wakes it for the next call that does.
 
 --smoke runs the same on the CPU with a tiny model (gloo; the inprocess weight transport instead of
 CUDA IPC). The last line printed is a JSON object.
@@ -223,9 +226,17 @@ def colocated_config(args) -> dict:
                         "options": {"workers": 1, "gpus_per_worker": args.gpu_share, "backend": "deepspeed",
                                     "options": {"zero_stage": 2}}},
             "sampler": {"backend": "ray", "options": {"replicas": 1, "gpus_per_replica": args.gpu_share,
-                                                      "backend": "embedded",
-                                                      "options": {"kv_cache_tokens": args.kv_cache_tokens}}},
-            "weight_sync": {"transport": "cuda-ipc" if args.device == "cuda" else "inprocess"}}
+                                                      "backend": args.sampler, "options": sampler_options(args)}},
+            "weight_sync": {"transport": "cuda-ipc" if args.device == "cuda" else "inprocess"},
+            "colocate": args.colocate}
+
+
+def sampler_options(args) -> dict:
+    """The replica's own options: the embedded engine's KV cache, or vLLM's share of the GPU (vLLM
+    refuses to start unless that much memory is free beside the trainer)."""
+    if args.sampler == "vllm":
+        return {"gpu_memory_utilization": args.vllm_memory, "max_model_len": args.prompt + args.response + 64}
+    return {"kv_cache_tokens": args.kv_cache_tokens}
 
 
 def logprob_gap(batch: RolloutBatch, trainer_logprobs: torch.Tensor) -> float:
@@ -286,6 +297,9 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--kv-cache-tokens", type=int, default=65536)
     parser.add_argument("--gpu-share", type=float, default=0.5)
+    parser.add_argument("--sampler", choices=["embedded", "vllm"], default="embedded", help="the colocated replica's engine")
+    parser.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization")
+    parser.add_argument("--colocate", action="store_true", help="the server puts engines a call does not need to sleep")
     args = parser.parse_args()
     args.device = "cpu" if args.smoke else "cuda"
     if args.smoke:

@@ -31,7 +31,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     work: StaticDecodeWork
     inputs: torch.Tensor  # [3, B]: token ids, positions, cache slots (one copy in per step)
-    logits: torch.Tensor  # [B, vocab] fp32
+    logits: torch.Tensor  # [B, vocab], the model's dtype
     tables_key: object = None  # whose block tables the work's kv_index holds
 
 

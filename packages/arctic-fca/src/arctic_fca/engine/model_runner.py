@@ -128,7 +128,8 @@ class ModelRunner:
 
     def forward(self, ids: np.ndarray | torch.Tensor, positions: np.ndarray, meta: StepMetadata,
                 rows: torch.Tensor | None) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` (fp32) of the packed step, at ``rows`` (all rows when None)."""
+        """Logits ``[rows, vocab]`` of the packed step, at ``rows`` (all rows when None), in the model's
+        dtype: the samplers read them in fp32 themselves, so no fp32 copy of the whole vocabulary is made."""
         as_tensor = lambda a: a if isinstance(a, torch.Tensor) else torch.from_numpy(a.astype(np.int64)).to(self.device)
         return self.logits(as_tensor(ids), as_tensor(positions), meta, rows)
 
@@ -141,7 +142,7 @@ class ModelRunner:
                                            use_cache=False).last_hidden_state[0]
         if rows is not None:
             hidden = hidden[rows]
-        return self.model.get_output_embeddings()(hidden).float()
+        return self.model.get_output_embeddings()(hidden)
 
     # ---- sizing ------------------------------------------------------------------------------
 

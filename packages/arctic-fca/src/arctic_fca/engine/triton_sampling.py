@@ -9,6 +9,12 @@ so the sampled token's log-prob comes out with it. Greedy rows (temperature 0) t
 the raw logits (the first of ties, as ``torch.argmax``) and their log-prob under the raw
 distribution.
 
+The noise is what costs: one Philox call yields four uniforms, and within a block the race is run
+on the ratios ``exp(x - max) / E`` that the exp-sum already computes (the same argmax as ``x - log
+E``), so an entry costs one log (``E = -log u``) and no second log for the key; only the block's
+winner is taken back to the log domain to compare across blocks and slices. Entries more than ~87
+below the running max (a probability under 1e-38 of the top one) flush to 0 there and cannot win.
+
 Stage one: one program per (row, vocabulary slice) keeps the slice's running max, scaled
 exp-sum and best race key; stage two: one program per row combines its slices.
 """
@@ -33,6 +39,7 @@ def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, max_ptr, sum_
     seed = tl.load(seed_ptr)
     base = logits_ptr + row.to(tl.int64) * stride_row
     end = tl.minimum(vocab, (part + 1) * SLICE)
+    counters = row * tl.cdiv(vocab, 4)  # the row's Philox counters: one per four entries
     running_max, running_sum = float("-inf"), 0.0
     best_key, best_index = float("-inf"), 0
     for start in range(part * SLICE, end, BLOCK):
@@ -40,20 +47,32 @@ def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, max_ptr, sum_
         ok = cols < end
         x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32) * scale
         new_max = tl.maximum(running_max, tl.max(x, 0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
+        weight = tl.exp(x - new_max)
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(weight, 0)
         running_max = new_max
-        # u in [0, 1) (Triton keeps it below 1): E = -log(u) > 0; u = 0 gives E = inf, a key that never wins.
-        uniform = tl.rand(seed, row * vocab + cols)
-        key = tl.where(greedy, x, x - tl.log(-tl.log(uniform)))
-        key = tl.where(ok, key, float("-inf"))
-        block_key = tl.max(key, 0)
+        if greedy:
+            key = tl.where(ok, x, float("-inf"))
+        else:
+            # u in [0, 1) (Triton keeps it below 1): E = -log(u) > 0; u = 0 gives E = inf, a ratio that never wins.
+            key = weight / -tl.log(_uniforms(seed, counters + start // 4, BLOCK))
+        block_key, block_best = tl.max(key, 0, return_indices=True)  # the first of a tie, as torch.argmax
+        if not greedy:  # the ratio's winner back in the log domain: x - log E
+            block_key = tl.log(block_key) + new_max
         if block_key > best_key:  # strictly: the earlier block keeps a tie, as torch.argmax keeps the first
-            best_key, best_index = block_key, start + tl.argmax(key, 0)
+            best_key, best_index = block_key, start + block_best
     out = row * slices + part
     tl.store(max_ptr + out, running_max)
     tl.store(sum_ptr + out, running_sum)
     tl.store(key_ptr + out, best_key)
     tl.store(index_ptr + out, best_index)
+
+
+@triton.jit
+def _uniforms(seed, first_counter, BLOCK: tl.constexpr):
+    """``BLOCK`` uniforms in [0, 1) from ``BLOCK / 4`` Philox calls (counters from ``first_counter``),
+    entry ``4 i + j`` being output ``j`` of call ``i``."""
+    u0, u1, u2, u3 = tl.rand4x(seed, first_counter + tl.arange(0, BLOCK // 4))
+    return tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [BLOCK])
 
 
 @triton.jit

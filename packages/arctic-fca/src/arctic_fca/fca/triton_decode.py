@@ -253,7 +253,8 @@ def _merge(work: DeviceWork, out: torch.Tensor) -> None:
     _merge_partials[(num_requests, num_q_heads)](
         work.partial, work.lse, work.merge_indptr, work.merge_rows, out,
         work.partial.stride(0), work.partial.stride(1), work.lse.stride(0), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), ROWS=work.tuning.merge_rows, num_warps=2,
+        HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), ROWS=work.tuning.merge_rows,
+        num_warps=work.tuning.merge_warps,
     )
 
 
