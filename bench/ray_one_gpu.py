@@ -38,6 +38,7 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
 from arctic_core.errors import WorkerError
+from arctic_core.ports import free_port
 from shapes import QWEN3_1_7B, SMOKE_SHAPE, make_model
 
 PPO = [{"name": "ppo", "old_logprobs": "current"}, {"name": "entropy", "weight": 0.01}]
@@ -71,14 +72,12 @@ def _collective_rank(rank: int, backend: str, device: str, port: int, results) -
 
 def collectives(device: str) -> dict[str, dict[str, str]]:
     """Per backend, each collective's outcome on two ranks sharing ``device``."""
-    from arctic_core.ray.trainer import _free_port
-
     context = multiprocessing.get_context("spawn")
     report = {}
     for backend in (("nccl", "gloo") if device != "cpu" else ("gloo",)):
         with context.Manager() as manager:
             results = manager.dict()
-            port = _free_port()
+            port = free_port()
             ranks = [context.Process(target=_collective_rank, args=(r, backend, device, port, results)) for r in (0, 1)]
             for process in ranks:
                 process.start()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from arctic_core.client import ArcticClient
+from arctic_core.ports import free_port
 from arctic_core.weights.files import MANIFEST, WeightFilesError, load_weight_files, read_manifest, write_weight_files
 
 PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
@@ -131,12 +131,6 @@ WORKER = textwrap.dedent("""
     group.close()
     save_file(got, out, metadata={"version": str(plan["version"]), "buckets": str(len(plan["buckets"]))})
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_broadcast_moves_weights_between_two_processes_over_gloo(tmp_path):

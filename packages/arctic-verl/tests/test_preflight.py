@@ -8,7 +8,6 @@ checks (token, served model, reference model) run against a real ``arctic-rl ser
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -18,18 +17,13 @@ import yaml
 
 from arctic_core.adapters import preflight as adapter_preflight
 from arctic_core.errors import ArcticError
+from arctic_core.ports import free_port
 from arctic_core.transports.http import wait_until_serving
 from arctic_verl import plugin
 from arctic_verl.preflight import preflight
 from verl_run import gsm8k_rows, main_ppo_args, run_main_ppo, verl_config, write_parquet
 
 TOKEN = "t0ken-for-tests"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 STOPS = {

@@ -12,7 +12,6 @@ finalises the accumulated gradients, clips, updates and zeroes them. With one ac
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -26,6 +25,7 @@ from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerC
 from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
+from arctic_core.ports import free_port
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.fused_elementwise import apply_compile_elementwise
 from arctic_zorro.lr_schedule import lr_factor, set_lr
@@ -45,13 +45,7 @@ def _prepare_environment() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 _prepare_environment()

@@ -21,7 +21,6 @@ A dead worker raises :class:`~arctic_core.errors.WorkerError` naming its rank; t
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +33,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, TrainerConfig, validate_options
 from arctic_core.errors import RequestError, WorkerError
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
+from arctic_core.ports import free_port
 from arctic_core.protocol import FwdBwdRequest
 from arctic_core.ray.actors import (InnerBackendOptions, build_inner, ensure_ray, log_probs_request, named_tensors,
                                     require_resources, run_log_probs, task_error, weights_blob)
@@ -131,7 +131,7 @@ class RayDataParallelTrainer:
         for worker in self.workers:
             ray.kill(worker)
         actor = ray.remote(num_cpus=self.options.cpus_per_worker, num_gpus=self.options.gpus_per_worker)(TrainerWorker)
-        port = _free_port()
+        port = free_port()
         self.workers = [actor.remote(rank, self.options.workers, port, self.options.resolved_comm_backend,
                                      self.options.backend, *self._spawn_args)
                         for rank in range(self.options.workers)]
@@ -288,8 +288,3 @@ def _sum_metrics(results: list[dict[str, float]]) -> dict[str, float]:
             total[key] = total.get(key, 0.0) + value
     return total
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
