@@ -218,7 +218,14 @@ def _sampling_checks(sample_with_temperature) -> dict:
     draws = 300
     drawn, _ = sample_with_temperature(probs.log().repeat(draws, 1), torch.ones(draws), torch.Generator().manual_seed(2))
     counts = torch.bincount(drawn, minlength=4).float()
+    # One token e^200 times likelier than the rest, whose race weights flush to 0 (in row 1 after a
+    # first block far below it): it must win every draw, with a log-prob of 0.
+    dominant = torch.randn(4, 150, generator=gen)
+    dominant[:, 120] = 200.0
+    dominant[1, :16] = -300.0
+    winners, winner_logprobs = sample_with_temperature(dominant, torch.ones(4), torch.Generator().manual_seed(3))
     return {"logprob_max_abs_diff": max_abs_diff(logprobs, expected),
+            "dominant_token_wins": bool((winners == 120).all()) and max_abs_diff(winner_logprobs, torch.zeros(4)) < 1e-5,
             "greedy_is_argmax": torch.equal(tokens[greedy], logits[greedy].argmax(-1)) and int(tokens[3]) == 20,
             "same_seed_same_tokens": torch.equal(tokens, again),
             "chi_square": float(((counts - draws * probs) ** 2 / (draws * probs)).sum())}
