@@ -287,4 +287,3 @@ def _sum_metrics(results: list[dict[str, float]]) -> dict[str, float]:
         for key, value in metrics.items():
             total[key] = total.get(key, 0.0) + value
     return total
-
