@@ -7,7 +7,8 @@ GPU (no flag): a Qwen3-1.7B-shaped random bf16 model, 512 new tokens per sample 
 as vLLM's ``ignore_eos``), temperature 1, at the GRPO shapes of ``SHAPES``. Generated tokens per
 second (wall clock, prefill included) with the cost model choosing FCA per step ("auto"), with
 plain paged decode ("plain"), and, with --hf, transformers ``generate`` on the same prompts; per
-decoder (--decoders: the engine's fused decoder, transformers' modules); --compare-flipped also
+decoder (--decoders: the engine's fused decoder, the same with its few-row products on cuBLAS and
+the small kernels or without programmatic dependent launch, transformers' modules); --compare-flipped also
 runs with engine options flipped (queued decode steps, prefill chunks mixed with decode), and --stop-ids
 makes samples end at varied lengths, so groups are admitted while others decode (with a
 --max-num-seqs below the batch), as in RL rollouts. Each decode step's time is
@@ -32,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from arctic_core.config import SamplingParams
 from arctic_core.hf import set_attention_implementation
-from arctic_fca.engine import EmbeddedEngine, EngineOptions
+from arctic_fca.engine import EmbeddedEngine, EngineOptions, fused_linear
 from arctic_fca.fca.tuning import Tuning
 from fca_common import tuning_of
 from shapes import QWEN3_1_7B
@@ -196,9 +197,16 @@ class Decoders:
 
     def __init__(self, engine: EmbeddedEngine) -> None:
         self.engine, self.fused = engine, engine.runner.decoder
+        self.pdl = self.fused.pdl  # the device's default
 
     def use(self, name: str) -> None:
-        self.engine.runner.decoder = self.fused if name == "fused" else None
+        """"fused", "transformers", or the fused decoder with its few-row products on cuBLAS and the
+        small kernels ("fused-cublas") or launched without programmatic dependent launch ("fused-no-pdl")."""
+        fused = name.startswith("fused")
+        self.engine.runner.decoder = self.fused if fused else None
+        if fused:
+            self.fused.fused_product_rows = 0 if name == "fused-cublas" else fused_linear.MAX_ROWS
+            self.fused.pdl = self.pdl and name != "fused-no-pdl"
         if self.engine.runner.graphs is not None:
             self.engine.runner.graphs.clear()  # they captured the other forward
 
@@ -304,7 +312,7 @@ def main() -> None:
     parser.add_argument("--hf-prompts-per-batch", type=int, default=8)
     parser.add_argument("--hf-batches", type=int, default=1)
     parser.add_argument("--modes", nargs="+", default=["auto"], choices=["auto", "fca", "plain"])
-    parser.add_argument("--decoders", nargs="+", default=["fused", "transformers"], choices=["fused", "transformers"])
+    parser.add_argument("--decoders", nargs="+", default=["fused", "transformers"], choices=["fused", "fused-cublas", "fused-no-pdl", "transformers"])
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")

@@ -322,6 +322,22 @@ def test_a_failing_call_gives_every_block_back(tokenizer, monkeypatch, failing):
     assert all(o.tokens == hf_greedy(reference, prompts[o.prompt_index], 8) for o in engine.generate(prompts, params))
 
 
+@pytest.mark.parametrize(("args", "kwargs", "message"), [
+    (((65, 8), (4, 8)), {}, r"x \[<= 64, K\]"),
+    (((2, 8), (4, 6)), {}, r"weight \[N, K\]"),
+    (((2, 8), (5, 8)), {"gated": True}, "gate over up"),
+    (((2, 8), (4, 8)), {"residual": (2, 3)}, r"residual \(2, 3\) for output \(2, 4\)"),
+    (((2, 8), (4, 8)), {"next_norm": (4,)}, "next_norm .* needs a residual"),
+])
+def test_fused_linear_names_what_it_cannot_take(args, kwargs, message):
+    from arctic_fca.engine.fused_linear import fused_linear
+
+    x, weight = (torch.zeros(shape) for shape in args)
+    tensors = {key: torch.zeros(value) if isinstance(value, tuple) else value for key, value in kwargs.items()}
+    with pytest.raises(ValueError, match=message):
+        fused_linear(x, weight, **tensors)
+
+
 def test_triton_kernels_and_engine_under_the_interpreter():
     """The GPU kernels' own code, run by Triton's CPU interpreter against the exact torch path."""
     script = Path(__file__).with_name("triton_interpreted.py")
@@ -329,7 +345,7 @@ def test_triton_kernels_and_engine_under_the_interpreter():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["cases"] == 38 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
+    assert result["cases"] == 110 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
     assert result["plain_kernel_equals_torch_build"]
     sampling = result["sampling"]
     assert sampling["logprob_max_abs_diff"] < 1e-5 and sampling["greedy_is_argmax"] and sampling["same_seed_same_tokens"]

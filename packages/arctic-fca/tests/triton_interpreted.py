@@ -185,7 +185,45 @@ def fused_op_cases() -> tuple[float, int]:
     gate_up = rand(3, 2 * 40)
     worst = max(worst, max_abs_diff(fused_ops.silu_and_mul(gate_up, triton=True),
                                     fused_ops.silu_and_mul(gate_up, triton=False)))
-    return worst, cases + 1
+    product_worst, product_cases = fused_linear_cases()
+    return max(worst, product_worst), cases + 1 + product_cases
+
+
+def fused_linear_cases() -> tuple[float, int]:
+    """The decoder's products with the small operations folded in, against the unfused torch path:
+    plain (with and without a bias), RMSNorm of the input (prepared with torch, and by the product
+    that wrote the rows), the residual added, gated SiLU x up; rows, columns and depth off the tiles,
+    K unsplit and split in 2 and 3, each launch twice (the split launches' arrival counters reset)."""
+    from torch.nn.functional import linear
+
+    from arctic_fca.engine.fused_linear import LinearConfig, Normed, fused_linear
+    from arctic_fca.engine.fused_ops import rms_norm, silu_and_mul
+
+    gen = torch.Generator().manual_seed(1)
+    worst, cases = 0.0, 0
+    for rows, n, k in ((1, 40, 48), (5, 70, 300), (33, 130, 200)):
+        x, h, weight, bias, g, g_next, residual = (torch.randn(*shape, generator=gen) for shape in
+                                                   ((rows, k), (rows, k), (n, k), (n,), (k,), (n,), (rows, n)))
+        weight /= k**0.5  # outputs of order one: the difference is the relative one
+        even = weight[: n - n % 2]
+        normed = rms_norm(h, g, 1e-6)
+        written = residual + linear(x, weight)
+        expected = {"plain": linear(x, weight), "bias": linear(x, weight, bias),
+                    "norm": linear(normed, weight, bias), "residual": written,
+                    "next_norm": rms_norm(written, g_next, 1e-6),
+                    "gated": silu_and_mul(linear(normed, even), triton=False)}
+        for split in (1, 2, 3, 3):  # split in 3 twice: the arrival counters were reset
+            config = LinearConfig(block_n=32, block_k=32, split_k=split)
+            prepared = Normed.of(h, g)
+            out, written_normed = fused_linear(x, weight, residual=residual, next_norm=g_next, config=config)
+            got = {"plain": fused_linear(x, weight, config=config),
+                   "bias": fused_linear(x, weight, bias, config=config),
+                   "norm": fused_linear(prepared, weight, bias, eps=1e-6, config=config),
+                   "residual": out, "next_norm": written_normed.normalized(1e-6),
+                   "gated": fused_linear(prepared, even, eps=1e-6, gated=True, config=config)}
+            worst = max(worst, *(max_abs_diff(got[name], expected[name]) for name in expected))
+            cases += len(expected)
+    return worst, cases
 
 
 def sampling_cases() -> dict:
@@ -232,6 +270,13 @@ def _sampling_checks(sample_with_temperature) -> dict:
 
 
 def engine_matches_generate() -> bool:
+    """Qwen3 (query/key norms), Qwen2 (QKV biases) and Llama with attention biases (the output
+    product's too), each through the fused products of its few-row steps."""
+    families = (("qwen3", {}), ("qwen2", {}), ("llama", {"attention_bias": True}))
+    return all(_engine_matches_generate(family, overrides) for family, overrides in families)
+
+
+def _engine_matches_generate(family: str, overrides: dict) -> bool:
     import copy
 
     from arctic_core.config import SamplingParams
@@ -240,7 +285,7 @@ def engine_matches_generate() -> bool:
     from arctic_fca.engine import EmbeddedEngine, EngineOptions
 
     tokenizer = build_tokenizer(CountingTask().corpus())
-    model = build_tiny_model(tokenizer, family="qwen3", seed=3)
+    model = build_tiny_model(tokenizer, family=family, seed=3, **overrides)
     reference = copy.deepcopy(model)
     # Prefill chunks of 24 tokens: the longer prompt's last chunks run with its sibling's decode rows.
     options = EngineOptions(kv_cache_tokens=2048, fca="fca", kernel="triton", max_prefill_tokens=24, chunked_prefill=True)

@@ -1,8 +1,8 @@
 """The embedded sampling engine, one concept per module: ``engine`` (the loop and its options),
 ``scheduler`` (admission, KV blocks, forks), ``step_planner`` (a decode step's host side),
 ``model_runner`` (the model, its KV cache and forward passes), ``decoder`` (the model's layers as
-fused kernels: ``fused_ops``, ``triton_ops``), ``cuda_graphs``, ``attention``, ``kv_cache``,
-``blocks``, ``sampling`` and ``sequence``."""
+fused kernels: ``fused_ops``, ``triton_ops``, and ``fused_linear`` for few-row products),
+``cuda_graphs``, ``attention``, ``kv_cache``, ``blocks``, ``sampling`` and ``sequence``."""
 
 from arctic_fca.engine.engine import EmbeddedEngine, EngineOptions, EngineStats
 from arctic_fca.engine.sequence import GenerationOutput

@@ -3,8 +3,11 @@ math as transformers' modules, a handful of kernels per layer instead of dozens.
 
 Per layer: residual add + RMSNorm (one kernel), one fused QKV product, query/key norm + rotary +
 KV-cache store (one kernel), paged attention, the output product, add + norm, one fused gate/up
-product, SiLU x up (one kernel), the down product. The rotary tables are computed once by the
-model's own rotary module, so every RoPE variant it computes statically is exact here.
+product, SiLU x up (one kernel), the down product. Decode steps (at most ``fused_linear.MAX_ROWS``
+rows, Triton kernels) fold the norms, residual adds and SiLU x up into the products themselves
+(``fused_linear``): five launches per layer with the rotary kernel and the attention's. The rotary
+tables are computed once by the model's own rotary module, so every RoPE variant it computes
+statically is exact here.
 
 The fused QKV and gate/up weights are single tensors, and the model's own ``q_proj/k_proj/v_proj``
 and ``gate_proj/up_proj`` parameters are re-pointed at views of them: weight updates written into
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from arctic_fca.engine import fused_linear
 from arctic_fca.engine.attention import StepMetadata, attend
 from arctic_fca.engine.fused_ops import add_rms_norm, qk_rope_store, silu_and_mul
 from arctic_fca.fca.decode import default_kernel
@@ -70,6 +74,9 @@ class FusedDecoder:
                       getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.eps = config.rms_norm_eps
         self.layers: list[_Layer] = []
+        # Rows up to which the products run with the small operations folded in (0: never), and
+        # whether they launch as programmatic dependents (set by bind for the device).
+        self.fused_product_rows, self.pdl = fused_linear.MAX_ROWS, False
         self.bind()
 
     @classmethod
@@ -86,7 +93,9 @@ class FusedDecoder:
         """Fuse the projection weights (the model's parameters become views of them) and compute the
         rotary tables; again after the model moved devices (sleep/wake)."""
         base = self.model.base_model
-        self.triton = default_kernel(base.embed_tokens.weight.device) == "triton"
+        device = base.embed_tokens.weight.device
+        self.triton = default_kernel(device) == "triton"
+        self.pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
         self.layers = [self._bind_layer(layer) for layer in base.layers]
         positions = torch.arange(self.max_len, device=base.embed_tokens.weight.device)[None]
         cos, sin = base.rotary_emb(base.embed_tokens.weight[:1], positions)
@@ -109,6 +118,8 @@ class FusedDecoder:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """The final hidden states ``[T, hidden]`` of the packed tokens ``input_ids [T]``."""
+        if self.triton and input_ids.shape[0] <= self.fused_product_rows:
+            return self._fused_products(input_ids, positions, meta)
         base, triton = self.model.base_model, self.triton
         hidden, residual = base.embed_tokens(input_ids), None
         for index, layer in enumerate(self.layers):
@@ -121,6 +132,25 @@ class FusedDecoder:
                                        triton=triton)
             hidden = layer.down(silu_and_mul(F.linear(x, layer.gate_up), triton=triton))
         return add_rms_norm(hidden, residual, base.norm.weight, self.eps, triton=triton)[0]
+
+    def _fused_products(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """The same layers for a few rows: ``hidden`` is the residual stream; the products that write
+        it add their output in and prepare it for the norm of the product that reads it next."""
+        base, eps, linear = self.model.base_model, self.eps, fused_linear.fused_linear
+        pdl = self.pdl and fused_linear.dependent_launch_pays(input_ids.shape[0])
+        hidden = base.embed_tokens(input_ids)
+        normed = fused_linear.Normed.of(hidden, self.layers[0].input_norm)
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [base.norm.weight]
+        for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
+            qkv = linear(normed, layer.qkv, layer.qkv_bias, eps=eps, pdl=pdl)
+            q, k, v = qk_rope_store(qkv, self.heads, positions, self.cos, self.sin, layer.q_norm, layer.k_norm, eps,
+                                    meta.cache, index, meta.slots, triton=True, pdl=pdl)
+            attended = attend(q, k, v, index, meta, layer.scale).flatten(1)
+            hidden, normed = linear(attended, layer.o_proj.weight, layer.o_proj.bias, residual=hidden,
+                                    next_norm=layer.post_norm, pdl=pdl)
+            act = linear(normed, layer.gate_up, eps=eps, gated=True, pdl=pdl)
+            hidden, normed = linear(act, layer.down.weight, residual=hidden, next_norm=next_norm, pdl=pdl)
+        return normed.normalized(eps)
 
 
 @torch.no_grad()

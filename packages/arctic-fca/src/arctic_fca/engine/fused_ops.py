@@ -42,8 +42,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def qk_rope_store(qkv: torch.Tensor, heads: tuple[int, int, int], positions: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                  cache: PagedKVCache, layer: int, slots: torch.Tensor, *,
-                  triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  cache: PagedKVCache, layer: int, slots: torch.Tensor, *, triton: bool,
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused projection ``qkv [T, (Hq + 2 Hkv) D]`` into heads, norm each query/key head
     (when the model has such norms), rotate both by ``positions`` (tables ``cos/sin [max_len, D]``),
     and store the keys and values in the paged cache at ``slots``. Returns ``q [T, Hq, D]``,
@@ -51,7 +51,7 @@ def qk_rope_store(qkv: torch.Tensor, heads: tuple[int, int, int], positions: tor
     if triton:
         from arctic_fca.engine.triton_ops import qk_rope_store as kernel
 
-        return kernel(qkv, heads, positions, cos, sin, q_norm, k_norm, eps, cache, layer, slots)
+        return kernel(qkv, heads, positions, cos, sin, q_norm, k_norm, eps, cache, layer, slots, pdl)
     num_q, num_kv, dim = heads
     q, k, v = qkv.view(qkv.shape[0], num_q + 2 * num_kv, dim).split((num_q, num_kv, num_kv), dim=1)
     if q_norm is not None:

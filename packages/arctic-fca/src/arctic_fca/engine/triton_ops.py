@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from arctic_fca.engine.kv_cache import PagedKVCache
 
@@ -53,9 +54,12 @@ def _head_norm(x1, x2, w_ptr, eps, HALF: tl.constexpr):
 @triton.jit
 def _qk_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, slot_ptr, q_out_ptr, k_out_ptr,
                           k_cache_ptr, v_cache_ptr, eps, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
-                          HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+                          HALF: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """Program (token, head): heads below NUM_Q are queries, the rest keys, whose program also moves
-    the matching value head into the cache."""
+    the matching value head into the cache. PDL: launched as a programmatic dependent of the
+    product before it, so wait for that product's output first."""
+    if PDL:
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dim: tl.constexpr = 2 * HALF
@@ -96,7 +100,7 @@ def _qk_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, sl
 
 def qk_rope_store(qkv: torch.Tensor, heads: tuple[int, int, int], positions: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                  cache: PagedKVCache, layer: int, slots: torch.Tensor):
+                  cache: PagedKVCache, layer: int, slots: torch.Tensor, pdl: bool = False):
     num_q, num_kv, dim = heads
     qkv = qkv.contiguous()
     tokens = qkv.shape[0]
@@ -107,7 +111,7 @@ def qk_rope_store(qkv: torch.Tensor, heads: tuple[int, int, int], positions: tor
     _qk_rope_store_kernel[(tokens, num_q + num_kv)](
         qkv, positions, cos, sin, q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, slots,
         q, k, cache.keys[layer], cache.values[layer], eps, NUM_Q=num_q, NUM_KV=num_kv, HALF=dim // 2,
-        HAS_NORM=q_norm is not None, num_warps=1)
+        HAS_NORM=q_norm is not None, PDL=pdl, num_warps=1, **({"launch_pdl": True} if pdl else {}))
     v = qkv.view(tokens, num_q + 2 * num_kv, dim)[:, num_q + num_kv:]
     return q, k, v
 
