@@ -6,8 +6,8 @@ dependent launch; and cuBLAS through cuBLASLt (``torch.backends.cuda.preferred_b
 Each product is timed as a decode step runs it: one CUDA graph calls it once per layer over 28
 layers' own weights (nothing left in L2 from one call to the next), and the time per call is the
 graph's time over 28. The gate/up product is timed as cuBLAS then the SiLU x up kernel, and as the
-Triton kernel's gated form (one launch). --sweep also times a grid of tile settings (the four fastest reported).
-The chain: a layer's products and the small kernels between them, 28 layers, per layer: as the
+Triton kernel's gated form (one launch). --sweep also times a grid of tile settings (the four
+fastest reported). The chain: a layer's products and the small kernels between them, 28 layers, per layer: as the
 decoder runs them for many rows (add + RMSNorm kernels, cuBLAS, the SiLU x up kernel) and for a
 few (``fused_linear``: the norms, residual adds and SiLU x up folded into four products), the
 latter with and without programmatic dependent launch.
@@ -92,7 +92,7 @@ def chain_us(rows: int, device: str) -> dict:
     norm = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
     hidden = torch.randn(rows, HIDDEN, generator=gen, device=device).bfloat16()
 
-    def unfused(pdl: bool) -> torch.Tensor:
+    def unfused(_pdl: bool) -> torch.Tensor:
         h, residual = hidden, None
         for layer in layers:
             x, residual = add_rms_norm(h, residual, norm, 1e-6, triton=True)

@@ -200,8 +200,8 @@ class Decoders:
         self.pdl = self.fused.pdl  # the device's default
 
     def use(self, name: str) -> None:
-        """"fused", "transformers", or the fused decoder with its few-row products on cuBLAS and the
-        small kernels ("fused-cublas") or launched without programmatic dependent launch ("fused-no-pdl")."""
+        """The engine's decoder ("fused"; "fused-cublas": its few-row products on cuBLAS and the small
+        kernels; "fused-no-pdl": without programmatic dependent launch) or transformers' modules."""
         fused = name.startswith("fused")
         self.engine.runner.decoder = self.fused if fused else None
         if fused:

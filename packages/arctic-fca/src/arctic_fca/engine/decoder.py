@@ -5,9 +5,9 @@ Per layer: residual add + RMSNorm (one kernel), one fused QKV product, query/key
 KV-cache store (one kernel), paged attention, the output product, add + norm, one fused gate/up
 product, SiLU x up (one kernel), the down product. Decode steps (at most ``fused_linear.MAX_ROWS``
 rows, Triton kernels) fold the norms, residual adds and SiLU x up into the products themselves
-(``fused_linear``): five launches per layer with the rotary kernel and the attention's. The rotary
-tables are computed once by the model's own rotary module, so every RoPE variant it computes
-statically is exact here.
+(``fused_linear``): no norm or activation kernel runs between them. The rotary tables are
+computed once by the model's own rotary module, so every RoPE variant it computes statically is
+exact here.
 
 The fused QKV and gate/up weights are single tensors, and the model's own ``q_proj/k_proj/v_proj``
 and ``gate_proj/up_proj`` parameters are re-pointed at views of them: weight updates written into

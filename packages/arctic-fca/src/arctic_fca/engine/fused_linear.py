@@ -172,7 +172,9 @@ def _epilogue(acc, up, b_ptr, res_ptr, out_ptr, squares_ptr, squares_tiles, g_pt
         tl.store(squares_out_ptr + tile * M + rows, tl.sum(h * h, axis=1), mask=rows < M)
 
 
-@triton.jit
+# The row count varies from step to step (sequences finish, graphs per batch size): one compiled
+# kernel per row tile, not one per row count's divisibility.
+@triton.jit(do_not_specialize=["M"])
 def _fused_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, count_ptr, squares_ptr, squares_tiles, g_ptr,
                          scaled_ptr, squares_out_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_per_split, eps,
                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, TILES_BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
