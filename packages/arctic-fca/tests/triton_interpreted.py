@@ -212,9 +212,9 @@ def fused_linear_cases() -> tuple[float, int]:
                     "norm": linear(normed, weight, bias), "residual": written,
                     "next_norm": rms_norm(written, g_next, 1e-6),
                     "gated": silu_and_mul(linear(normed, even), triton=False)}
+        prepared = Normed.of(h, g)
         for split in (1, 2, 3, 3):  # split in 3 twice: the arrival counters were reset
             config = LinearConfig(block_n=32, block_k=32, split_k=split)
-            prepared = Normed.of(h, g)
             out, written_normed = fused_linear(x, weight, residual=residual, next_norm=g_next, config=config)
             got = {"plain": fused_linear(x, weight, config=config),
                    "bias": fused_linear(x, weight, bias, config=config),

@@ -97,7 +97,7 @@ class FusedDecoder:
         self.triton = default_kernel(device) == "triton"
         self.pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
         self.layers = [self._bind_layer(layer) for layer in base.layers]
-        positions = torch.arange(self.max_len, device=base.embed_tokens.weight.device)[None]
+        positions = torch.arange(self.max_len, device=device)[None]
         cos, sin = base.rotary_emb(base.embed_tokens.weight[:1], positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
 
