@@ -6,6 +6,7 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     P=2048 STEPS=4 SAMPLER=vllm python3 bench/trl_step.py   # vLLM 0.24 + FCA as Arctic's sampler
     P=2048 STEPS=4 CHECKPOINT_LAYERS=all python3 bench/trl_step.py   # recompute every layer (default: auto)
     P=2048 STEPS=4 COMPILE_ELEMENTWISE=0 python3 bench/trl_step.py   # norms and SiLU x up eager (default: auto)
+    TIME_PREFILL=1 P=4096 STEPS=5 python3 bench/trl_step.py  # each prefill pass timed on its own
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
 The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
@@ -15,6 +16,7 @@ trainer fits beside it). The last line is a JSON object.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -27,6 +29,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig
 
 from arctic_trl import GRPOTrainer
+from prefill_passes import time_prefill_passes
 from shapes import QWEN3_1_7B, SMOKE_SHAPE, make_model
 
 
@@ -34,14 +37,30 @@ CLIENT_CALLS = ("generate", "log_probs", "fwd_bwd", "step", "sync_weights")
 
 
 class StepTimer(TrainerCallback):
-    """Each optimizer step's wall time, and how much of it each backend call took (calls, seconds)."""
+    """Each optimizer step's wall time, how much of it each backend call took (calls, seconds), the
+    garbage collector's pauses, and with the in-process embedded sampler its prefill and decode
+    seconds (``TIME_PREFILL=1``: each prefill pass, between device synchronisations)."""
 
     def __init__(self) -> None:
-        self.begin, self.steps, self.calls = 0.0, [], {}
+        self.begin, self.steps, self.calls, self.engine, self.engine_before = 0.0, [], {}, None, {}
+        self.passes: list[float] = []
 
     def wrap(self, client) -> None:
         for name in CLIENT_CALLS:
             setattr(client, name, self._timed(name, getattr(client, name)))
+        # The embedded sampler's own split of generate (in process only): prefill, decode, steps.
+        sampler = getattr(getattr(client.transport, "server", None), "sampler", None)
+        self.engine = getattr(sampler, "engine", None)
+        if self.engine is not None and os.environ.get("TIME_PREFILL"):  # each prefill pass, synchronised
+            self.passes = time_prefill_passes(self.engine)
+        self.gc_seconds, self._gc_begin = 0.0, 0.0
+        gc.callbacks.append(self._gc_pause)
+
+    def _gc_pause(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_begin = time.perf_counter()
+        else:
+            self.gc_seconds += time.perf_counter() - self._gc_begin
 
     def _timed(self, name, call):
         def timed(*args, **kwargs):
@@ -54,7 +73,17 @@ class StepTimer(TrainerCallback):
         return timed
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.begin, self.calls = time.time(), {}
+        self.begin, self.calls, self.gc_seconds = time.time(), {}, 0.0
+        self.passes.clear()
+        self.engine_before = self._engine_stats()
+
+    def _engine_stats(self) -> dict[str, float]:
+        stats = vars(self.engine.stats) if self.engine is not None else {}
+        out = {k: stats[k] for k in ("prefill_seconds", "decode_seconds", "decode_steps") if k in stats}
+        if torch.cuda.is_available():  # the caching allocator's trips to the driver (each may synchronise)
+            memory = torch.cuda.memory_stats()
+            out.update({k: memory.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")})
+        return out
 
     def on_step_end(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
@@ -62,8 +91,10 @@ class StepTimer(TrainerCallback):
         self.steps.append(time.time() - self.begin)
         calls = ", ".join(f"{name} {count}x {seconds:.2f} s" for name, (count, seconds) in self.calls.items())
         outside = self.steps[-1] - sum(seconds for _, seconds in self.calls.values())
+        engine = {k: round(v - self.engine_before.get(k, 0), 3) for k, v in self._engine_stats().items()}
         print("step", len(self.steps), round(self.steps[-1], 2), "s:", calls, f"; outside the backend {outside:.2f} s",
-              flush=True)
+              f"; garbage collection {self.gc_seconds:.2f} s", f"; sampler {engine}" if engine else "",
+              f"; prefill passes {self.passes}" if self.passes else "", flush=True)
 
 
 def main() -> None:

@@ -57,6 +57,32 @@ def test_from_padded_groups_identical_prompts_exactly_and_keeps_a_loss_mask():
     assert batch.loss_mask.tolist() == [[True, False], [True, False], [True, True]]
 
 
+def test_from_padded_equals_the_batch_built_from_token_lists():
+    """Random left-padded prompts (some ending in token 0, which is not padding) and right-padded
+    responses: the tensor conversion gives what grouping the rows' token lists gives."""
+    gen = torch.Generator().manual_seed(0)
+    shared = [torch.randint(0, 5, (int(n),), generator=gen).tolist() for n in torch.randint(1, 7, (5,), generator=gen)]
+    shared[1] = shared[0] + [0]  # a prompt that differs from another only by a trailing token 0
+    rows = [shared[int(i)] for i in torch.randint(0, 5, (12,), generator=gen)]
+    responses = [torch.randint(0, 9, (int(n),), generator=gen).tolist() for n in torch.randint(0, 5, (12,), generator=gen)]
+    responses[0] = [1, 2, 3, 4]  # the longest response sets the width
+    first: dict[tuple[int, ...], int] = {}
+    index = [first.setdefault(tuple(p), len(first)) for p in rows]
+    expected = RolloutBatch.from_lists(list(map(list, first)), responses, index)
+    width_p, width_r = 8, 4
+    ids = torch.zeros(12, width_p + width_r, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (prompt, response) in enumerate(zip(rows, responses)):
+        ids[i, width_p - len(prompt): width_p + len(response)] = torch.tensor(prompt + response)
+        mask[i, width_p - len(prompt): width_p + len(response)] = 1
+    for group_ids in (None, [tuple(p) for p in rows]):
+        batch = RolloutBatch.from_padded(ids, mask, width_p, group_ids=group_ids)
+        for name, tensor in expected.to_tensors().items():
+            assert torch.equal(getattr(batch, name), tensor), name
+    with pytest.raises(BatchError, match="integer token ids"):
+        RolloutBatch.from_padded(ids.float(), mask, width_p)
+
+
 def test_group_ids_with_different_prompts_are_refused():
     ids = torch.tensor([[4, 5, 1], [4, 6, 1]])
     with pytest.raises(BatchError, match="row 1 is in group 'g'"):

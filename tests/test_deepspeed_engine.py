@@ -265,3 +265,14 @@ def test_checkpoint_layers_are_checked_against_the_model(config_of):
     too_many = {**deepspeed_trainer(0), "gradient_checkpointing": True, "checkpoint_layers": 3}
     with pytest.raises(ConfigError, match=r"checkpoint_layers \(3\) exceeds the model's 2 decoder layers"):
         ArcticClient.in_process(config_of(trainer=too_many))
+
+
+def test_adamw_runs_fused_only_where_its_states_live_on_a_gpu():
+    from arctic_core.config import ModelConfig, TrainerConfig
+    from arctic_zorro.deepspeed_engine import DeepSpeedTrainerOptions, trainer_config
+
+    model, trainer = ModelConfig(path="unused", dtype="bfloat16"), TrainerConfig()
+    params = lambda options, on_gpu: trainer_config(options, trainer, model, on_gpu=on_gpu)["optimizer"]["params"]
+    assert params(DeepSpeedTrainerOptions(), on_gpu=True)["fused"] is True
+    assert "fused" not in params(DeepSpeedTrainerOptions(), on_gpu=False)
+    assert "fused" not in params(DeepSpeedTrainerOptions(offload_optimizer=True), on_gpu=True)  # steps on the CPU

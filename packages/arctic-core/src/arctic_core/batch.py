@@ -149,19 +149,23 @@ class RolloutBatch:
                 f"input_ids and attention_mask must both be [B, T]; got {tuple(input_ids.shape)} "
                 f"and {tuple(attention_mask.shape)}"
             )
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise BatchError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if not 0 < prompt_length <= input_ids.shape[1]:
             raise BatchError(f"prompt_length {prompt_length} outside (0, {input_ids.shape[1]}]")
         mask = attention_mask.bool()
-        prompts = [row[m].tolist() for row, m in zip(input_ids[:, :prompt_length], mask[:, :prompt_length])]
         resp_mask = mask[:, prompt_length:]
         resp_lens = resp_mask.sum(dim=1)
         if not torch.equal(resp_mask, _prefix_mask(resp_lens, resp_mask.shape[1])):
             raise BatchError("the response part of attention_mask must be right-padded (1s then 0s)")
-        responses = [row[: int(n)].tolist() for row, n in zip(input_ids[:, prompt_length:], resp_lens)]
-        unique, index = _group_prompts(prompts, group_ids)
+        # Tensor ops throughout: a row's prompt of thousands of tokens never becomes a Python list.
+        prompts, prompt_lens = _compact_rows(input_ids[:, :prompt_length], mask[:, :prompt_length])
+        firsts, index = _group_rows(prompts, prompt_lens, group_ids)
+        width = int(resp_lens.max()) if len(resp_lens) else 0
+        responses = torch.where(resp_mask, input_ids[:, prompt_length:], 0)[:, :width]
         if response_mask is not None:
             fields["loss_mask"] = response_mask.bool() & resp_mask
-        return cls.from_lists(unique, responses, index, **fields)
+        return cls(prompts[firsts].long(), prompt_lens[firsts], responses.long(), resp_lens, index, **fields)
 
     def to_padded(self, pad_id: int = 0) -> dict[str, torch.Tensor]:
         """The padded layout frameworks use: left-padded prompts, right-padded responses.
@@ -383,25 +387,33 @@ def _check_len(name: str, value: torch.Tensor, expected: int, what: str) -> None
         raise BatchError(f"{name} has {value.shape[0]} entries but the batch has {expected} {what}")
 
 
-def _group_prompts(
-    prompts: list[list[int]], group_ids: Sequence[object] | torch.Tensor | None
-) -> tuple[list[list[int]], list[int]]:
-    """Unique prompts and each row's index into them, by group id or exact token equality."""
-    keys: list[object]
+def _compact_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's masked-in tokens moved to its front, in order, zeros after them; and their counts."""
+    lens = mask.sum(dim=1)
+    kept_first = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
+    compact = torch.where(_prefix_mask(lens, ids.shape[1]), ids.gather(1, kept_first), 0)
+    return compact[:, : int(lens.max()) if len(lens) else 0], lens
+
+
+def _group_rows(prompts: torch.Tensor, lens: torch.Tensor,
+                group_ids: Sequence[object] | torch.Tensor | None) -> tuple[list[int], torch.Tensor]:
+    """The first row of each group (in order of appearance) and each row's group, by group id or by
+    exact token equality; rows given one group id must hold the same prompt."""
+    rows = torch.cat([lens[:, None], prompts], dim=1)  # the length too: a trailing token 0 is not padding
     if group_ids is None:
-        keys = [tuple(p) for p in prompts]
+        keys = torch.unique(rows, dim=0, return_inverse=True)[1].tolist() if len(rows) else []
     else:
         keys = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
-        if len(keys) != len(prompts):
-            raise BatchError(f"group_ids has {len(keys)} entries for {len(prompts)} rows")
+        if len(keys) != len(rows):
+            raise BatchError(f"group_ids has {len(keys)} entries for {len(rows)} rows")
     first: dict[object, int] = {}
-    unique: list[list[int]] = []
-    index: list[int] = []
-    for row, (key, prompt) in enumerate(zip(keys, prompts)):
-        if key not in first:
-            first[key] = len(unique)
-            unique.append(prompt)
-        elif unique[first[key]] != prompt:
-            raise BatchError(f"row {row} is in group {key!r} but its prompt tokens differ from the group's")
-        index.append(first[key])
-    return unique, index
+    for row, key in enumerate(keys):
+        first.setdefault(key, row)
+    number = {key: i for i, key in enumerate(first)}
+    index = torch.tensor([number[key] for key in keys], dtype=torch.long)
+    firsts = list(first.values())
+    differs = (rows != rows[torch.tensor(firsts, dtype=torch.long)[index]]).any(dim=1).nonzero()
+    if differs.numel():
+        row = int(differs[0])
+        raise BatchError(f"row {row} is in group {keys[row]!r} but its prompt tokens differ from the group's")
+    return firsts, index

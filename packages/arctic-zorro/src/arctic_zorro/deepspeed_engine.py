@@ -114,8 +114,11 @@ def base_config(options: DeepSpeedLogProbOptions, model: ModelConfig) -> dict[st
     return config
 
 
-def trainer_config(options: DeepSpeedTrainerOptions, trainer: TrainerConfig, model: ModelConfig) -> dict[str, Any]:
-    """Add the optimizer, clipping and caller-owned accumulation to :func:`base_config`."""
+def trainer_config(options: DeepSpeedTrainerOptions, trainer: TrainerConfig, model: ModelConfig,
+                   on_gpu: bool = False) -> dict[str, Any]:
+    """Add the optimizer, clipping and caller-owned accumulation to :func:`base_config`. ``on_gpu``:
+    the optimizer states live on a GPU, where AdamW runs fused (one kernel for the whole update
+    instead of one pass over the fp32 states per element-wise operation)."""
     config = base_config(options, model)
     if model.dtype == "bfloat16":
         if options.zero_stage == 0:
@@ -135,6 +138,7 @@ def trainer_config(options: DeepSpeedTrainerOptions, trainer: TrainerConfig, mod
                 "eps": opt.eps,
                 "weight_decay": opt.weight_decay,
                 "torch_adam": True,  # torch.optim.AdamW, like the torch backend; no op to compile
+                **({"fused": True} if on_gpu and not options.offload_optimizer else {}),
             },
         },
         zero_allow_untested_optimizer=True,
@@ -263,7 +267,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         engine, *_ = deepspeed.initialize(
             model=module,
             model_parameters=param_groups(self.model, config.optimizer),
-            config=trainer_config(self.options, config, model),
+            config=trainer_config(self.options, config, model, on_gpu=self.model.device.type == "cuda"),
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
         )
         return engine

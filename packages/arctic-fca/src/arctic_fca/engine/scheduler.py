@@ -103,15 +103,17 @@ class Scheduler:
         bs = self.block_size
         full = group.blocks[: len(group.prompt) // bs]
         partial = group.blocks[len(full):]
-        sequences = []
+        sequences, copies = [], []
         for token, logprob in zip(first_tokens, first_logprobs, strict=True):
             own = self.pool.allocate(self.own_blocks(len(group.prompt), params))
             self.pool.share(full)
             if partial and own:
-                self.cache.copy_blocks(partial, own[:1])
+                copies.append(own[0])
             sequence = Sequence(group.prompt_index, list(group.prompt), len(group.prompt) + params.max_tokens, full + own)
             sequence.append(token, logprob, stops)
             sequences.append(sequence)
+        # One copy for all samples (a launch per layer, not per layer and sample).
+        self.cache.copy_blocks(partial * len(copies), copies)
         self.pool.release(group.blocks)
         return sequences
 
