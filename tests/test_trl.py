@@ -122,6 +122,28 @@ def pair(policy, tmp_path_factory):
     arctic.arctic.close()
 
 
+def test_prompts_repeated_for_their_samples_are_tokenized_once(pair, monkeypatch):
+    plain, _, arctic = pair
+    prompts = ["count up from 3:"] * 4 + ["repeat 5:"] * 4 + ["count up from 3:"]
+    tokenized = []
+    tokenizer = arctic.processing_class
+
+    class Counting:
+        def __call__(self, text, **kwargs):
+            tokenized.extend(text)
+            return tokenizer(text=text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    monkeypatch.setattr(arctic, "processing_class", Counting())
+    ids, images, fields = arctic._tokenize_prompts(prompts)
+    assert (ids, images, fields) == plain._tokenize_prompts(prompts)
+    assert tokenized == ["count up from 3:", "repeat 5:", "count up from 3:"]
+    ids[0].append(0)  # rows are lists of their own, as TRL's are
+    assert ids[1] != ids[0]
+
+
 def configure(trainer, **settings) -> None:
     """Set TRL settings on a built trainer, where TRL reads them (its args and its attributes)."""
     for name, value in settings.items():
