@@ -7,6 +7,8 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     P=2048 STEPS=4 CHECKPOINT_LAYERS=all python3 bench/trl_step.py   # recompute every layer (default: auto)
     P=2048 STEPS=4 COMPILE_ELEMENTWISE=0 python3 bench/trl_step.py   # norms and SiLU x up eager (default: auto)
     TIME_PREFILL=1 P=4096 STEPS=5 python3 bench/trl_step.py  # each prefill pass timed on its own
+    PROFILE_STEP=4 P=4096 STEPS=5 python3 bench/trl_step.py  # the 4th step's Python calls (cProfile)
+    SYNC_CALLS=1 P=4096 STEPS=7 python3 bench/trl_step.py  # each call's device work counted as its own
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
 The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
@@ -16,9 +18,12 @@ trainer fits beside it). The last line is a JSON object.
 
 from __future__ import annotations
 
+import cProfile
 import gc
 import json
+import logging
 import os
+import pstats
 import random
 import sys
 import time
@@ -38,12 +43,14 @@ CLIENT_CALLS = ("generate", "log_probs", "fwd_bwd", "step", "sync_weights")
 
 class StepTimer(TrainerCallback):
     """Each optimizer step's wall time, how much of it each backend call took (calls, seconds), the
-    garbage collector's pauses, and with the in-process embedded sampler its prefill and decode
-    seconds (``TIME_PREFILL=1``: each prefill pass, between device synchronisations)."""
+    garbage collector's pauses by generation, and with the in-process embedded sampler its prefill
+    and decode seconds (``TIME_PREFILL=1``: each prefill pass, between device synchronisations).
+    ``SYNC_CALLS=1``: each call ends in a device synchronisation; ``PROFILE_STEP=K``: cProfile of step K."""
 
     def __init__(self) -> None:
         self.begin, self.steps, self.calls, self.engine, self.engine_before = 0.0, [], {}, None, {}
-        self.passes: list[float] = []
+        self.passes: list[tuple[float, float, float]] = []
+        self.profile: cProfile.Profile | None = None
 
     def wrap(self, client) -> None:
         for name in CLIENT_CALLS:
@@ -53,27 +60,35 @@ class StepTimer(TrainerCallback):
         self.engine = getattr(sampler, "engine", None)
         if self.engine is not None and os.environ.get("TIME_PREFILL"):  # each prefill pass, synchronised
             self.passes = time_prefill_passes(self.engine)
-        self.gc_seconds, self._gc_begin = 0.0, 0.0
+        self.gc_pauses, self._gc_begin = {}, 0.0
         gc.callbacks.append(self._gc_pause)
 
     def _gc_pause(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._gc_begin = time.perf_counter()
-        else:
-            self.gc_seconds += time.perf_counter() - self._gc_begin
+        else:  # by generation: (collections, seconds)
+            count, seconds = self.gc_pauses.get(info["generation"], (0, 0.0))
+            self.gc_pauses[info["generation"]] = (count + 1, round(seconds + time.perf_counter() - self._gc_begin, 3))
 
     def _timed(self, name, call):
+        # SYNC_CALLS=1: each call's device work counts as its own (not as the host work after it).
+        sync = torch.cuda.synchronize if os.environ.get("SYNC_CALLS") and torch.cuda.is_available() else lambda: None
+
         def timed(*args, **kwargs):
             begin = time.perf_counter()
             try:
                 return call(*args, **kwargs)
             finally:
+                sync()
                 count, seconds = self.calls.get(name, (0, 0.0))
                 self.calls[name] = (count + 1, seconds + time.perf_counter() - begin)
         return timed
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.begin, self.calls, self.gc_seconds = time.time(), {}, 0.0
+        if len(self.steps) + 1 == int(os.environ.get("PROFILE_STEP", 0)):  # this step's Python calls, profiled
+            self.profile = cProfile.Profile()
+            self.profile.enable()
+        self.begin, self.calls, self.gc_pauses = time.time(), {}, {}
         self.passes.clear()
         self.engine_before = self._engine_stats()
 
@@ -93,8 +108,15 @@ class StepTimer(TrainerCallback):
         outside = self.steps[-1] - sum(seconds for _, seconds in self.calls.values())
         engine = {k: round(v - self.engine_before.get(k, 0), 3) for k, v in self._engine_stats().items()}
         print("step", len(self.steps), round(self.steps[-1], 2), "s:", calls, f"; outside the backend {outside:.2f} s",
-              f"; garbage collection {self.gc_seconds:.2f} s", f"; sampler {engine}" if engine else "",
-              f"; prefill passes {self.passes}" if self.passes else "", flush=True)
+              f"; garbage collections by generation {self.gc_pauses} (oldest holds {len(gc.get_objects(2)):,})",
+              f"; sampler {engine}" if engine else "",
+              f"; prefill passes (wall, host, device) {self.passes}" if self.passes else "", flush=True)
+        if self.profile is not None:
+            self.profile.disable()
+            stats = pstats.Stats(self.profile)
+            stats.sort_stats("cumulative").print_stats(70)
+            stats.sort_stats("tottime").print_stats(30)
+            self.profile = None
 
 
 def main() -> None:
@@ -135,6 +157,9 @@ def main() -> None:
         trainer_options["compile_elementwise"] = {"0": False, "1": True}.get(compiled, compiled)
     if trainer_options:
         arctic["trainer"] = trainer_options
+    # Which layers checkpoint_layers: auto keeps, as it changes them.
+    logging.getLogger("arctic_zorro.checkpoint_policy").setLevel(logging.INFO)
+    logging.getLogger("arctic_zorro.checkpoint_policy").addHandler(logging.StreamHandler(sys.stdout))
     trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": texts}),
                           callbacks=[timer], arctic=arctic)
     timer.wrap(trainer.arctic)

@@ -69,14 +69,18 @@ def test_a_group_prefills_its_prompt_once_and_shared_prefixes_are_reused(tokeniz
     assert engine.pool.num_free == engine.pool.capacity  # every block came back
 
 
-def test_continuous_batching_admits_groups_as_blocks_free_up(tokenizer):
-    # 20 blocks hold about two groups at a time: the rest wait and run as earlier ones finish.
-    engine, reference = make_engine(tokenizer, kv_cache_tokens=20 * 16, max_num_seqs=4)
+@pytest.mark.parametrize("max_num_seqs, waves", [(4, 3), (64, 2)])
+def test_continuous_batching_admits_groups_as_blocks_free_up(tokenizer, max_num_seqs, waves):
+    # 20 blocks hold about two groups at a time: the rest wait and run as earlier ones finish. With
+    # no limit on sequences (64), an admitted group must keep room for its samples' blocks until its
+    # prompt is prefilled and forked, or a later group takes them.
+    engine, reference = make_engine(tokenizer, kv_cache_tokens=20 * 16, max_num_seqs=max_num_seqs)
     prompts = random_prompts((18, 30, 12, 25, 40), len(tokenizer), seed=2)
     outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=20, stop_token_ids=NO_STOP))
     for out in outputs:
         assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 20)
-    assert engine.stats.prefill_steps >= 3  # admitted in waves, not all at once
+    assert engine.stats.prefill_steps >= waves  # admitted in waves, not all at once
+    assert engine.pool.num_free == engine.pool.capacity and engine.scheduler.reserved == 0
 
 
 def test_stop_tokens_end_a_sample_and_are_kept(tokenizer):

@@ -101,7 +101,8 @@ class AutoCheckpointing:
         if self.agree:
             checkpointed = _most_over_ranks(checkpointed, self.device)
         if checkpointed != self.checkpointed:
-            log.info("checkpoint_layers auto: %d of %d layers for %d tokens", checkpointed, self.num_layers, tokens)
+            log.info("checkpoint_layers auto: %d of %d layers for %d tokens (%s GiB for activations)", checkpointed,
+                     self.num_layers, tokens, "-" if budget is None else f"{budget / 2**30:.1f}")
             checkpoint_first_layers(self.model, checkpointed)
             self.checkpointed = checkpointed
         return checkpointed

@@ -21,12 +21,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.fca.decode import PreparedDecode
 
 ATTENTION_NAME = "arctic_fca_paged"
+# Prefill attention without cuDNN's: torch prefers it on Hopper, and it builds a plan for every new
+# sequence length (~35 ms on the H200, once per length), so rollouts whose prompt lengths keep changing
+# paid more for plans than for the attention itself. Flash attention needs no plan per shape.
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, paged:
         parts.append(paged.decode(q[:rows], paged.cache.keys[layer], paged.cache.values[layer], scale))
     if paged.spans:
         query, key, value = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
-        spans = [_prefill_span(query, key, value, paged.cache, layer, span, scale) for span in paged.spans]
+        with sdpa_kernel(PREFILL_BACKENDS):
+            spans = [_prefill_span(query, key, value, paged.cache, layer, span, scale) for span in paged.spans]
         parts.append(torch.cat(spans, dim=2)[0].transpose(0, 1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -95,7 +102,9 @@ def _prefill_span(query, key, value, cache: PagedKVCache, layer: int, span: Pref
     k, v = (c.view(-1, *c.shape[2:])[span.context_slots].transpose(0, 1)[None]
             for c in (cache.keys[layer], cache.values[layer]))
     new = span.end - span.start
-    visible = torch.ones(new, span.cached + new, dtype=torch.bool, device=q.device).tril(diagonal=span.cached)
+    # Causal, aligned to the last key: the new tokens see the whole cached prefix (flash attention
+    # takes this without a mask).
+    visible = causal_lower_right(new, span.cached + new)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
 
 

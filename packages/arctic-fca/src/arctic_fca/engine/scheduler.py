@@ -2,8 +2,9 @@
 prompt tokens each prefill step computes, and the fork of a prefilled prompt into its ``n`` samples.
 
 A group is admitted while its worst case fits: its prompt's blocks not already cached (the prefix
-index finds full blocks another prompt holds), plus ``n`` times the blocks for ``max_tokens``. So
-a running sequence never waits for memory and nothing is ever preempted.
+index finds full blocks another prompt holds), plus ``n`` times the blocks for ``max_tokens``. The
+prompt's blocks are taken at admission and its samples' are held in reserve until the fork takes
+them, so a running sequence never waits for memory and nothing is ever preempted.
 
 Admitted prompts are computed first in, first out, ``max_prefill_tokens`` per step: a prompt whose
 blocks another admitted prompt shares is therefore never computed before them.
@@ -26,10 +27,11 @@ class Scheduler:
         self.cache, self.block_size = cache, block_size
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.pool = BlockPool(cache.num_blocks)
+        self.reserved = 0  # free blocks promised to the samples of admitted groups not yet forked
 
     def reset(self) -> None:
         """Every block back (after a failed call: calls are serialised, so all were that call's)."""
-        self.pool = BlockPool(self.pool.num_blocks)
+        self.pool, self.reserved = BlockPool(self.pool.num_blocks), 0
 
     def check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Refuse a request that could never be admitted, naming the prompt and the setting to raise."""
@@ -68,8 +70,9 @@ class Scheduler:
                 shared.append(block)
             if len(shared) * bs >= len(group.prompt):
                 shared.pop()  # keep the last prompt token to compute: its logits start the samples
-            if self.group_blocks(len(group.prompt), len(shared), params) > self.pool.num_free:
+            if self.group_blocks(len(group.prompt), len(shared), params) > self.pool.num_free - self.reserved:
                 break
+            self.reserved += params.n * self.own_blocks(len(group.prompt), params)
             self.pool.share(shared)
             fresh = self.pool.allocate(math.ceil(len(group.prompt) / bs) - len(shared))
             for digest, block in zip(hashes[len(shared):], fresh, strict=False):
@@ -104,6 +107,7 @@ class Scheduler:
         full = group.blocks[: len(group.prompt) // bs]
         partial = group.blocks[len(full):]
         sequences, copies = [], []
+        self.reserved -= len(first_tokens) * self.own_blocks(len(group.prompt), params)
         for token, logprob in zip(first_tokens, first_logprobs, strict=True):
             own = self.pool.allocate(self.own_blocks(len(group.prompt), params))
             self.pool.share(full)
