@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -245,6 +246,35 @@ def extra_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
             "zorro_no_ckpt_ms": round(nockpt_ms, 1), "zorro_no_ckpt_peak_gib": round(nockpt_peak, 2)}
 
 
+def flex_tunings(model, batch: RolloutBatch, iters: int, tunings: list) -> dict:
+    """ZoRRo compiled with no layer checkpointed, its FlexAttention compiled under each of
+    ``tunings``: a dict of ``flex_attention`` kernel options (tiles, warps, stages; ``{}``: Triton's
+    defaults), or "max-autotune" (Inductor times its own configs). Each starts from a fresh
+    compilation cache, so each pays its compile in the untimed first pass."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from arctic_zorro import forest_attention
+
+    default, timed = forest_attention._compiled_flex_attention, {}
+    enable_forest_attention(model)
+    try:
+        for tuning in tunings:
+            torch._dynamo.reset()
+            if tuning == "max-autotune":
+                flex = torch.compile(flex_attention, mode="max-autotune-no-cudagraphs")
+            else:
+                flex = functools.partial(torch.compile(flex_attention), kernel_options=tuning)
+            forest_attention._compiled_flex_attention = lambda flex=flex: flex
+            with elementwise_compiled(model), without_checkpointing(model):
+                ms, peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
+            timed[json.dumps(tuning)] = {"ms": round(ms, 1), "peak_gib": round(peak, 2)}
+            print("flex tuning", json.dumps(tuning), timed[json.dumps(tuning)], flush=True)
+    finally:
+        forest_attention._compiled_flex_attention = default
+        torch._dynamo.reset()
+    return {"zorro_flex_tunings": timed}
+
+
 def partial_checkpointing(model, batch: RolloutBatch, iters: int, layer_counts: list[int], budget_gib: float,
                           all_layers: tuple[int, float, float]) -> dict:
     """ZoRRo with only its first K decoder layers checkpointed (``checkpoint_layers: K``), for each
@@ -289,6 +319,8 @@ def gpu(args) -> dict[str, object]:
             row.update(extra_variants(model, batch, args.iters))
         if args.compile_elementwise:
             row.update(compiled_variants(model, batch, args.iters))
+        if args.flex_kernel_options:
+            row.update(flex_tunings(model, batch, args.iters, args.flex_kernel_options))
         if args.checkpoint_layers:
             row.update(partial_checkpointing(model, batch, args.iters, args.checkpoint_layers, b_peak,
                                              (args.layers, z_ms, z_peak)))
@@ -319,6 +351,9 @@ def main() -> None:
     parser.add_argument("--extra-variants", action="store_true", help="also time the full-head baseline and ZoRRo without checkpointing")
     parser.add_argument("--checkpoint-layers", type=lambda s: [int(k) for k in s.split(",")], default=[],
                         help="K,K,...: also time ZoRRo with only its first K layers checkpointed")
+    parser.add_argument("--flex-kernel-options", type=json.loads, default=None,
+                        help='JSON list: also time compiled ZoRRo (no checkpointing) with FlexAttention under each, '
+                             'e.g. \'[{}, "max-autotune", {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64}]\'')
     parser.add_argument("--head-chunk", type=int, default=packed_forward.HEAD_CHUNK_TOKENS,
                         help="response tokens per LM-head chunk, in both runs (smaller: lower peak memory)")
     parser.add_argument("--device", default="cpu", help="device of the --smoke models (cuda exercises FlexAttention)")
