@@ -101,11 +101,13 @@ def _prefill_span(query, key, value, cache: PagedKVCache, layer: int, span: Pref
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     k, v = (c.view(-1, *c.shape[2:])[span.context_slots].transpose(0, 1)[None]
             for c in (cache.keys[layer], cache.values[layer]))
+    if gqa:  # each query head's keys/values: flash (half precision) and memory-efficient attention
+        # (fp32, no grouped-query support) then both apply the causal bias below without a dense mask
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     new = span.end - span.start
-    # Causal, aligned to the last key: the new tokens see the whole cached prefix (flash attention
-    # takes this without a mask).
+    # Causal, aligned to the last key: the new tokens see the whole cached prefix.
     visible = causal_lower_right(new, span.cached + new)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
