@@ -30,7 +30,7 @@ from arctic_fca.fca.decode import PreparedDecode
 
 ATTENTION_NAME = "arctic_fca_paged"
 # Prefill attention without cuDNN's: torch prefers it on Hopper, and it builds a plan for every new
-# sequence length (~35 ms on the H200, once per length), so rollouts whose prompt lengths keep changing
+# sequence length (~32 ms on the H200, once per length), so rollouts whose prompt lengths keep changing
 # paid more for plans than for the attention itself. Flash attention needs no plan per shape.
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
