@@ -126,19 +126,18 @@ class GRPOTrainer(trl.GRPOTrainer):
         ``num_generations`` times in a row, and tokenizing every copy of a 4k-token prompt took
         0.24 s per step with one tokenizer thread. Per-row environments, images and processor fields
         keep TRL's own per-row call."""
-        starts = [i for i, prompt in enumerate(prompts) if i == 0 or prompt != prompts[i - 1]]
-        if len(starts) == len(prompts) or getattr(self, "environment_factories", None) is not None:
+        runs = _runs(prompts)
+        if len(runs) == len(prompts) or getattr(self, "environment_factories", None) is not None:
             return super()._tokenize_prompts(prompts)
-        ids, images, fields = super()._tokenize_prompts([prompts[i] for i in starts])
+        ids, images, fields = super()._tokenize_prompts([prompt for prompt, _ in runs])
         if images is not None or fields:
             return super()._tokenize_prompts(prompts)
-        ends = starts[1:] + [len(prompts)]
-        return [list(row) for row, start, end in zip(ids, starts, ends) for _ in range(end - start)], None, {}
+        return [list(row) for row, (_, count) in zip(ids, runs, strict=True) for _ in range(count)], None, {}
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if images is not None and any(image is not None for image in images):
             raise NotImplementedError("arctic_trl samples text only; images are not supported")
-        runs = _runs(prompt_ids)  # TRL's sampler repeats each prompt num_generations times in a row
+        runs = _runs([list(p) for p in prompt_ids])  # TRL's sampler repeats each prompt num_generations times in a row
         params = {**sampling_params(self.args, self.temperature), "max_tokens": self.max_completion_length,
                   "stop_token_ids": list(self.eos_token_ids), "seed": self.args.seed + self._generations}
         self._generations += 1
@@ -306,14 +305,14 @@ def _connect(arctic: ArcticClient | str | dict[str, Any] | None, path: str, args
     return ArcticClient.in_process(arctic_config(path, args, arctic))
 
 
-def _runs(prompt_ids: list[list[int]]) -> list[tuple[list[int], int]]:
-    """Consecutive identical prompts as (prompt, count)."""
-    runs: list[tuple[list[int], int]] = []
-    for prompt in prompt_ids:
-        if runs and runs[-1][0] == list(prompt):
+def _runs(prompts: list[Any]) -> list[tuple[Any, int]]:
+    """Consecutive equal prompts (texts, messages or token lists) as (prompt, count)."""
+    runs: list[tuple[Any, int]] = []
+    for prompt in prompts:
+        if runs and runs[-1][0] == prompt:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
-            runs.append((list(prompt), 1))
+            runs.append((prompt, 1))
     return runs
 
 
