@@ -9,6 +9,8 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     TIME_PREFILL=1 P=4096 STEPS=5 python3 bench/trl_step.py  # each prefill pass timed on its own
     PROFILE_STEP=4 P=4096 STEPS=5 python3 bench/trl_step.py  # the 4th step's Python calls (cProfile)
     SYNC_CALLS=1 P=4096 STEPS=7 python3 bench/trl_step.py  # each call's device work counted as its own
+    DEVICE_PROFILE_STEP=4 P=4096 STEPS=4 python3 bench/trl_step.py  # where the 4th step's device waits
+    ZERO_STAGE=2 P=4096 STEPS=5 python3 bench/trl_step.py  # DeepSpeed ZeRO stage 2 (the adapter's choice here: 1)
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
 The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
@@ -34,6 +36,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig
 
 from arctic_trl import GRPOTrainer
+from device_idle import PHASE_PREFIX, idle_report
 from prefill_passes import time_prefill_passes
 from shapes import QWEN3_1_7B, SMOKE_SHAPE, make_model
 
@@ -45,12 +48,14 @@ class StepTimer(TrainerCallback):
     """Each optimizer step's wall time, how much of it each backend call took (calls, seconds), the
     garbage collector's pauses by generation, and with the in-process embedded sampler its prefill
     and decode seconds (``TIME_PREFILL=1``: each prefill pass, between device synchronisations).
-    ``SYNC_CALLS=1``: each call ends in a device synchronisation; ``PROFILE_STEP=K``: cProfile of step K."""
+    ``SYNC_CALLS=1``: each call ends in a device synchronisation; ``PROFILE_STEP=K``: cProfile of step K;
+    ``DEVICE_PROFILE_STEP=K``: the device's idle time in step K, by call, and its longest gaps."""
 
     def __init__(self) -> None:
         self.begin, self.steps, self.calls, self.engine, self.engine_before = 0.0, [], {}, None, {}
         self.passes: list[tuple[float, float, float]] = []
         self.profile: cProfile.Profile | None = None
+        self.device_profile: torch.profiler.profile | None = None
 
     def wrap(self, client) -> None:
         for name in CLIENT_CALLS:
@@ -77,7 +82,8 @@ class StepTimer(TrainerCallback):
         def timed(*args, **kwargs):
             begin = time.perf_counter()
             try:
-                return call(*args, **kwargs)
+                with torch.profiler.record_function(PHASE_PREFIX + name):
+                    return call(*args, **kwargs)
             finally:
                 sync()
                 count, seconds = self.calls.get(name, (0, 0.0))
@@ -88,6 +94,10 @@ class StepTimer(TrainerCallback):
         if len(self.steps) + 1 == int(os.environ.get("PROFILE_STEP", 0)):  # this step's Python calls, profiled
             self.profile = cProfile.Profile()
             self.profile.enable()
+        if len(self.steps) + 1 == int(os.environ.get("DEVICE_PROFILE_STEP", 0)):
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            self.device_profile = torch.profiler.profile(activities=activities)
+            self.device_profile.start()
         self.begin, self.calls, self.gc_pauses = time.time(), {}, {}
         self.passes.clear()
         self.engine_before = self._engine_stats()
@@ -117,6 +127,10 @@ class StepTimer(TrainerCallback):
             stats.sort_stats("cumulative").print_stats(70)
             stats.sort_stats("tottime").print_stats(30)
             self.profile = None
+        if self.device_profile is not None:
+            self.device_profile.stop()
+            print(idle_report(self.device_profile, top_kernels=40), flush=True)
+            self.device_profile = None
 
 
 def main() -> None:
@@ -155,6 +169,8 @@ def main() -> None:
     compiled = os.environ.get("COMPILE_ELEMENTWISE")  # the default is auto
     if compiled:
         trainer_options["compile_elementwise"] = {"0": False, "1": True}.get(compiled, compiled)
+    if os.environ.get("ZERO_STAGE"):  # the adapter picks 1 for bf16 on one process
+        trainer_options["options"] = {"zero_stage": int(os.environ["ZERO_STAGE"])}
     if trainer_options:
         arctic["trainer"] = trainer_options
     # Which layers checkpoint_layers: auto keeps, as it changes them.

@@ -246,11 +246,13 @@ def extra_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
             "zorro_no_ckpt_ms": round(nockpt_ms, 1), "zorro_no_ckpt_peak_gib": round(nockpt_peak, 2)}
 
 
-def flex_tunings(model, batch: RolloutBatch, iters: int, tunings: list) -> dict:
+def flex_tunings(model, batch: RolloutBatch, iters: int, tunings: list, other: RolloutBatch) -> dict:
     """ZoRRo compiled with no layer checkpointed, its FlexAttention compiled under each of
     ``tunings``: a dict of ``flex_attention`` kernel options (tiles, warps, stages; ``{}``: Triton's
-    defaults), or "max-autotune" (Inductor times its own configs). Each starts from a fresh
-    compilation cache, so each pays its compile in the untimed first pass."""
+    defaults), "max-autotune" (Inductor times its own configs) or "dynamic" (the backend's own
+    compilation after a micro-batch of another length, ``other``: compiled once for any length,
+    as in training). Each starts from a fresh compilation cache, so each pays its compile in the
+    untimed first pass."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from arctic_zorro import forest_attention
@@ -262,10 +264,14 @@ def flex_tunings(model, batch: RolloutBatch, iters: int, tunings: list) -> dict:
             torch._dynamo.reset()
             if tuning == "max-autotune":
                 flex = torch.compile(flex_attention, mode="max-autotune-no-cudagraphs")
+            elif tuning == "dynamic":
+                flex = torch.compile(flex_attention)
             else:
                 flex = functools.partial(torch.compile(flex_attention), kernel_options=tuning)
             forest_attention._compiled_flex_attention = lambda flex=flex: flex
             with elementwise_compiled(model), without_checkpointing(model):
+                if tuning == "dynamic":
+                    timed_fwd_bwd(model, packed_response_outputs, other, 0)
                 ms, peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
             timed[json.dumps(tuning)] = {"ms": round(ms, 1), "peak_gib": round(peak, 2)}
             print("flex tuning", json.dumps(tuning), timed[json.dumps(tuning)], flush=True)
@@ -320,7 +326,8 @@ def gpu(args) -> dict[str, object]:
         if args.compile_elementwise:
             row.update(compiled_variants(model, batch, args.iters))
         if args.flex_kernel_options:
-            row.update(flex_tunings(model, batch, args.iters, args.flex_kernel_options))
+            other = grpo_batch(prompt - 200, response, n, config.vocab_size)  # "dynamic" meets this length first
+            row.update(flex_tunings(model, batch, args.iters, args.flex_kernel_options, other))
         if args.checkpoint_layers:
             row.update(partial_checkpointing(model, batch, args.iters, args.checkpoint_layers, b_peak,
                                              (args.layers, z_ms, z_peak)))
