@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
 from arctic_core.config import ArcticConfig
-from arctic_core.errors import ConfigError
+from arctic_core.errors import ConfigError, RequestError
 from helpers import PROMPTS, trainer_of, weights
 
 pytestmark = pytest.mark.slow
@@ -276,3 +276,60 @@ def test_adamw_runs_fused_only_where_its_states_live_on_a_gpu():
     assert params(DeepSpeedTrainerOptions(), on_gpu=True)["fused"] is True
     assert "fused" not in params(DeepSpeedTrainerOptions(), on_gpu=False)
     assert "fused" not in params(DeepSpeedTrainerOptions(offload_optimizer=True), on_gpu=True)  # steps on the CPU
+
+
+def bf16_session(config_of, batch: RolloutBatch, tiny_policy: Path, stage: int, ckpt: Path) -> dict[str, Any]:
+    """The scripted session in bf16 at ``stage``, a checkpoint after its step, the next step, and
+    the same next step from the checkpoint in a new server."""
+    model = {"path": str(tiny_policy), "device": "cpu", "dtype": "bfloat16"}
+    config = config_of(trainer=deepspeed_trainer(stage), model=model)
+
+    def next_step(client: ArcticClient) -> tuple[float, dict[str, float], dict[str, torch.Tensor]]:
+        loss = client.fwd_bwd(batch, LOSS).metrics["loss"]
+        return loss, client.step().metrics, weights(client)
+
+    with ArcticClient.in_process(config) as client:
+        out = session(client, batch, lambda c: trainer_of(c).full_gradients())
+        client.save_checkpoint(str(ckpt))
+        client.fwd_bwd(batch, LOSS)
+        trainer_of(client).discard_gradients()  # as after a failed call: the next step must not see it
+        out["next"] = next_step(client)
+    with ArcticClient.in_process(config) as resumed:
+        resumed.load_checkpoint(str(ckpt))
+        out["resumed_next"] = next_step(resumed)
+    return out
+
+
+def test_bf16_zero_1_trains_as_zero_2(config_of, batch, tiny_policy, tmp_path):
+    """bf16 at ZeRO-1 runs DeepSpeed's BF16_Optimizer (the faster step on one GPU), at ZeRO-2 the
+    ZeRO optimizer: both accumulate in fp32 and step fp32 masters, so they give the same
+    gradients (read back whole after several backward passes), steps, weights, discarded
+    gradients and checkpoint resumption."""
+    one, two = (bf16_session(config_of, batch, tiny_policy, stage, tmp_path / f"zero{stage}") for stage in (1, 2))
+    for name in ("logprobs", "entropy"):
+        assert torch.equal(one["logprobs"][name], two["logprobs"][name])
+    assert max_relative_error(one["grads"], two["grads"]) < 1e-6
+    # Each optimizer sums the squares in its own order and precision (the reported norm differs in
+    # the 5th digit) and keeps its fp32 masters in its own buffers: a weight may round to the next
+    # bf16 value.
+    assert one["step"]["grad_norm"] == pytest.approx(two["step"]["grad_norm"], rel=1e-4)
+    assert max_relative_error(one["after"], two["after"]) < 1e-6 and max_relative_error(one["after"], one["before"]) > 1e-4
+    for ran in ("next", "resumed_next"):
+        assert one[ran][0] == pytest.approx(two[ran][0], abs=1e-7)
+        # Weights one bf16 value apart give slightly different gradients, which Adam's per-element
+        # normalisation (lr * m / sqrt(v)) amplifies where a gradient is tiny.
+        assert max_relative_error(one[ran][2], two[ran][2]) < 1e-3
+    # The uninterrupted run discarded a gradient before its next step; the resumed run never had it.
+    assert max_relative_error(one["resumed_next"][2], one["next"][2]) == 0
+
+
+def test_bf16_zero_1_refuses_to_sleep_and_keeps_training(config_of, batch, tiny_policy):
+    """bf16 at ZeRO-1 accumulates in fp32 through DeepSpeed's BF16_Optimizer, which cannot move its
+    states: sleep is refused with an error naming the way out, and the trainer keeps training."""
+    model = {"path": str(tiny_policy), "device": "cpu", "dtype": "bfloat16"}
+    with ArcticClient.in_process(config_of(trainer=deepspeed_trainer(1), model=model)) as client:
+        with pytest.raises(RequestError, match="cannot sleep at zero_stage 1 with model.dtype bfloat16.*zero_stage 2 or 3"):
+            client.sleep(["trainer"])
+        assert client.transport.server.asleep == set()
+        client.fwd_bwd(batch, LOSS)
+        assert client.step().metrics["grad_norm"] > 0

@@ -79,7 +79,9 @@ class DeepSpeedTrainerOptions(DeepSpeedLogProbOptions):
     """``options`` of the DeepSpeed trainer."""
 
     zero_stage: Literal[0, 1, 2, 3] = 2
-    """Partitioned over ranks: 1 optimizer states, 2 and gradients, 3 and weights (0: none)."""
+    """Partitioned over ranks: 1 optimizer states, 2 and gradients, 3 and weights (0: none).
+    With bfloat16, stage 1 runs DeepSpeed's bf16 optimizer: on one GPU each step ends sooner, but
+    the trainer cannot sleep (so not with ``colocate``)."""
     offload_optimizer: bool = False
     """ZeRO 1-3: keep the fp32 master weights and Adam states in CPU memory (step on the CPU)."""
 
@@ -304,9 +306,12 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated gradient of every trainable parameter as full tensors (any ZeRO stage)."""
         pending = self._zero_1_2_pending_grads()
+        # DeepSpeed's bf16 optimizer (bf16 at stage 1) adds each backward's param.grad into its
+        # fp32 buffers and keeps the last one in param.grad: the sum is what safe_get_full_grad reads.
+        in_fp32_buffers = hasattr(self.engine.optimizer, "fp32_groups_gradients")
         grads: dict[str, torch.Tensor] = {}
         for name, param in self.model.named_parameters():
-            grad = pending.get(id(param)) if param.grad is None else param.grad
+            grad = pending.get(id(param)) if param.grad is None or in_fp32_buffers else param.grad
             if grad is None:
                 grad = safe_get_full_grad(param)
             if grad is not None:
@@ -366,6 +371,11 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         self.discard_gradients()  # gradients accumulated before the load belong to another state
 
     def sleep(self) -> None:
+        if self.options.zero_stage > 0 and not hasattr(self.engine.optimizer, "offload_states"):
+            # bf16 at stage 1 (fp32 gradient accumulation) runs DeepSpeed's BF16_Optimizer, which
+            # cannot move its states: refuse on any device, before anything is asleep.
+            raise RequestError("the deepspeed trainer cannot sleep at zero_stage 1 with model.dtype bfloat16 "
+                               "(DeepSpeed's bf16 optimizer keeps its states in place); use zero_stage 2 or 3")
         # On GPU, ZeRO 1-3 can move their optimizer states and buffers out of GPU memory.
         if torch.cuda.is_available() and self.options.zero_stage > 0:
             self.engine.offload_states()
