@@ -287,6 +287,22 @@ def test_trls_gradient_checkpointing_recomputes_only_the_layers_memory_cannot_ke
     assert ArcticConfig.from_dict(arctic_config("m", grpo_args(tmp_path))).trainer.checkpoint_layers is None
 
 
+def test_bf16_on_one_process_trains_with_deepspeeds_bf16_optimizer_unless_told_otherwise(tmp_path):
+    """bf16 in one process: DeepSpeed ZeRO stage 1, whose bf16 optimizer steps sooner with the same
+    fp32 accumulation; not with colocated engines (it cannot sleep), another trainer backend, the
+    user's own trainer options, or in fp32."""
+    bf16 = grpo_args(tmp_path, bf16=True)
+
+    def options(args, overrides=None) -> dict:
+        return ArcticConfig.from_dict(arctic_config("m", args, overrides)).trainer.options
+
+    assert options(bf16) == {"zero_stage": 1}
+    assert options(bf16, {"colocate": True}) == {}
+    assert options(bf16, {"trainer": {"options": {"zero_stage": 3}}}) == {"zero_stage": 3}
+    assert options(bf16, {"trainer": {"backend": "torch"}}) == {}
+    assert options(grpo_args(tmp_path)) == {}
+
+
 def test_unsupported_settings_fail_clearly(policy, tmp_path):
     args = grpo_args(tmp_path, generation_kwargs={"top_p": 0.9, "typical_p": 0.5, "no_repeat_ngram_size": 2})
     with pytest.raises(ValueError, match=r"generation_kwargs \['no_repeat_ngram_size', 'typical_p'\]"):

@@ -113,6 +113,14 @@ def regroup_is_exact(args: GRPOConfig) -> bool:
             and args.top_entropy_quantile >= 1.0)
 
 
+def one_gpu_bf16_trainer(args: GRPOConfig, overrides: dict[str, Any]) -> bool:
+    """Whether the backend's DeepSpeed trainer runs bf16 in this one process, with its options and
+    the engines' colocation left to the adapter."""
+    trainer = overrides.get("trainer", {})
+    return (args.bf16 and args.world_size == 1 and not overrides.get("colocate") and "options" not in trainer
+            and trainer.get("backend", "deepspeed") == "deepspeed")
+
+
 def arctic_config(model_path: str, args: GRPOConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """An in-process Arctic server for ``model_path`` with TRL's optimizer settings. The schedule is
     TRL's: its learning rate is passed with every step."""
@@ -133,6 +141,10 @@ def arctic_config(model_path: str, args: GRPOConfig, overrides: dict[str, Any] |
         config["trainer"]["checkpoint_layers"] = "auto"
     if args.beta != 0.0:
         config["reference"] = {}
+    if one_gpu_bf16_trainer(args, overrides or {}):
+        # DeepSpeed's bf16 optimizer (stage 1) accumulates in fp32 as stage 2 does, and ends each
+        # step sooner on one GPU; it cannot sleep, hence not with colocated engines.
+        config["trainer"]["options"] = {"zero_stage": 1}
     for key, value in (overrides or {}).items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     return config
