@@ -16,6 +16,8 @@ from typing import Any
 
 from trl import GRPOConfig
 
+from arctic_core.config import TrainerConfig
+
 # loss_type -> how TRL reduces per-token losses within a micro-batch (our aggregation)
 AGGREGATION = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "bnpo": "token-mean",
                "dr_grpo": "seq-mean-token-sum-norm", "dapo": "token-mean", "cispo": "token-mean",
@@ -118,7 +120,7 @@ def one_gpu_bf16_trainer(args: GRPOConfig, overrides: dict[str, Any]) -> bool:
     the engines' colocation left to the adapter."""
     trainer = overrides.get("trainer", {})
     return (args.bf16 and args.world_size == 1 and not overrides.get("colocate") and "options" not in trainer
-            and trainer.get("backend", "deepspeed") == "deepspeed")
+            and trainer.get("backend", TrainerConfig().backend) == "deepspeed")
 
 
 def arctic_config(model_path: str, args: GRPOConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

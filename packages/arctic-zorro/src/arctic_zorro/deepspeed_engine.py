@@ -51,6 +51,7 @@ def _prepare_environment() -> None:
 _prepare_environment()
 
 import deepspeed  # noqa: E402  (must follow _prepare_environment)
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
 from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
 from deepspeed.utils import safe_get_full_grad, safe_set_full_fp32_param  # noqa: E402
 
@@ -306,12 +307,11 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated gradient of every trainable parameter as full tensors (any ZeRO stage)."""
         pending = self._zero_1_2_pending_grads()
-        # DeepSpeed's bf16 optimizer (bf16 at stage 1) adds each backward's param.grad into its
-        # fp32 buffers and keeps the last one in param.grad: the sum is what safe_get_full_grad reads.
-        in_fp32_buffers = hasattr(self.engine.optimizer, "fp32_groups_gradients")
+        # The bf16 optimizer adds each backward's param.grad into its fp32 buffers and keeps the
+        # last one in param.grad: the sum is what safe_get_full_grad reads.
         grads: dict[str, torch.Tensor] = {}
         for name, param in self.model.named_parameters():
-            grad = pending.get(id(param)) if param.grad is None or in_fp32_buffers else param.grad
+            grad = pending.get(id(param)) if param.grad is None or self._bf16_optimizer else param.grad
             if grad is None:
                 grad = safe_get_full_grad(param)
             if grad is not None:
@@ -371,9 +371,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         self.discard_gradients()  # gradients accumulated before the load belong to another state
 
     def sleep(self) -> None:
-        if self.options.zero_stage > 0 and not hasattr(self.engine.optimizer, "offload_states"):
-            # bf16 at stage 1 (fp32 gradient accumulation) runs DeepSpeed's BF16_Optimizer, which
-            # cannot move its states: refuse on any device, before anything is asleep.
+        if self._bf16_optimizer:  # it cannot move its states: refuse on any device, before anything sleeps
             raise RequestError("the deepspeed trainer cannot sleep at zero_stage 1 with model.dtype bfloat16 "
                                "(DeepSpeed's bf16 optimizer keeps its states in place); use zero_stage 2 or 3")
         # On GPU, ZeRO 1-3 can move their optimizer states and buffers out of GPU memory.
@@ -385,6 +383,11 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         if torch.cuda.is_available() and self.options.zero_stage > 0:
             self.engine.reload_states()
         self.asleep = False
+
+    @property
+    def _bf16_optimizer(self) -> bool:
+        """DeepSpeed's BF16_Optimizer, which bf16 at stage 1 runs (fp32 gradient accumulation)."""
+        return isinstance(self.engine.optimizer, BF16_Optimizer)
 
     def _grads_in_params(self) -> bool:
         return self.options.zero_stage == 0 and not self.engine.bfloat16_enabled()
