@@ -105,6 +105,18 @@ def test_tensor_round_trip_is_lossless():
     assert torch.equal(back.old_logprobs, batch.old_logprobs)
 
 
+def test_a_moved_batch_holds_every_field_on_the_new_device_without_checking_them_there():
+    """``to`` moves each tensor (extras too) and does not validate again: on a GPU each check would
+    read a device value and wait for the device's queued work."""
+    batch = ragged_batch()
+    batch.extras["uid"] = torch.arange(5)
+    moved = batch.to("meta")  # a meta tensor holds no values: any check that read one would fail
+    for name, value in batch.to_tensors().items():
+        twin = moved.to_tensors()[name]
+        assert twin.device.type == "meta" and twin.shape == value.shape and twin.dtype == value.dtype, name
+    assert batch.prompt_ids.device.type == "cpu" and moved.to("meta") is moved
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -236,6 +236,9 @@ def test_compiled_elementwise_layers_give_the_reference_log_probs_and_gradients(
                  and m.forward.func in (fused_elementwise._norm_forward, fused_elementwise._mlp_forward)]
         norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
         assert len(fused) == len(norms) + len(model.model.layers) and len(norms) == 4 * len(model.model.layers) + 1
+        rotary = [layer.self_attn for layer in model.model.layers
+                  if layer.self_attn.forward.__func__ is fused_elementwise._attention_forward(type(layer.self_attn))]
+        assert len(rotary) == len(model.model.layers)
         logprobs = client.log_probs(batch, processors=["logprobs", "entropy"]).outputs
         client.fwd_bwd(batch, LOSS)
         grads = trainer_of(client).full_gradients()
@@ -256,7 +259,7 @@ def test_compile_elementwise_refuses_models_it_does_not_cover_and_auto_skips_the
     qwen3 = AutoModelForCausalLM.from_pretrained(tiny_policy)
     assert apply_compile_elementwise(qwen3, "auto") == []  # compiling pays on a GPU, not on the CPU
     assert apply_compile_elementwise(qwen3, False) == []
-    assert len(apply_compile_elementwise(qwen3, True)) == 5 * qwen3.config.num_hidden_layers + 1
+    assert len(apply_compile_elementwise(qwen3, True)) == 6 * qwen3.config.num_hidden_layers + 1
 
 
 def test_checkpoint_layers_are_checked_against_the_model(config_of):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -341,6 +342,29 @@ def test_trl_over_http_drives_a_served_backend_with_trls_schedule(policy, tmp_pa
     assert server.step_count == 3 and server.policy_version == 3
     lrs = [h["arctic/step/lr"] for h in trainer.state.log_history if "arctic/step/lr" in h]
     assert lrs == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3], rel=1e-6)
+
+
+@pytest.mark.parametrize("nan_filter", [True, False])
+def test_a_nan_loss_is_logged_as_the_trainers_filter_says(policy, tmp_path, nan_filter):
+    """transformers' ``logging_nan_inf_filter`` (applied by the adapter from the backend's loss
+    value, without reading a device tensor): a NaN micro-batch loss counts as the mean of the
+    losses since the last log; without the filter the logged loss is NaN."""
+    args = grpo_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+                     logging_nan_inf_filter=nan_filter)
+    trainer = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+    losses, fwd_bwd = [], trainer.arctic.fwd_bwd
+
+    def second_is_nan(*call, **kwargs):
+        metrics = dict(fwd_bwd(*call, **kwargs).metrics)
+        losses.append(metrics["loss"] if not losses else float("nan"))
+        return SimpleNamespace(metrics={**metrics, "loss": losses[-1]})
+
+    trainer.arctic.fwd_bwd = second_is_nan
+    trainer.train()
+    trainer.arctic.close()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and losses[0] != 0.0
+    assert logged == ([pytest.approx(2 * losses[0], abs=1e-4)] if nan_filter else [pytest.approx(float("nan"), nan_ok=True)])
 
 
 def test_micro_batches_keep_prompt_groups_together_with_the_same_gradient(policy, tmp_path):

@@ -12,8 +12,10 @@ from arctic_core.demo.tiny_model import TINY_SHAPES, build_tiny_model, build_tok
 from arctic_core.errors import ConfigError
 from arctic_core.losses.processors import Entropy, LogProbs
 from arctic_zorro.forest import build_forest, response_gather_index
-from arctic_zorro.forest_attention import forest_block_mask
+from arctic_zorro import forest_attention
+from arctic_zorro.forest_attention import FlexKernels, ForestAttentionMeta, forest_block_mask, padded_length
 from arctic_zorro.forward import response_outputs
+from arctic_zorro.fused_elementwise import compile_elementwise
 from arctic_zorro.packed_forward import (ZorroOptions, check_supported, enable_forest_attention,
                                         packed_response_outputs, select_forward)
 from forest_batches import forest_batch, padded_batch
@@ -113,6 +115,48 @@ def test_forest_block_mask_equals_the_forest_rule(seed, block):
     assert torch.equal(block_mask_semantics(windowed), expected)
 
 
+def test_padded_lengths_are_whole_blocks_few_per_octave():
+    lengths = {padded_length(n) for n in range(1, 1 << 15)}
+    assert all(n <= padded_length(n) < n + max(128, n // 8) for n in range(1, 1 << 15))
+    assert all(length % 128 == 0 for length in lengths)
+    assert sorted(length for length in lengths if 8192 < length <= 16384) == list(range(9216, 16385, 1024))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("window", [None, 7])
+def test_flex_attention_on_padded_blocks_equals_the_dense_forest_mask(monkeypatch, seed, window):
+    """The GPU path (q/k/v padded to ``padded_length``, the padded block mask) gives the dense
+    path's outputs; FlexAttention runs unfused here (fp32, forward only: it has no CPU backward)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    kernels = FlexKernels()
+    kernels.fixed_shape = kernels.any_shape = flex_attention
+    monkeypatch.setattr(forest_attention, "flex_kernels", lambda: kernels)
+    forest = build_forest(random_forest_batch(seed))
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, heads, forest.num_nodes, 16, generator=gen) for heads in (4, 2, 2))
+    outputs = [forest_attention.forest_attention(None, q, k, v, None, scaling=0.25, sliding_window=window,
+                                                 forest=ForestAttentionMeta(forest, use_flex=use_flex))[0]
+               for use_flex in (True, False)]
+    assert padded_length(forest.num_nodes) > forest.num_nodes
+    assert outputs[0].shape == outputs[1].shape == (1, forest.num_nodes, 4, 16)
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_flex_kernels_fix_the_shapes_of_the_first_lengths_then_take_any():
+    calls: list[tuple[str, int]] = []
+    kernels = FlexKernels(static_lengths=2)
+    kernels.fixed_shape = lambda q, *args, **kwargs: calls.append(("fixed", q.shape[2]))
+    kernels.any_shape = lambda q, *args, **kwargs: calls.append(("any", q.shape[2]))
+    for length in (256, 384, 256, 512, 384):
+        q = torch.zeros(1, 2, length, 8)
+        kernels(q, q, q, None, None, None)
+    with torch.no_grad():  # another grad mode is another compiled graph
+        kernels(torch.zeros(1, 2, 256, 8), q, q, None, None, None)
+    assert calls == [("fixed", 256), ("fixed", 384), ("fixed", 256), ("any", 512), ("fixed", 384), ("any", 256)]
+
+
 # ----------------------------------------------------------------------------- exactness per family
 
 
@@ -150,6 +194,25 @@ def test_packed_forward_is_exact(tokenizer, family, make):
     logprob_loss(got, batch).backward()
     for (name, p), q in zip(plain.named_parameters(), packed.parameters()):
         assert p.grad is not None and q.grad is not None, name
+        assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm(), f"{family} {name}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_norms_activations_and_rotary_are_exact_for_every_family(tokenizer, family):
+    """``compile_elementwise`` (RMSNorms, SiLU x up and the rotary embedding compiled) under the
+    packed forward gives the plain model's outputs and gradients (fp32)."""
+    batch = forest_batch()
+    plain, packed = models(tokenizer, family)
+    fused = compile_elementwise(packed)
+    assert sum(type(m).__name__.endswith("Attention") for m in fused) == packed.config.num_hidden_layers
+    processors = {"logprobs": LogProbs(1.0), "entropy": Entropy(1.0)}
+    expected = response_outputs(plain, batch, processors)
+    got = packed_response_outputs(packed, batch, processors)
+    for name in processors:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=0, msg=f"{family} {name}")
+    logprob_loss(expected, batch).backward()
+    logprob_loss(got, batch).backward()
+    for (name, p), q in zip(plain.named_parameters(), packed.parameters()):
         assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm(), f"{family} {name}"
 
 

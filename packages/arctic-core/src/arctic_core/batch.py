@@ -27,6 +27,7 @@ Layout (B responses, P prompts, Lp / Lr the padded prompt / response widths)::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,17 @@ from arctic_core.errors import BatchError
 
 TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "sampling_logprobs")
 """Optional float fields shaped like ``response_ids``."""
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor.to(device)``, without blocking the host when a host tensor goes to a GPU.
+
+    A copy from pageable memory first waits for all the work queued on the device, so the host
+    could not prepare the next micro-batch while the device finishes the last one; a pinned copy
+    is queued behind that work instead."""
+    if tensor.device.type == "cpu" and torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _pad_rows(rows: Sequence[Sequence[int]], what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,8 +297,14 @@ class RolloutBatch:
         """The same batch with every tensor on ``device`` (itself when already there)."""
         if self.prompt_ids.device == torch.device(device):
             return self
-        moved = {k: v.to(device) for k, v in self.to_tensors().items()}
-        return RolloutBatch.from_tensors(moved)
+        # Not validated again (a copy does not call __post_init__): on a GPU each check would
+        # read a device value, and so wait for all the work queued before the copies.
+        moved = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(moved, name, to_device(value, device))
+        moved.extras = {k: to_device(v, device) for k, v in self.extras.items()}
+        return moved
 
     # ----------------------------------------------------------------- wire
     def to_tensors(self) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arctic_core.batch import RolloutBatch
+from arctic_core.batch import RolloutBatch, to_device
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,13 @@ class PackedForest:
         return (k <= q) & (q <= self.subtree_end[None, :])
 
     def to(self, device: torch.device | str) -> PackedForest:
+        """The tensors a forward reads on ``device``; the row paths (index bookkeeping, see
+        :func:`response_gather_index`) stay on the host."""
         return PackedForest(
-            self.input_ids.to(device),
-            self.position_ids.to(device),
-            self.subtree_end.to(device),
-            [p.to(device) for p in self.row_paths],
+            to_device(self.input_ids, device),
+            to_device(self.position_ids, device),
+            to_device(self.subtree_end, device),
+            self.row_paths,
             self.naive_tokens,
         )
 

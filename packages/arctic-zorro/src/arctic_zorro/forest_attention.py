@@ -6,7 +6,8 @@ copies): key ``k`` is visible to query ``q`` iff ``k <= q <= subtree_end[k]`` (s
 
 Two exact paths share that one rule:
 - GPU, bf16/fp16: FlexAttention with a block mask built once per micro-batch (block-sparse: each
-  response reads its prompt's blocks and its own, never its siblings');
+  response reads its prompt's blocks and its own, never its siblings'), on q/k/v padded to one of
+  a few lengths per octave so that its kernels compile for fixed shapes (see :class:`FlexKernels`);
 - CPU and fp32: SDPA with a dense boolean mask (fine for test-sized batches).
 
 The metadata is built once per micro-batch and reaches every layer through the model's
@@ -25,15 +26,63 @@ from arctic_zorro.forest import PackedForest
 
 ATTENTION_NAME = "arctic_zorro_forest"
 FLEX_BLOCK = 128
+STATIC_LENGTHS = 6  # fixed-shape compiles per process: below Dynamo's limit of 8 per function
+
+
+def padded_length(tokens: int) -> int:
+    """``tokens`` rounded up to one of 8 lengths per octave (whole FlexAttention blocks).
+
+    The padding costs little: padded queries see only themselves and no real query sees a padded
+    key, so the block mask skips all but one block per padded query block; what remains is copying
+    q/k/v into the longer tensors."""
+    step = max(FLEX_BLOCK, 1 << max(tokens.bit_length() - 4, 0))
+    return -(-tokens // step) * step
+
+
+def _flex_fixed_shape(*args: object, **kwargs: object) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(*args, **kwargs)
+
+
+def _flex_any_shape(*args: object, **kwargs: object) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(*args, **kwargs)
+
+
+class FlexKernels:
+    """``flex_attention`` compiled for the exact shape of each of the first ``static_lengths``
+    (padded length, window, grad mode, dtype) it meets; later ones go to a second compile with
+    torch.compile's default dynamism (any length from its second one on).
+
+    Kernels compiled for any length cost ~9% of a training micro-batch's attention time (they
+    cannot assume whole blocks and index with runtime sizes), and torch.compile's default switches
+    to them at the second length it meets: packed micro-batches rarely repeat a length. Padded to
+    a few lengths per octave (:func:`padded_length`), a run reuses a handful of fixed-shape
+    kernels. The two wrappers are distinct functions so that their compile caches (and Dynamo's
+    recompile limit, which counts per function) stay apart."""
+
+    def __init__(self, static_lengths: int = STATIC_LENGTHS, kernel_options: dict | None = None) -> None:
+        self.static_lengths = static_lengths
+        self.fixed_shape = torch.compile(_flex_fixed_shape, dynamic=False)
+        self.any_shape = torch.compile(_flex_any_shape)
+        self.options = {} if kernel_options is None else {"kernel_options": kernel_options}
+        self.fixed_keys: set[tuple[object, ...]] = set()
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: object, window: int | None,
+                 scale: float | None) -> torch.Tensor:
+        shape = (query.shape[-2], window, torch.is_grad_enabled(), query.dtype)
+        if shape not in self.fixed_keys and len(self.fixed_keys) < self.static_lengths:
+            self.fixed_keys.add(shape)
+        kernels = self.fixed_shape if shape in self.fixed_keys else self.any_shape
+        return kernels(query, key, value, block_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1],
+                       **self.options)
 
 
 @functools.cache
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # Default dynamism: the first shape compiles static, later shapes compile once as dynamic,
-    # so micro-batches of varying length do not recompile every call.
-    return torch.compile(flex_attention)
+def flex_kernels() -> FlexKernels:
+    return FlexKernels()
 
 
 @dataclass
@@ -63,8 +112,18 @@ class ForestAttentionMeta:
             mask &= (pos[:, None] - pos[None, :]) < window
         return mask
 
+    @property
+    def padded_size(self) -> int:
+        """The token count FlexAttention runs on (:func:`padded_length`)."""
+        return padded_length(self.forest.num_nodes)
+
     def _block_mask(self, window: int | None) -> object:
-        return forest_block_mask(self.forest.subtree_end, self.forest.position_ids, window)
+        # Padded nodes are their own subtrees (each sees itself: no empty softmax row) at position 0.
+        end, pos = self.forest.subtree_end, self.forest.position_ids
+        extra = self.padded_size - end.numel()
+        end = torch.cat([end, torch.arange(end.numel(), self.padded_size, dtype=end.dtype, device=end.device)])
+        pos = torch.cat([pos, pos.new_zeros(extra)])
+        return forest_block_mask(end, pos, window)
 
 
 def forest_block_mask(end: torch.Tensor, pos: torch.Tensor, window: int | None = None, block: int = FLEX_BLOCK) -> object:
@@ -133,7 +192,9 @@ def forest_attention(
         raise NotImplementedError("forest attention runs without attention dropout (RL training uses none)")
     mask = forest.mask(sliding_window)
     if forest.use_flex:
-        out = _compiled_flex_attention()(query, key, value, block_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        size, extra = query.shape[2], forest.padded_size - query.shape[2]
+        query, key, value = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (query, key, value))
+        out = flex_kernels()(query, key, value, mask, sliding_window, scaling)[:, :, :size]
     else:
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]

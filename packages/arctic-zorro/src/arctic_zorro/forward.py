@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import torch
 
-from arctic_core.batch import RolloutBatch
+from arctic_core.batch import RolloutBatch, to_device
 from arctic_core.plugins.interfaces import Processor
 
 
@@ -22,7 +22,7 @@ def _rows(batch: RolloutBatch, device: torch.device) -> tuple[torch.Tensor, torc
         seq = batch.prompt(i) + batch.response(i)
         ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
     mask = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
-    return ids.to(device), mask.long().to(device)
+    return to_device(ids, device), to_device(mask.long(), device)
 
 
 def response_outputs(
@@ -65,6 +65,6 @@ def scatter_values(values: Mapping[str, torch.Tensor], batch: RolloutBatch, rows
     shape = tuple(batch.response_ids.shape)
     out: dict[str, torch.Tensor] = {}
     for name, v in values.items():
-        index = (rows.to(v.device), cols.to(v.device))
+        index = (to_device(rows, v.device), to_device(cols, v.device))
         out[name] = torch.zeros(shape, dtype=v.dtype, device=v.device).index_put(index, v)
     return out

@@ -17,7 +17,7 @@ from pydantic import Field
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from arctic_core.batch import RolloutBatch
+from arctic_core.batch import RolloutBatch, to_device
 from arctic_core.config import StrictModel
 from arctic_core.errors import ConfigError
 from arctic_core.hf import set_attention_implementation
@@ -70,17 +70,18 @@ def packed_response_outputs(
     """Per-token processor outputs ``[B, Lr]`` from one pass over the deduplicated batch."""
     device = next(model.parameters()).device
     batch = batch.to("cpu")  # the forest is built on the host, once per micro-batch
-    forest = build_forest(batch).to(device)
+    forest = build_forest(batch)
+    rows, cols, nodes = response_gather_index(forest, batch)
+    targets = to_device(batch.response_ids[rows, cols], device)
+    forest = forest.to(device)
     meta = ForestAttentionMeta.build(forest, model.dtype)
     hidden = model.base_model(
         input_ids=forest.input_ids[None], position_ids=forest.position_ids[None], forest=meta, use_cache=False
     ).last_hidden_state[0]
-    rows, cols, nodes = response_gather_index(forest, batch)
-    targets = batch.response_ids[rows, cols].to(device)
     # A prompt's last node predicts the first token of each of its responses: ``nodes`` repeats it.
     # index_select's backward adds those rows in order (index_add); ``hidden[nodes]`` would add
     # them with parallel atomics on the CPU, in an order that changes from run to run.
-    picked = hidden.index_select(0, nodes.to(device))
+    picked = hidden.index_select(0, to_device(nodes, device))
     values = head_outputs(model.get_output_embeddings(), picked, targets, processors, head_chunk_tokens)
     return scatter_values(values, batch, rows, cols)
 
