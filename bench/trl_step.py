@@ -11,6 +11,7 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     SYNC_CALLS=1 P=4096 STEPS=7 python3 bench/trl_step.py  # each call's device work counted as its own
     DEVICE_PROFILE_STEP=4 P=4096 STEPS=4 python3 bench/trl_step.py  # where the 4th step's device waits
     ZERO_STAGE=2 P=4096 STEPS=5 python3 bench/trl_step.py  # DeepSpeed ZeRO stage 2 (the adapter's choice here: 1)
+    FLEX=any-length P=4096 STEPS=7 python3 bench/trl_step.py  # FlexAttention unpadded, compiled for any length
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
 The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
@@ -133,6 +134,14 @@ class StepTimer(TrainerCallback):
             self.device_profile = None
 
 
+def flex_for_any_length() -> None:
+    """The backend's FlexAttention before padding: unpadded, torch.compile's default dynamism."""
+    from arctic_zorro import forest_attention
+
+    kernels = forest_attention.FlexKernels(static_lengths=0)
+    forest_attention.flex_kernels, forest_attention.padded_length = (lambda: kernels), (lambda n: n)
+
+
 def main() -> None:
     smoke = "--smoke" in sys.argv  # a tiny model on the CPU: checks the harness end to end in seconds
     if not smoke and not torch.cuda.is_available():
@@ -180,6 +189,8 @@ def main() -> None:
                           callbacks=[timer], arctic=arctic)
     timer.wrap(trainer.arctic)
     print("backend ready", round(time.time() - started, 1), "s", flush=True)
+    if os.environ.get("FLEX") == "any-length":
+        flex_for_any_length()
     trainer.train()
     # The first two steps compile kernels and capture CUDA graphs (the second meets new shapes).
     steady = timer.steps[2:] or timer.steps

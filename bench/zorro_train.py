@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import json
 import math
 import os
@@ -210,7 +209,7 @@ def elementwise_compiled(model):
         yield
     finally:
         for module in fused:
-            del module.forward
+            module.__dict__.pop("forward", None)
 
 
 @contextlib.contextmanager
@@ -248,35 +247,48 @@ def extra_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
 
 def flex_tunings(model, batch: RolloutBatch, iters: int, tunings: list, other: RolloutBatch) -> dict:
     """ZoRRo compiled with no layer checkpointed, its FlexAttention compiled under each of
-    ``tunings``: a dict of ``flex_attention`` kernel options (tiles, warps, stages; ``{}``: Triton's
-    defaults), "max-autotune" (Inductor times its own configs) or "dynamic" (the backend's own
-    compilation after a micro-batch of another length, ``other``: compiled once for any length,
-    as in training). Each starts from a fresh compilation cache, so each pays its compile in the
-    untimed first pass."""
-    from torch.nn.attention.flex_attention import flex_attention
+    ``tunings``: a dict of ``flex_attention`` kernel options (tiles, warps, stages; ``{}``: the
+    backend's defaults) or a string naming a variant of the backend's compilation:
 
+    - "max-autotune": Inductor times its own configs for the fixed-shape kernels;
+    - "after-other": the backend as training meets it, after a micro-batch of another length
+      (``other``: within the same padded length, as is common, it reuses the kernels);
+    - "dynamic": padded, compiled for any length (``dynamic=True``);
+    - "unpadded": one fixed-shape compile of the exact length (no padding copies);
+    - "unpadded-dynamic": the backend before padding: default dynamism, after ``other``;
+    - "eager-rotary": the defaults with transformers' eager rotary embedding (not compiled).
+
+    Each starts from a fresh compilation cache, so each pays its compile in the untimed first pass."""
     from arctic_zorro import forest_attention
 
-    default, timed = forest_attention._compiled_flex_attention, {}
+    timed, default, padded_length = {}, forest_attention.flex_kernels, forest_attention.padded_length
     enable_forest_attention(model)
     try:
         for tuning in tunings:
             torch._dynamo.reset()
-            if tuning == "max-autotune":
-                flex = torch.compile(flex_attention, mode="max-autotune-no-cudagraphs")
-            elif tuning == "dynamic":
-                flex = torch.compile(flex_attention)
-            else:
-                flex = functools.partial(torch.compile(flex_attention), kernel_options=tuning)
-            forest_attention._compiled_flex_attention = lambda flex=flex: flex
+            name = tuning if isinstance(tuning, str) else ""
+            kernels = forest_attention.FlexKernels(
+                static_lengths=0 if name.endswith("dynamic") else forest_attention.STATIC_LENGTHS,
+                kernel_options=tuning if isinstance(tuning, dict) and tuning else None)
+            if name == "max-autotune":
+                kernels.fixed_shape = torch.compile(forest_attention._flex_fixed_shape, dynamic=False,
+                                                    mode="max-autotune-no-cudagraphs")
+            if name == "dynamic":
+                kernels.any_shape = torch.compile(forest_attention._flex_any_shape, dynamic=True)
+            forest_attention.flex_kernels = lambda kernels=kernels: kernels
+            forest_attention.padded_length = (lambda n: n) if name.startswith("unpadded") else padded_length
             with elementwise_compiled(model), without_checkpointing(model):
-                if tuning == "dynamic":
+                if name == "eager-rotary":
+                    for module in model.modules():
+                        if type(module).__name__.endswith("Attention"):
+                            module.__dict__.pop("forward", None)
+                if name in ("after-other", "unpadded-dynamic"):
                     timed_fwd_bwd(model, packed_response_outputs, other, 0)
                 ms, peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
             timed[json.dumps(tuning)] = {"ms": round(ms, 1), "peak_gib": round(peak, 2)}
             print("flex tuning", json.dumps(tuning), timed[json.dumps(tuning)], flush=True)
     finally:
-        forest_attention._compiled_flex_attention = default
+        forest_attention.flex_kernels, forest_attention.padded_length = default, padded_length
         torch._dynamo.reset()
     return {"zorro_flex_tunings": timed}
 
@@ -326,7 +338,7 @@ def gpu(args) -> dict[str, object]:
         if args.compile_elementwise:
             row.update(compiled_variants(model, batch, args.iters))
         if args.flex_kernel_options:
-            other = grpo_batch(prompt - 200, response, n, config.vocab_size)  # "dynamic" meets this length first
+            other = grpo_batch(prompt - 200, response, n, config.vocab_size)  # "after-other" and "unpadded-dynamic" meet this length first
             row.update(flex_tunings(model, batch, args.iters, args.flex_kernel_options, other))
         if args.checkpoint_layers:
             row.update(partial_checkpointing(model, batch, args.iters, args.checkpoint_layers, b_peak,
