@@ -70,7 +70,9 @@ def _attention_forward(attention_class: type) -> Callable[..., object]:
     arguments the trainer does not pass) with the compiled rotary as its ``apply_rotary_pos_emb``."""
     forward = inspect.unwrap(attention_class.forward)
     names = {**forward.__globals__, "apply_rotary_pos_emb": compiled(rotary)}
-    return types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__)
+    patched = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__)
+    patched.__kwdefaults__ = forward.__kwdefaults__
+    return patched
 
 
 def _norm_forward(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
