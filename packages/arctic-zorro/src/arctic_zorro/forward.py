@@ -62,9 +62,8 @@ def run_processors(logits: torch.Tensor, targets: torch.Tensor, processors: Mapp
 
 def scatter_values(values: Mapping[str, torch.Tensor], batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-token ``[N]`` values into ``[B, Lr]`` tensors (zeros at padding), keeping autograd."""
-    shape = tuple(batch.response_ids.shape)
-    out: dict[str, torch.Tensor] = {}
-    for name, v in values.items():
-        index = (to_device(rows, v.device), to_device(cols, v.device))
-        out[name] = torch.zeros(shape, dtype=v.dtype, device=v.device).index_put(index, v)
-    return out
+    if not values:
+        return {}
+    shape, device = tuple(batch.response_ids.shape), next(iter(values.values())).device
+    index = (to_device(rows, device), to_device(cols, device))  # once for every output
+    return {name: torch.zeros(shape, dtype=v.dtype, device=device).index_put(index, v) for name, v in values.items()}
