@@ -19,7 +19,8 @@ def check(prompt_lens: tuple[int, ...], samples: int, seed: int) -> dict:
                  for _ in range(samples * len(prompts))]
     forest = build_forest(RolloutBatch.from_lists(prompts, responses, [i % len(prompts) for i in range(len(responses))]))
     forest = forest.to("cuda")
-    q, k, v = (torch.randn(1, h, forest.num_nodes, 128, device="cuda") for h in (16, 8, 8))
+    # As the projections give them: [1, T, H, D] in memory, seen as [1, H, T, D].
+    q, k, v = (torch.randn(1, forest.num_nodes, h, 128, device="cuda").transpose(1, 2) for h in (16, 8, 8))
     weights = torch.randn(1, forest.num_nodes, 16, 128, device="cuda")
     results = []
     for dtype, use_flex in ((torch.bfloat16, True), (torch.float32, False)):

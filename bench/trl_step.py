@@ -12,6 +12,7 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     DEVICE_PROFILE_STEP=4 P=4096 STEPS=4 python3 bench/trl_step.py  # where the 4th step's device waits
     ZERO_STAGE=2 P=4096 STEPS=5 python3 bench/trl_step.py  # DeepSpeed ZeRO stage 2 (the adapter's choice here: 1)
     FLEX=any-length P=4096 STEPS=7 python3 bench/trl_step.py  # FlexAttention unpadded, compiled for any length
+    BF16_ACCUMULATION=deepspeed P=4096 STEPS=7 python3 bench/trl_step.py  # stage 1: DeepSpeed's own gradient sums
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
 The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
@@ -191,6 +192,10 @@ def main() -> None:
     print("backend ready", round(time.time() - started, 1), "s", flush=True)
     if os.environ.get("FLEX") == "any-length":
         flex_for_any_length()
+    if os.environ.get("BF16_ACCUMULATION") == "deepspeed":
+        from arctic_zorro import deepspeed_engine
+
+        deepspeed_engine.accumulate_bf16_grads_in_one_pass = lambda optimizer: None
     trainer.train()
     # The first two steps compile kernels and capture CUDA graphs (the second meets new shapes).
     steady = timer.steps[2:] or timer.steps

@@ -256,12 +256,15 @@ def flex_tunings(model, batch: RolloutBatch, iters: int, tunings: list, other: R
     - "dynamic": padded, compiled for any length (``dynamic=True``);
     - "unpadded": one fixed-shape compile of the exact length (no padding copies);
     - "unpadded-dynamic": the backend before padding: default dynamism, after ``other``;
-    - "eager-rotary": the defaults with transformers' eager rotary embedding (not compiled).
+    - "eager-rotary": the defaults with transformers' eager rotary embedding (not compiled);
+    - "head-major-padding": q/k/v padded as ``[1, H, T, D]`` tensors, the output copied back to
+      ``[1, T, H, D]`` (how the backend padded before it padded token-major).
 
     Each starts from a fresh compilation cache, so each pays its compile in the untimed first pass."""
     from arctic_zorro import forest_attention
 
     timed, default, padded_length = {}, forest_attention.flex_kernels, forest_attention.padded_length
+    token_major = forest_attention._padded_flex_attention
     enable_forest_attention(model)
     try:
         for tuning in tunings:
@@ -277,6 +280,7 @@ def flex_tunings(model, batch: RolloutBatch, iters: int, tunings: list, other: R
                 kernels.any_shape = torch.compile(forest_attention._flex_any_shape, dynamic=True)
             forest_attention.flex_kernels = lambda kernels=kernels: kernels
             forest_attention.padded_length = (lambda n: n) if name.startswith("unpadded") else padded_length
+            forest_attention._padded_flex_attention = head_major_padding if name == "head-major-padding" else token_major
             with elementwise_compiled(model), without_checkpointing(model):
                 if name == "eager-rotary":
                     for module in model.modules():
@@ -289,8 +293,17 @@ def flex_tunings(model, batch: RolloutBatch, iters: int, tunings: list, other: R
             print("flex tuning", json.dumps(tuning), timed[json.dumps(tuning)], flush=True)
     finally:
         forest_attention.flex_kernels, forest_attention.padded_length = default, padded_length
+        forest_attention._padded_flex_attention = token_major
         torch._dynamo.reset()
     return {"zorro_flex_tunings": timed}
+
+
+def head_major_padding(query, key, value, forest, mask, window, scaling):
+    from arctic_zorro.forest_attention import flex_kernels
+
+    size, extra = query.shape[2], forest.padded_size - query.shape[2]
+    query, key, value = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (query, key, value))
+    return flex_kernels()(query, key, value, mask, window, scaling)[:, :, :size].transpose(1, 2).contiguous()
 
 
 def partial_checkpointing(model, batch: RolloutBatch, iters: int, layer_counts: list[int], budget_gib: float,

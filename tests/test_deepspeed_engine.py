@@ -326,6 +326,30 @@ def test_bf16_zero_1_trains_as_zero_2(config_of, batch, tiny_policy, tmp_path):
     assert max_relative_error(one["resumed_next"][2], one["next"][2]) == 0
 
 
+def test_bf16_zero_1_sums_gradients_as_deepspeed_does_in_one_pass(config_of, batch, tiny_policy, monkeypatch):
+    """The bf16 optimizer's fp32 gradient sums, accumulated in one mixed-precision add per
+    parameter and backward, equal DeepSpeed's own pass (zero, add, copy to fp32, add) bit for bit,
+    and no bf16 gradient outlives the backward that made it."""
+    from arctic_zorro import deepspeed_engine
+
+    model = {"path": str(tiny_policy), "device": "cpu", "dtype": "bfloat16"}
+
+    def sums() -> tuple[dict[str, torch.Tensor], list[str]]:
+        with ArcticClient.in_process(config_of(trainer=deepspeed_trainer(1), model=model)) as client:
+            for part, share in halves(batch):
+                client.fwd_bwd(part, LOSS, scale=share)
+            trainer = trainer_of(client)
+            kept = [name for name, param in trainer.model.named_parameters() if param.grad is not None]
+            return trainer.full_gradients(), kept
+
+    ours, kept = sums()
+    monkeypatch.setattr(deepspeed_engine, "accumulate_bf16_grads_in_one_pass", lambda optimizer: None)
+    own, own_kept = sums()
+    assert kept == [] and own_kept  # DeepSpeed's own pass keeps every last bf16 gradient
+    assert ours.keys() == own.keys() and all(torch.equal(ours[name], own[name]) for name in ours)
+    assert max(float(grad.abs().max()) for grad in ours.values()) > 0
+
+
 def test_bf16_zero_1_refuses_to_sleep_and_keeps_training(config_of, batch, tiny_policy):
     """bf16 at ZeRO-1 accumulates in fp32 through DeepSpeed's BF16_Optimizer, which cannot move its
     states: sleep is refused with an error naming the way out, and the trainer keeps training."""

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -133,15 +136,23 @@ def test_flex_attention_on_padded_blocks_equals_the_dense_forest_mask(monkeypatc
     kernels = FlexKernels()
     kernels.fixed_shape = kernels.any_shape = flex_attention
     monkeypatch.setattr(forest_attention, "flex_kernels", lambda: kernels)
+    calls = []
+    kernels.fixed_shape = kernels.any_shape = lambda *args, **kwargs: calls.append(args) or flex_attention(*args, **kwargs)
     forest = build_forest(random_forest_batch(seed))
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, heads, forest.num_nodes, 16, generator=gen) for heads in (4, 2, 2))
+    # q/k/v as the projections give them: [1, T, H, D] in memory, seen as [1, H, T, D].
+    q, k, v = (torch.randn(1, forest.num_nodes, heads, 16, generator=gen).transpose(1, 2) for heads in (4, 2, 2))
     outputs = [forest_attention.forest_attention(None, q, k, v, None, scaling=0.25, sliding_window=window,
                                                  forest=ForestAttentionMeta(forest, use_flex=use_flex))[0]
                for use_flex in (True, False)]
     assert padded_length(forest.num_nodes) > forest.num_nodes
     assert outputs[0].shape == outputs[1].shape == (1, forest.num_nodes, 4, 16)
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+    # Padded token-major, and the result a view of FlexAttention's output: no transposing copies.
+    (padded_q, padded_k, padded_v, *_), = calls
+    assert all(t.shape[2] == padded_length(forest.num_nodes) and t.transpose(1, 2).is_contiguous()
+               for t in (padded_q, padded_k, padded_v))
+    assert outputs[0].is_contiguous() and outputs[0]._base is not None
 
 
 def test_flex_kernels_fix_the_shapes_of_the_first_lengths_then_take_any():
@@ -214,6 +225,35 @@ def test_compiled_norms_activations_and_rotary_are_exact_for_every_family(tokeni
     logprob_loss(got, batch).backward()
     for (name, p), q in zip(plain.named_parameters(), packed.parameters()):
         assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm(), f"{family} {name}"
+
+
+ROTARY_KERNEL_CHECK = """
+import torch
+from arctic_zorro.fused_elementwise import rotary
+from arctic_zorro.rotary_kernel import TritonRotary
+
+gen = torch.Generator().manual_seed(0)
+q, k = (torch.randn(2, 37, heads, 16, generator=gen) for heads in (4, 2))  # token-major, as projected
+cos, sin = (torch.randn(1, 37, 16, generator=gen) for _ in range(2))      # one set for every row
+grads = [torch.randn(2, heads, 37, 16, generator=gen) for heads in (4, 2)]
+results = []
+for rotate in (TritonRotary.apply, rotary):
+    leaves = [q.clone().requires_grad_(), k.clone().requires_grad_()]
+    out = rotate(*(t.transpose(1, 2) for t in leaves), cos, sin)
+    torch.autograd.backward(out, grads)
+    results.append([*out, *(t.grad for t in leaves)])
+assert all(torch.equal(a, b) for a, b in zip(*results)), [float((a - b).abs().max()) for a, b in zip(*results)]
+assert all(t.transpose(1, 2).is_contiguous() for t in results[0][:2])  # written token-major
+"""
+
+
+def test_the_rotary_kernel_is_transformers_rotary_forward_and_backward():
+    """The training rotary kernel (Triton; here through Triton's interpreter on the CPU, in fp32)
+    gives transformers' expression bit for bit forward and backward, on q/k that arrive as
+    ``[B, H, T, D]`` views of token-major tensors, and writes its results token-major."""
+    run = subprocess.run([sys.executable, "-c", ROTARY_KERNEL_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_sliding_window_is_applied_on_positions(tokenizer):

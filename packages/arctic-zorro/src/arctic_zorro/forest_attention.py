@@ -192,14 +192,25 @@ def forest_attention(
         raise NotImplementedError("forest attention runs without attention dropout (RL training uses none)")
     mask = forest.mask(sliding_window)
     if forest.use_flex:
-        size, extra = query.shape[2], forest.padded_size - query.shape[2]
-        query, key, value = (torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in (query, key, value))
-        out = flex_kernels()(query, key, value, mask, sliding_window, scaling)[:, :, :size]
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-        )
+        return _padded_flex_attention(query, key, value, forest, mask, sliding_window, scaling), None
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _padded_flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, forest: ForestAttentionMeta,
+                           mask: object, window: int | None, scaling: float | None) -> torch.Tensor:
+    """FlexAttention on q/k/v padded token-major: ``[1, T, H, D]`` in memory, as the projections
+    write them (q/k/v arrive as transposed views of that). Padding in that layout is a contiguous
+    copy, FlexAttention's output follows the query's layout, and its first ``T`` tokens are then
+    the ``[1, T, H, D]`` result as a view: no transposing copies forward or backward (padding
+    head-major copied each tensor through a strided kernel, and the output once more)."""
+    size, extra = query.shape[2], forest.padded_size - query.shape[2]
+    query, key, value = (torch.nn.functional.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, extra)).transpose(1, 2)
+                         for t in (query, key, value))
+    out = flex_kernels()(query, key, value, mask, window, scaling)
+    return out.transpose(1, 2)[:, :size]
 
 
 AttentionInterface.register(ATTENTION_NAME, forest_attention)

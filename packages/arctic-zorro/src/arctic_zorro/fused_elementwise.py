@@ -9,10 +9,11 @@ forward and one or two backward, from the same expressions as transformers' (the
 transformers casts), so the result is the same math; only the order of the fp32 sums differs.
 
 The rotary embedding (``apply_rotary_pos_emb``: about ten kernels forward for q and k, more
-backward) runs as one kernel each way. In bf16 its two products and their sum round once instead
-of after each operation (within one bf16 step of the eager values, and closer to fp32's). The
-attention modules keep transformers' own ``forward`` code, run with the compiled function in that
-name's place.
+backward) runs as one kernel each way: a Triton kernel on a GPU in half precision
+(:mod:`arctic_zorro.rotary_kernel`), the compiled expression elsewhere. In bf16 its two products
+and their sum round once instead of after each operation (within one bf16 step of the eager
+values, and closer to fp32's). The attention modules keep transformers' own ``forward`` code, run
+with that function in ``apply_rotary_pos_emb``'s place.
 
 These functions are compiled once per process (dynamic shapes: any token count, the hidden and the
 head norms' widths) and every matching module's ``forward`` calls them, so no module is compiled
@@ -59,6 +60,31 @@ def rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch
     return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 
+def token_major_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary` on q/k that transformers hands over as ``[B, H, T, D]`` views of the
+    token-major ``[B, T, H, D]`` tensors the projections write; the results are such views too.
+
+    On a GPU in half precision the Triton kernel runs; elsewhere the compiled expression, on the
+    token-major tensors. A compiled function's backward expects its output gradients in the layout
+    it traced: compiled on the ``[B, H, T, D]`` views, every gradient coming back token-major was
+    first copied through a strided kernel (four copies per layer and micro-batch on the GPU)."""
+    if unsqueeze_dim != 1:
+        return rotary(query, key, cos, sin, unsqueeze_dim)
+    if query.is_cuda:
+        from arctic_zorro import rotary_kernel  # Triton (with torch on Linux): imported where a GPU runs it
+
+        if rotary_kernel.fits(query, key, cos, sin):
+            return rotary_kernel.TritonRotary.apply(query, key, cos, sin)
+    query, key = compiled(_rotary_on_tokens)(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    return query.transpose(1, 2), key.transpose(1, 2)
+
+
+def _rotary_on_tokens(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotary(query, key, cos, sin, unsqueeze_dim=2)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -69,7 +95,7 @@ def _attention_forward(attention_class: type) -> Callable[..., object]:
     """``attention_class.forward`` (inside transformers' decorators, which only rename keyword
     arguments the trainer does not pass) with the compiled rotary as its ``apply_rotary_pos_emb``."""
     forward = inspect.unwrap(attention_class.forward)
-    names = {**forward.__globals__, "apply_rotary_pos_emb": compiled(rotary)}
+    names = {**forward.__globals__, "apply_rotary_pos_emb": token_major_rotary}
     patched = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__)
     patched.__kwdefaults__ = forward.__kwdefaults__
     return patched
