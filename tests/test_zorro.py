@@ -133,11 +133,9 @@ def test_flex_attention_on_padded_blocks_equals_the_dense_forest_mask(monkeypatc
     path's outputs; FlexAttention runs unfused here (fp32, forward only: it has no CPU backward)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    kernels = FlexKernels()
-    kernels.fixed_shape = kernels.any_shape = flex_attention
-    monkeypatch.setattr(forest_attention, "flex_kernels", lambda: kernels)
-    calls = []
+    kernels, calls = FlexKernels(), []
     kernels.fixed_shape = kernels.any_shape = lambda *args, **kwargs: calls.append(args) or flex_attention(*args, **kwargs)
+    monkeypatch.setattr(forest_attention, "flex_kernels", lambda: kernels)
     forest = build_forest(random_forest_batch(seed))
     gen = torch.Generator().manual_seed(seed)
     # q/k/v as the projections give them: [1, T, H, D] in memory, seen as [1, H, T, D].
