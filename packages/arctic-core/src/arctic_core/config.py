@@ -96,8 +96,9 @@ class TrainerConfig(EngineSection):
         "micro-batch, as few as the free GPU memory allows (every layer on the CPU)."))
     compile_elementwise: bool | Literal["auto"] = Field("auto", description=(
         "Run the decoder layers' RMSNorms, SiLU x up and rotary embedding (Qwen3, Qwen2, Llama, Mistral) "
-        "as kernels fused by torch.compile: the same expressions, fewer kernels; the first calls compile. "
-        "auto: on for those families on a CUDA device; true: on, refusing other models."))
+        "as fused kernels (torch.compile; the rotary embedding a Triton kernel on a GPU in half precision): "
+        "the same expressions, fewer kernels; the first calls compile. auto: on for those families on a "
+        "CUDA device; true: on, refusing other models."))
     options: dict[str, Any] = Field(default_factory=dict, description="Backend-specific settings.")
 
     @model_validator(mode="after")

@@ -93,7 +93,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _attention_forward(attention_class: type) -> Callable[..., object]:
     """``attention_class.forward`` (inside transformers' decorators, which only rename keyword
-    arguments the trainer does not pass) with the compiled rotary as its ``apply_rotary_pos_emb``."""
+    arguments the trainer does not pass) with :func:`token_major_rotary` as its ``apply_rotary_pos_emb``."""
     forward = inspect.unwrap(attention_class.forward)
     names = {**forward.__globals__, "apply_rotary_pos_emb": token_major_rotary}
     patched = types.FunctionType(forward.__code__, names, forward.__name__, forward.__defaults__, forward.__closure__)
