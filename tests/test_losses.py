@@ -212,7 +212,7 @@ def test_ppo_micro_batches_add_up_to_full_batch(aggregation: str, part0: float, 
     assert mb0.item() == pytest.approx(part0, abs=TOL)
     assert mb1.item() == pytest.approx(part1, abs=TOL)
     assert mb0.item() + mb1.item() == pytest.approx(full.item(), abs=TOL)
-    assert m0["clipfrac"] + m1["clipfrac"] == pytest.approx(full_metrics["clipfrac"], abs=MTOL)  # 1/5 + 1/5
+    assert float(m0["clipfrac"] + m1["clipfrac"]) == pytest.approx(float(full_metrics["clipfrac"]), abs=MTOL)  # 1/5 + 1/5
 
 
 # --------------------------------------------------------------------------- GSPO

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from arctic_core.batch import RolloutBatch
+from arctic_core.config import LossTermConfig
+from arctic_core.losses.objective import build_objective
+from arctic_core.plugins.interfaces import LossContext
+from arctic_core.plugins.registry import default_registry
 from arctic_core.ray.trainer import split_by_groups
-from arctic_zorro.micro_batches import forest_cost, plan_micro_batches
+from arctic_zorro.micro_batches import forest_cost, micro_forward_backward, plan_micro_batches
 
 
 def grpo_batch(prompt_lens: list[int], n: int, response_len: int) -> RolloutBatch:
@@ -56,3 +62,47 @@ def test_ranks_get_whole_groups_balanced_by_deduplicated_cost(world):
     loads = [forest_cost(batch, rows) for rows in shards]
     largest_group = max(forest_cost(batch, g) for g in batch.groups())
     assert max(loads) - min(loads) <= largest_group  # LPT: imbalance below one group
+
+
+
+class HostReads(TorchFunctionMode):
+    """Appends ``"read"`` to ``events`` at each read of a floating-point tensor's value on the host."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__) and args[0].is_floating_point():
+            self.events.append("read")
+        return func(*args, **(kwargs or {}))
+
+
+def test_metrics_are_read_once_after_the_last_backward_is_queued():
+    """Reading a value on the host waits for the device: a read between a micro-batch's forward and
+    its backward left the device idle there. The summed metrics are read once, after the last
+    backward is queued, and equal the sums of each micro-batch's own."""
+    batch = grpo_batch([30, 20, 25], n=2, response_len=5)
+    weight = torch.tensor(0.01, requires_grad=True)
+    objective = build_objective(default_registry(), [LossTermConfig(name="sft"), LossTermConfig(name="entropy", weight=0.1)])
+    ctx = LossContext.of(batch)
+
+    def forward(micro: RolloutBatch, processors) -> dict[str, torch.Tensor]:
+        values = -weight * micro.response_ids.float()
+        return {name: values for name in processors}
+
+    plan = plan_micro_batches(batch, token_budget=60, grouped=True)
+    assert len(plan) > 1
+    events: list[str] = []
+    with HostReads(events):
+        metrics = micro_forward_backward(forward, lambda loss: events.append("backward") or loss.backward(), batch,
+                                         objective, ctx, 1.0, 60, True, torch.device("cpu"))
+    assert events == ["backward"] * len(plan) + ["read"]
+    expected: dict[str, float] = {}
+    for rows in plan:
+        micro = batch.select(rows)
+        for key, value in objective(forward(micro, objective.processors), micro, ctx)[1].items():
+            expected[key] = expected.get(key, 0.0) + float(value)
+    assert list(metrics) == list(expected) == ["sft/loss", "sft/nll", "entropy/loss", "entropy/entropy", "loss"]
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert metrics == pytest.approx(expected, abs=1e-6)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.plugins.interfaces import LossContext, Objective, Processor
+from arctic_core.plugins.interfaces import LossContext, Metrics, Objective, Processor
 
 MicroForward = Callable[[RolloutBatch, Mapping[str, Processor]], dict[str, torch.Tensor]]
 # Given this rank's micro-batch count, the count every rank runs (the busiest rank's): under ZeRO-3
@@ -141,7 +141,7 @@ def micro_forward_backward(
 
     With ``align``, a rank with fewer micro-batches than the busiest runs idle passes: its first
     micro-batch again with the loss times zero (no gradient, but every collective joined)."""
-    totals: dict[str, float] = {}
+    totals: Metrics = {}
     plan = plan_micro_batches(batch, token_budget, grouped)
     idle = _idle_passes(plan, align)
     for i, rows in enumerate(plan + plan[:1] * idle):
@@ -151,7 +151,41 @@ def micro_forward_backward(
         if i >= len(plan):
             backward(loss * 0.0)
             continue
-        backward(loss * scale)
-        for key, value in metrics.items():
+        for key, value in metrics.items():  # on the device: summed without reading them
             totals[key] = totals.get(key, 0.0) + value
-    return totals
+        if i == len(plan) - 1:
+            reading = MetricsReading(totals)
+        backward(loss * scale)
+    return reading.values() if plan else {}
+
+
+class MetricsReading:
+    """Metrics copied to the host behind the work queued so far, read later.
+
+    The copy is queued before the last backward, so reading waits for the forward only: the call
+    returns while its backward still runs, and no micro-batch's backward waited for the host to
+    read a value (reading each micro-batch's metrics as floats left the device idle ~4 ms per
+    micro-batch between forward and backward on an H200)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = dict(metrics)
+        self.on_device = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+        self.host: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+        if not self.on_device:
+            return
+        device = metrics[self.on_device[0]].device
+        stacked = torch.stack([metrics[k].detach().float().reshape(()).to(device) for k in self.on_device])
+        if not stacked.is_cuda:
+            self.host = stacked
+            return
+        self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        self.host.copy_(stacked, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def values(self) -> dict[str, float]:
+        if self.event is not None:
+            self.event.synchronize()
+        read = dict(zip(self.on_device, self.host.tolist())) if self.host is not None else {}
+        return {k: read[k] if k in read else float(v) for k, v in self.metrics.items()}

@@ -38,6 +38,6 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, ctx: LossContext, mode: 
     raise ValueError(f"unknown aggregation {mode!r}")
 
 
-def token_mean(values: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> float:
-    """A detached token-mean for metrics (additive across micro-batches)."""
-    return float(aggregate(values.detach(), mask, ctx, "token-mean"))
+def token_mean(values: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
+    """A detached token-mean for metrics (additive across micro-batches), left on the device."""
+    return aggregate(values.detach(), mask, ctx, "token-mean")

@@ -10,7 +10,7 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LossTermConfig
 from arctic_core.errors import RequestError
-from arctic_core.plugins.interfaces import LossContext, LossTerm, Processor
+from arctic_core.plugins.interfaces import LossContext, LossTerm, Metrics, Processor
 from arctic_core.plugins.registry import Registry
 
 
@@ -24,16 +24,16 @@ class WeightedObjective:
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, Metrics]:
         total: torch.Tensor | None = None
-        metrics: dict[str, float] = {}
+        metrics: Metrics = {}
         for name, weight, term in self.terms:
             value, term_metrics = term(outputs, batch, ctx)
             total = weight * value if total is None else total + weight * value
-            metrics[f"{name}/loss"] = float(value.detach())
+            metrics[f"{name}/loss"] = value.detach()
             metrics.update({f"{name}/{k}": v for k, v in term_metrics.items()})
         assert total is not None  # build_objective refuses an empty list
-        metrics["loss"] = float(total.detach())
+        metrics["loss"] = total.detach()
         return total, metrics
 
     @torch.no_grad()

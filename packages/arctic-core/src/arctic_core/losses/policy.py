@@ -204,7 +204,7 @@ class PPOLoss(PolicyTerm):
         metrics = {"clipfrac": token_mean((clipped > unclipped).float(), mask, ctx),
                    "dual_clipfrac": token_mean(dual.float(), mask, ctx)}
         if opts.level == "sequence":
-            metrics["seq_ratio_mean"] = float(ratio.detach()[:, 0].sum()) / ctx.num_sequences
+            metrics["seq_ratio_mean"] = ratio.detach()[:, 0].sum() / ctx.num_sequences
         return losses, metrics
 
 

@@ -58,19 +58,25 @@ class Processor(Protocol):
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
 
+Metrics = dict[str, float | torch.Tensor]
+"""A loss term's additive metrics: floats, or 0-dim tensors on the device, which the engine sums
+there and reads once per call, after its last backward is queued (a float read inside the term
+makes the device wait for the host between each micro-batch's forward and backward)."""
+
+
 @runtime_checkable
 class LossTerm(Protocol):
     """One term of a training objective.
 
     ``requires`` names the per-token outputs (processor names) it reads. ``__call__`` returns the
-    term's scalar loss for this micro-batch, normalised by ``ctx``, and additive metrics.
+    term's scalar loss for this micro-batch, normalised by ``ctx``, and additive :data:`Metrics`.
     """
 
     requires: tuple[str, ...]
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
-    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+    ) -> tuple[torch.Tensor, Metrics]: ...
 
 
 class Objective(Protocol):
@@ -80,7 +86,7 @@ class Objective(Protocol):
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
-    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+    ) -> tuple[torch.Tensor, Metrics]: ...
 
 
 class LogProbBackend(Protocol):
