@@ -18,26 +18,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from arctic_core.batch import RolloutBatch
+from fca_common import time_us
 from arctic_zorro import forest_attention
 from arctic_zorro.forest import build_forest
 from arctic_zorro.forest_attention import ForestAttentionMeta
 
 HEADS, KV_HEADS, DIM = 16, 8, 128
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def leaf(*shape: int) -> torch.Tensor:
@@ -90,7 +76,6 @@ def cudnn_bottom_right_check() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", type=json.loads, default=[[5430, 8, 512], [2720, 8, 512]])
-    parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     print(json.dumps(cudnn_bottom_right_check()), flush=True)
     for prompt, samples, response in args.shapes:
@@ -104,7 +89,7 @@ def main() -> None:
         }
         for name, build in variants.items():
             try:
-                ms = timed(build(), args.iters)
+                ms = time_us(build()) / 1e3
                 result = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
             except Exception as error:  # noqa: BLE001 - report the backend that cannot run this shape
                 result = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
