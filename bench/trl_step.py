@@ -10,6 +10,7 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     PROFILE_STEP=4 P=4096 STEPS=5 python3 bench/trl_step.py  # the 4th step's Python calls (cProfile)
     SYNC_CALLS=1 P=4096 STEPS=7 python3 bench/trl_step.py  # each call's device work counted as its own
     DEVICE_PROFILE_STEP=4 P=4096 STEPS=4 python3 bench/trl_step.py  # where the 4th step's device waits
+    SYNC_DEBUG_STEP=4 P=4096 STEPS=4 python3 bench/trl_step.py  # where the 4th step's host waits for the device
     ZERO_STAGE=2 P=4096 STEPS=5 python3 bench/trl_step.py  # DeepSpeed ZeRO stage 2 (the adapter's choice here: 1)
     FLEX=any-length P=4096 STEPS=7 python3 bench/trl_step.py  # FlexAttention unpadded, compiled for any length
     BF16_ACCUMULATION=deepspeed P=4096 STEPS=7 python3 bench/trl_step.py  # stage 1: DeepSpeed's own gradient sums
@@ -31,6 +32,8 @@ import pstats
 import random
 import sys
 import time
+import traceback
+import warnings
 
 import torch
 from datasets import Dataset
@@ -50,14 +53,19 @@ class StepTimer(TrainerCallback):
     """Each optimizer step's wall time, how much of it each backend call took (calls, seconds), the
     garbage collector's pauses by generation, and with the in-process embedded sampler its prefill
     and decode seconds (``TIME_PREFILL=1``: each prefill pass, between device synchronisations).
-    ``SYNC_CALLS=1``: each call ends in a device synchronisation; ``PROFILE_STEP=K``: cProfile of step K;
-    ``DEVICE_PROFILE_STEP=K``: the device's idle time in step K, by call, and its longest gaps."""
+    ``SYNC_CALLS=1``: each call ends in a device synchronisation; ``PROFILE_STEP=K``: cProfile of step K
+    (``PROFILE_DUMP=path``: its stats saved);
+    ``DEVICE_PROFILE_STEP=K``: the device's idle time in step K, by call, and its longest gaps;
+    ``SYNC_DEBUG_STEP=K``: each place where step K's host waited for the device, by call."""
 
     def __init__(self) -> None:
         self.begin, self.steps, self.calls, self.engine, self.engine_before = 0.0, [], {}, None, {}
         self.passes: list[tuple[float, float, float]] = []
         self.profile: cProfile.Profile | None = None
         self.device_profile: torch.profiler.profile | None = None
+        self.spans: list[tuple[str, float, float]] = []  # each backend call: name, begin, end
+        self.begin_counter = self.end_counter = 0.0
+        self.sync_points: SyncPoints | None = None
 
     def wrap(self, client) -> None:
         for name in CLIENT_CALLS:
@@ -84,12 +92,17 @@ class StepTimer(TrainerCallback):
         def timed(*args, **kwargs):
             begin = time.perf_counter()
             try:
+                if self.sync_points is not None:
+                    self.sync_points.phase = name
                 with torch.profiler.record_function(PHASE_PREFIX + name):
                     return call(*args, **kwargs)
             finally:
+                if self.sync_points is not None:
+                    self.sync_points.phase = "outside"
                 sync()
                 count, seconds = self.calls.get(name, (0, 0.0))
                 self.calls[name] = (count + 1, seconds + time.perf_counter() - begin)
+                self.spans.append((name, begin, time.perf_counter()))
         return timed
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -100,7 +113,10 @@ class StepTimer(TrainerCallback):
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             self.device_profile = torch.profiler.profile(activities=activities)
             self.device_profile.start()
+        if len(self.steps) + 1 == int(os.environ.get("SYNC_DEBUG_STEP", 0)):
+            self.sync_points = SyncPoints()
         self.begin, self.calls, self.gc_pauses = time.time(), {}, {}
+        self.spans, self.begin_counter = [], time.perf_counter()
         self.passes.clear()
         self.engine_before = self._engine_stats()
 
@@ -112,20 +128,31 @@ class StepTimer(TrainerCallback):
             out.update({k: memory.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")})
         return out
 
+    def _gaps(self) -> str:
+        """The host's time between backend calls (TRL's work, or waiting for the device), in order."""
+        end = self.end_counter
+        edges = [("begin", self.begin_counter, self.begin_counter), *self.spans, ("end", end, end)]
+        gaps = [f"{a[0]}>{b[0]} {1e3 * (b[1] - a[2]):.0f}" for a, b in zip(edges, edges[1:])]
+        return ", ".join(gaps)
+
     def on_step_end(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.steps.append(time.time() - self.begin)
+        self.end_counter = time.perf_counter()
         calls = ", ".join(f"{name} {count}x {seconds:.2f} s" for name, (count, seconds) in self.calls.items())
         outside = self.steps[-1] - sum(seconds for _, seconds in self.calls.values())
         engine = {k: round(v - self.engine_before.get(k, 0), 3) for k, v in self._engine_stats().items()}
         print("step", len(self.steps), round(self.steps[-1], 2), "s:", calls, f"; outside the backend {outside:.2f} s",
               f"; garbage collections by generation {self.gc_pauses} (oldest holds {len(gc.get_objects(2)):,})",
               f"; sampler {engine}" if engine else "",
-              f"; prefill passes (wall, host, device) {self.passes}" if self.passes else "", flush=True)
+              f"; prefill passes (wall, host, device) {self.passes}" if self.passes else "",
+              f"; outside the backend, ms: {self._gaps()}", flush=True)
         if self.profile is not None:
             self.profile.disable()
             stats = pstats.Stats(self.profile)
+            if os.environ.get("PROFILE_DUMP"):  # the whole profile, for pstats / snakeviz
+                stats.dump_stats(os.environ["PROFILE_DUMP"])
             stats.sort_stats("cumulative").print_stats(70)
             stats.sort_stats("tottime").print_stats(30)
             self.profile = None
@@ -133,6 +160,38 @@ class StepTimer(TrainerCallback):
             self.device_profile.stop()
             print(idle_report(self.device_profile, top_kernels=40), flush=True)
             self.device_profile = None
+        if self.sync_points is not None:
+            print(self.sync_points.close(), flush=True)
+            self.sync_points = None
+
+
+class SyncPoints:
+    """Counts the step's synchronizing CUDA operations (``torch.cuda.set_sync_debug_mode``) by backend call
+    (or ``outside``) and by the innermost frames of our code and TRL's that led to each."""
+
+    def __init__(self) -> None:
+        self.phase, self.counts = "outside", {}
+        self._show = warnings.showwarning
+        warnings.showwarning = self._record
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchronizing" not in str(message):
+            return self._show(message, category, filename, lineno, file, line)
+        ours = [f for f in traceback.extract_stack()[:-2] if any(k in f.filename for k in ("arctic", "trl", "bench"))]
+        where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(ours[-4:]))
+        key = (self.phase, where)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def close(self) -> str:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = self._show
+        rows = sorted(self.counts.items(), key=lambda kv: (kv[0][0], -kv[1]))
+        return "\n".join(["synchronizing CUDA operations (call, count, where):"] +
+                         [f"  {phase} {count}x {where}" for (phase, where), count in rows])
 
 
 def flex_for_any_length() -> None:

@@ -15,7 +15,7 @@ from arctic_core.config import SamplingParams, validate
 from arctic_core.demo.task import CountingTask
 from arctic_core.demo.tiny_model import build_tiny_model, build_tokenizer
 from arctic_core.errors import ConfigError, RequestError
-from arctic_fca.engine import EmbeddedEngine, EngineOptions
+from arctic_fca.engine import EmbeddedEngine, EngineOptions, attention
 from arctic_fca.engine.sampling import RowParams, filtered_log_probs
 
 NO_STOP = [10**6]  # a stop id no model emits: every sample runs to max_tokens
@@ -108,6 +108,47 @@ def test_queued_steps_give_the_tokens_of_one_step_at_a_time(tokenizer):
         engine, _ = make_engine(tokenizer, kv_cache_tokens=24 * 16, max_num_seqs=6, overlap_steps=overlap)
         results[overlap] = [[(o.tokens, o.logprobs) for o in engine.generate(prompts, p)] for p in params]
         assert engine.stats.prefill_steps >= 4  # both calls admitted in waves, as blocks came back
+    assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("n", [1, 100, 128, 129, 300])
+def test_prompt_attention_over_padded_lengths_equals_the_unpadded(n):
+    # The GPU prefill runs cuDNN's attention over q/k/v padded to a few lengths; the padding itself
+    # must not change a real row (checked here in fp32 on the CPU's SDPA).
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(1, 4, n, 16, generator=gen)
+    k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(2))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    out = attention.padded_causal_attention(q, k, v, 0.25, gqa=True)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+
+
+def test_prefill_passes_are_queued_before_the_samples_of_the_one_before_are_read(tokenizer, monkeypatch):
+    # 40 prompt tokens per pass: the 6 prompts (two sharing a system prompt) take several passes. With
+    # overlap_steps each pass is queued before the host reads the samples of the pass before; the
+    # tokens and log-probs (sampled, seeded) must be those of reading each pass before the next.
+    from arctic_fca.engine import engine as engine_module
+
+    vocab = len(tokenizer)
+    system = random_prompts((20,), vocab, seed=7)[0]
+    prompts = [system + tail for tail in random_prompts((9, 14), vocab, seed=8)] + random_prompts((18, 30, 12, 25), vocab)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=10, stop_token_ids=NO_STOP, seed=2)
+    events, read = [], engine_module.TokensInFlight.read
+    monkeypatch.setattr(engine_module.TokensInFlight, "read", lambda self: events.append("read") or read(self))
+    results = {}
+    for overlap in (True, False):
+        engine, _ = make_engine(tokenizer, max_num_seqs=64, max_prefill_tokens=40, overlap_steps=overlap)
+        prefill = engine.runner.prefill
+        engine.runner.prefill = lambda *args, **kwargs: events.append("pass") or prefill(*args, **kwargs)
+        events.clear()
+        results[overlap] = [(o.tokens, o.logprobs) for o in engine.generate(prompts, params)]
+        passes = events.count("pass")
+        assert passes >= 4 and engine.stats.prefill_steps == passes
+        before_decode = events[: events.index("pass", 0) + 2 * passes]  # the passes and their reads
+        expected = ["pass"] + ["pass", "read"] * (passes - 1) + ["read"] if overlap else ["pass", "read"] * passes
+        assert before_decode == expected
+        assert engine.pool.num_free == engine.pool.capacity
     assert results[True] == results[False]
 
 

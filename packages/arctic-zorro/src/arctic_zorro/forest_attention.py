@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
+from arctic_core.compiling import bucketed_length
 from arctic_zorro.forest import PackedForest
 
 ATTENTION_NAME = "arctic_zorro_forest"
@@ -35,8 +36,7 @@ def padded_length(tokens: int) -> int:
     The padding costs little: padded queries see only themselves and no real query sees a padded
     key, so the block mask skips all but one block per padded query block; what remains is copying
     q/k/v into the longer tensors."""
-    step = max(FLEX_BLOCK, 1 << max(tokens.bit_length() - 4, 0))
-    return -(-tokens // step) * step
+    return bucketed_length(tokens, FLEX_BLOCK)
 
 
 def _flex_fixed_shape(*args: object, **kwargs: object) -> torch.Tensor:

@@ -17,6 +17,7 @@ own decoder (``decoder``) stores its keys/values itself and calls ``attend``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,13 +26,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
+from arctic_core.compiling import bucketed_length
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.fca.decode import PreparedDecode
 
+logger = logging.getLogger(__name__)
 ATTENTION_NAME = "arctic_fca_paged"
-# Prefill attention without cuDNN's: torch prefers it on Hopper, and it builds a plan for every new
-# sequence length (~32 ms on the H200, once per length), so rollouts whose prompt lengths keep changing
-# paid more for plans than for the attention itself. Flash attention needs no plan per shape.
+# A prompt's causal attention with nothing cached runs on cuDNN's kernels where torch has them (on the
+# H200 ~1.6x flash attention's at 5k tokens), over q/k/v padded to one of 8 lengths per octave: cuDNN
+# builds a plan for every new shape (~32 ms of host time, the device idle meanwhile), so prompts whose
+# lengths keep changing would pay more for plans than for the attention. The padding is exact: padded
+# keys come after every real query, which the causal mask already hides from them.
+CUDNN_PREFILL = True
+CUDNN_GRANULE = 128
+# Everything else (cached prefixes, other devices and dtypes): flash attention needs no plan per shape.
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -87,8 +95,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, paged:
         parts.append(paged.decode(q[:rows], paged.cache.keys[layer], paged.cache.values[layer], scale))
     if paged.spans:
         query, key, value = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, T, D]
-        with sdpa_kernel(PREFILL_BACKENDS):
-            spans = [_prefill_span(query, key, value, paged.cache, layer, span, scale) for span in paged.spans]
+        spans = [_prefill_span(query, key, value, paged.cache, layer, span, scale) for span in paged.spans]
         parts.append(torch.cat(spans, dim=2)[0].transpose(0, 1))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -98,7 +105,7 @@ def _prefill_span(query, key, value, cache: PagedKVCache, layer: int, span: Pref
     gqa = query.shape[1] != key.shape[1]
     if span.context_slots is None:
         k, v = key[:, :, span.start : span.end], value[:, :, span.start : span.end]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return causal_attention(q, k, v, scale, gqa)
     k, v = (c.view(-1, *c.shape[2:])[span.context_slots].transpose(0, 1)[None]
             for c in (cache.keys[layer], cache.values[layer]))
     if gqa:  # each query head's keys/values: flash (half precision) and memory-efficient attention
@@ -107,7 +114,31 @@ def _prefill_span(query, key, value, cache: PagedKVCache, layer: int, span: Pref
     new = span.end - span.start
     # Causal, aligned to the last key: the new tokens see the whole cached prefix.
     visible = causal_lower_right(new, span.cached + new)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    with sdpa_kernel(PREFILL_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    """Causal self-attention of one prompt, ``[1, heads, n, D]`` -> ``[1, heads, n, D]``."""
+    global CUDNN_PREFILL
+    if CUDNN_PREFILL and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return padded_causal_attention(q, k, v, scale, gqa)
+        except RuntimeError as error:  # no cuDNN attention for this GPU or build: flash from now on
+            logger.info("prefill attention on flash attention (cuDNN's unavailable: %s)", error)
+            CUDNN_PREFILL = False
+    with sdpa_kernel(PREFILL_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+
+
+
+def padded_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    """:func:`causal_attention` over q/k/v padded to a length of :func:`bucketed_length` (the rows
+    past ``n`` dropped): the padded keys follow every real query, so the causal mask hides them."""
+    n = q.shape[2]
+    padded = [F.pad(x, (0, 0, 0, bucketed_length(n, CUDNN_GRANULE) - n)) for x in (q, k, v)]
+    return F.scaled_dot_product_attention(*padded, is_causal=True, scale=scale, enable_gqa=gqa)[:, :, :n]
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -12,7 +12,8 @@ One loop, one step at a time, over four parts that each live in a module of thei
 - **sampling** (``sampling.py``) draws the tokens on the device.
 Decode steps run back to back: step t+1 is planned and queued, its input tokens taken from step t's
 samples on the device, before the host reads step t's tokens, so the device never waits for the
-host. The host learns of a stop token one step late; that step's token of the finished sequence is
+host (prefill passes of whole prompts too: pass k+1 is queued before pass k's samples are read).
+The host learns of a stop token one step late; that step's token of the finished sequence is
 dropped. Finished sequences (stop token or ``max_tokens``) give their blocks back for the next
 groups.
 """
@@ -61,9 +62,9 @@ class EngineOptions(StrictModel):
                                                        "auto is Triton on CUDA, the exact torch path elsewhere.")
     progress: bool | None = Field(None, description="Progress bar; None: only on a terminal.")
     cuda_graphs: bool = Field(True, description="Replay decode steps as CUDA graphs (CUDA only).")
-    overlap_steps: bool = Field(True, description="Queue each decode step before the host reads the previous "
-                                "one's tokens (off: one step at a time; the same tokens when greedy or without "
-                                "stop tokens).")
+    overlap_steps: bool = Field(True, description="Queue each decode step, and each prefill pass of whole prompts, "
+                                "before the host reads the previous one's tokens (off: one at a time; the same "
+                                "tokens when greedy or without stop tokens).")
     fused_decoder: bool = Field(True, description="Run Qwen3, Qwen2, Llama and Mistral models on the engine's own "
                                 "decoder (fused kernels, same math); False: transformers' modules.")
     max_model_len: int | None = Field(None, gt=0, description="Prompt + new tokens at most; default: the model's "
@@ -168,14 +169,26 @@ class EmbeddedEngine:
              bar: tqdm) -> dict[int, list[Sequence]]:
         running: list[Sequence] = []
         prefilling: deque[PromptGroup] = deque()  # admitted, prompt not yet computed to its end
+        queued: QueuedPrefill | None = None  # a prefill pass whose samples the host has not read yet
         finished: dict[int, list[Sequence]] = {}
-        while waiting or running or prefilling:
-            admitted = self.scheduler.admit(waiting, len(running) + len(prefilling) * params.n, params)
+        while waiting or running or prefilling or queued:
+            forking = len(queued.completed) * params.n if queued else 0
+            admitted = self.scheduler.admit(waiting, len(running) + len(prefilling) * params.n + forking, params)
             prefilling += admitted
             self.stats.prefix_hit_tokens += sum(g.cached for g in admitted)
             begin = time.perf_counter()
-            if prefilling:
-                running += self._prefill(prefilling, running, params, generator, stops)
+            if prefilling or queued:
+                # Whole prompts: pass k+1 is queued before the host reads pass k's samples, so the
+                # device goes from one pass to the next while the host forks them. Chunked passes
+                # are read at once: the next one gives their samples a token.
+                before = queued
+                queued = self._queue_prefill(prefilling, running, params, generator) if prefilling else None
+                if before is not None:
+                    running += self._take_samples(before, params, stops)
+                ahead = prefilling and self.options.overlap_steps and not self.options.chunked_prefill
+                if queued is not None and not ahead:
+                    running += self._take_samples(queued, params, stops)
+                    queued = None
                 self.stats.prefill_seconds += time.perf_counter() - begin
             else:
                 self._decode(running, params, generator, stops)
@@ -187,10 +200,10 @@ class EmbeddedEngine:
             running = [s for s in running if not s.done]
         return finished
 
-    def _prefill(self, prefilling: deque[PromptGroup], running: list[Sequence], params: SamplingParams,
-                 generator: torch.Generator, stops: set[int]) -> list[Sequence]:
-        """One prefill step (with a token for every running sequence when chunked); the samples of the
-        prompts it completed."""
+    def _queue_prefill(self, prefilling: deque[PromptGroup], running: list[Sequence], params: SamplingParams,
+                       generator: torch.Generator) -> QueuedPrefill:
+        """One prefill step (with a token for every running sequence when chunked) and its sampling,
+        queued on the device."""
         chunked = self.options.chunked_prefill
         pieces = self.scheduler.next_prefill(prefilling, split=chunked)
         decoding = running if chunked else []
@@ -201,15 +214,24 @@ class EmbeddedEngine:
         self.stats.prefill_tokens += sum(p.end - p.start for p in pieces)
         completed = [p.group for p in pieces if p.completes]
         if not (decoding or completed):  # a chunk inside a prompt: nothing to sample yet
-            return []
+            return QueuedPrefill(decoding, completed, None)
         logits = torch.cat((logits[: len(decoding)], logits[len(decoding):].repeat_interleave(params.n, 0)))
         rows = [s.tokens for s in decoding] + [g.prompt for g in completed for _ in range(params.n)]
         tokens, logprobs = sample(logits, row_settings(params, rows, logits.shape[-1], self.runner.device), generator,
                                   triton=self.runner.triton)
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        return QueuedPrefill(decoding, completed, TokensInFlight(tokens, logprobs))
+
+    def _take_samples(self, queued: QueuedPrefill, params: SamplingParams, stops: set[int]) -> list[Sequence]:
+        """A queued prefill step's tokens read: appended to the sequences it decoded, and each prompt it
+        completed forked into its samples (returned)."""
+        if queued.samples is None:
+            return []
+        tokens, logprobs = queued.samples.read()
+        tokens = [int(t) for t in tokens]
+        decoding = queued.decoding
         self._append(decoding, tokens[: len(decoding)], logprobs[: len(decoding)], stops)
         sequences, first = [], len(decoding)
-        for group in completed:
+        for group in queued.completed:
             picked = slice(first, first + params.n)
             sequences += self.scheduler.fork(group, params, tokens[picked], logprobs[picked], stops)
             first += params.n
@@ -257,6 +279,16 @@ class EmbeddedEngine:
             self.stats.generated_tokens += 1
             finished |= seq.done
         return finished
+
+
+@dataclass
+class QueuedPrefill:
+    """A prefill step queued on the device: the running sequences it gives a token (chunked
+    prefill), the prompts it completes, and its samples (None: a chunk inside a prompt)."""
+
+    decoding: list[Sequence]
+    completed: list[PromptGroup]
+    samples: TokensInFlight | None
 
 
 class TokensInFlight:

@@ -44,8 +44,8 @@ class PagedKVCache:
         """Copy whole blocks in every layer (a prompt's partly filled last block, once per sample)."""
         if not sources:
             return
-        src = torch.tensor(sources, device=self.device)
-        dst = torch.tensor(targets, device=self.device)
+        # Non-blocking: a blocking copy would wait for the prefill passes queued before it.
+        src, dst = (torch.tensor(blocks).to(self.device, non_blocking=True) for blocks in (sources, targets))
         for cache in (*self.keys, *self.values):
             cache[dst] = cache[src]
 
