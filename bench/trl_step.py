@@ -171,7 +171,7 @@ class SyncPoints:
 
     def __init__(self) -> None:
         self.phase, self.counts = "outside", {}
-        self._show = warnings.showwarning
+        self._show, self._filters = warnings.showwarning, list(warnings.filters)
         warnings.showwarning = self._record
         warnings.simplefilter("always")
         if torch.cuda.is_available():
@@ -188,7 +188,7 @@ class SyncPoints:
     def close(self) -> str:
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = self._show
+        warnings.showwarning, warnings.filters[:] = self._show, self._filters
         rows = sorted(self.counts.items(), key=lambda kv: (kv[0][0], -kv[1]))
         return "\n".join(["synchronizing CUDA operations (call, count, where):"] +
                          [f"  {phase} {count}x {where}" for (phase, where), count in rows])

@@ -294,3 +294,22 @@ def test_a_new_key_a_plain_step_or_the_refresh_count_brings_back_the_full_search
     # The same key over fewer rows is another batch: searched afresh.
     builder.build(tables[:-1], steps[-1][:-1], forest_key="b")
     assert builder.builds["forest"] == 5
+
+
+@pytest.mark.parametrize("even", [True, False])
+def test_a_long_shared_prefix_is_cut_into_pieces_of_equal_length(even):
+    # A 21-block prefix (336 tokens) shared by 4 samples, split length 128: three pieces of 112 tokens
+    # (even), or 128 + 128 + 80. The host's and the device's builds cut alike, and both are exact.
+    from arctic_fca.fca.tuning import DEFAULT_TUNING
+    from arctic_fca.fca.work import plan_work
+
+    tuning = DEFAULT_TUNING.replace(even_pieces=even)
+    batch = make_batch({"prompt": 21}, [(("prompt",), n) for n in (3, 17, 9, 30)], 16)
+    query, key_cache, value_cache, tables, lens = attention_args(batch)
+    expected = [112, 112, 112] if even else [128, 128, 80]
+    device = builder_for(batch, chunk_range=(128, 128), tuning=tuning).build(tables, lens)
+    host = plan_work(build_plan(tables, lens, 16), tables, lens, 16, query.shape[1], key_cache.shape[2],
+                     query.shape[2], chunk=128, tuning=tuning)
+    for work in (device, host):
+        assert work.node.items[1, : int(work.node.count)].tolist() == expected
+        assert_decodes_exactly(work, query, key_cache, value_cache, tables, lens)

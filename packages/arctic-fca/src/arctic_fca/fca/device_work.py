@@ -55,7 +55,7 @@ from arctic_fca.fca.cost_model import DEFAULT_COSTS, CostConstants, price, token
 from arctic_fca.fca.plain_work import write_plain_work
 from arctic_fca.fca.work import DeviceLaunch, DeviceWork
 from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
-from arctic_fca.fca.work import device_sms
+from arctic_fca.fca.work import device_sms, piece_tokens
 
 logger = logging.getLogger(__name__)
 PAIRS_PER_REQUEST = 4  # (node, request) pairs per request the buffers hold: a forest four nodes deep
@@ -275,16 +275,19 @@ class DeviceWorkBuilder:
         """Fill the node launch; return the number of partial rows it writes."""
         bs, tokens = self.block_size, forest.node_len * self.block_size
         tiles = _ceil_div(forest.node_size, self.per_tile)
-        chunk = self._chunk((tokens * tiles).sum())
-        pieces = _ceil_div(tokens, chunk)
+        size = self._chunk((tokens * tiles).sum()).expand(tokens.shape)
+        if self.tuning.even_pieces:
+            size = piece_tokens(tokens, size, bs)
+        pieces = _ceil_div(tokens, size)
         item, owner, local, total = _expand(pieces * tiles, self.caps["node_items"])
         piece, tile = local // tiles[owner].clamp(min=1), local % tiles[owner].clamp(min=1)
         q_first = forest.node_q_start[owner] + tile * self.per_tile
-        columns = (forest.node_row[owner] * self.width + forest.node_col[owner] + piece * (chunk // bs),
-                   torch.minimum(chunk, tokens[owner] - piece * chunk),
+        size = size[owner]
+        columns = (forest.node_row[owner] * self.width + forest.node_col[owner] + piece * (size // bs),
+                   torch.minimum(size, tokens[owner] - piece * size),
                    q_first,
                    torch.minimum(torch.full_like(q_first, self.per_tile), forest.node_size[owner] - tile * self.per_tile))
-        return _write_launch(self.work.node, columns, item < total, first_row=torch.zeros_like(chunk))
+        return _write_launch(self.work.node, columns, item < total, first_row=tokens.new_zeros(()))
 
     def _single_items(self, suffix_start: torch.Tensor, suffix: torch.Tensor, node_rows: torch.Tensor) -> torch.Tensor:
         """Fill the single launch with each request's tokens from block ``suffix_start`` on

@@ -98,14 +98,30 @@ def chunk_tokens(total_tokens: int, num_kv_heads: int, num_sms: int, block_size:
     return int(min(tuning.max_chunk_tokens, max(tuning.min_chunk_tokens, chunk, block_size)))
 
 
-def _chunks(kv_start: np.ndarray, kv_len: np.ndarray, chunk: int, block_size: int) -> tuple[np.ndarray, ...]:
-    """Split each run (start block offset, tokens) into pieces of at most `chunk` tokens; returns
-    (run index, piece start block offset, piece tokens) per piece."""
-    pieces = np.maximum(1, -(-kv_len // chunk))
+def _chunks(kv_start: np.ndarray, kv_len: np.ndarray, chunk: int, block_size: int,
+            even: bool = False) -> tuple[np.ndarray, ...]:
+    """Split each run (start block offset, tokens) into pieces of at most `chunk` tokens (``even``:
+    as many pieces, of equal length in whole blocks); returns (run index, piece start block offset,
+    piece tokens) per piece."""
+    size = np.full(kv_len.shape, chunk, dtype=np.int64)
+    if even:
+        size = piece_tokens(kv_len, chunk, block_size)
+    pieces = np.maximum(1, -(-kv_len // size))
     run = np.repeat(np.arange(kv_len.size), pieces)
     k = np.arange(run.size) - (np.cumsum(pieces) - pieces)[run]
-    tokens = np.minimum(chunk, kv_len[run] - k * chunk)
-    return run, kv_start[run] + k * (chunk // block_size), tokens
+    tokens = np.minimum(size[run], kv_len[run] - k * size[run])
+    return run, kv_start[run] + k * (size[run] // block_size), tokens
+
+
+def piece_tokens(kv_len, chunk, block_size: int):
+    """Each run's piece length when cut into ``ceil(len / chunk)`` pieces of equal length, rounded up
+    to whole blocks (never above ``chunk``, itself whole blocks); numpy arrays or tensors."""
+    pieces = _ceil_div(kv_len, chunk).clip(1)
+    return (_ceil_div(_ceil_div(kv_len, pieces), block_size) * block_size).clip(block_size)
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -124,7 +140,7 @@ def _node_items(plan: FCAPlan, kv_base: int, block_size: int, per_tile: int, chu
     tiles = -(-np.diff(q_indptr) // per_tile)
     # Each launch is sized on its own work: the node launch must fill the GPU by itself.
     chunk = chunk or chunk_tokens(int((node_tokens * tiles).sum()), num_kv_heads, num_sms, block_size, tuning)
-    run, start, tokens = _chunks(kv_base + kv_indptr[:-1], node_tokens, chunk, block_size)
+    run, start, tokens = _chunks(kv_base + kv_indptr[:-1], node_tokens, chunk, block_size, tuning.even_pieces)
     # Tiles of one piece are adjacent: they read the same KV, the later ones from L2.
     piece = np.repeat(np.arange(run.size), tiles[run])
     tile = np.arange(piece.size) - (np.cumsum(tiles[run]) - tiles[run])[piece]
