@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from arctic_core.batch import RolloutBatch
+from arctic_core.host_copy import HostCopy
 from arctic_core.plugins.interfaces import LossContext, Metrics, Objective, Processor
 
 MicroForward = Callable[[RolloutBatch, Mapping[str, Processor]], dict[str, torch.Tensor]]
@@ -170,22 +171,11 @@ class MetricsReading:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = dict(metrics)
         self.on_device = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
-        self.host: torch.Tensor | None = None
-        self.event: torch.cuda.Event | None = None
-        if not self.on_device:
-            return
-        device = metrics[self.on_device[0]].device
-        stacked = torch.stack([metrics[k].detach().float().reshape(()).to(device) for k in self.on_device])
-        if not stacked.is_cuda:
-            self.host = stacked
-            return
-        self.host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-        self.host.copy_(stacked, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
+        self.copy: HostCopy | None = None
+        if self.on_device:
+            device = metrics[self.on_device[0]].device
+            self.copy = HostCopy(torch.stack([metrics[k].detach().float().reshape(()).to(device) for k in self.on_device]))
 
     def values(self) -> dict[str, float]:
-        if self.event is not None:
-            self.event.synchronize()
-        read = dict(zip(self.on_device, self.host.tolist())) if self.host is not None else {}
+        read = dict(zip(self.on_device, self.copy.tolist())) if self.copy is not None else {}
         return {k: read[k] if k in read else float(v) for k, v in self.metrics.items()}

@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 from arctic_core.config import SamplingParams, StrictModel
 from arctic_core.errors import RequestError
 from arctic_core.hf import check_prompts, default_stop_tokens
+from arctic_core.host_copy import HostCopy
 from arctic_fca.engine.blocks import BlockPool
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.engine.model_runner import ModelRunner
@@ -296,20 +297,10 @@ class TokensInFlight:
     step, and ``read`` waits for it alone (not for the steps queued after it)."""
 
     def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        both = torch.stack((tokens.to(logprobs.dtype), logprobs))  # token ids are exact in fp32
-        self.copied = None
-        if both.is_cuda:
-            self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            self.host.copy_(both, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        else:
-            self.host = both
+        self.copy = HostCopy(torch.stack((tokens.to(logprobs.dtype), logprobs)))  # token ids are exact in fp32
 
     def read(self) -> tuple[list[float], list[float]]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        tokens, logprobs = self.host.tolist()
+        tokens, logprobs = self.copy.tolist()
         return tokens, logprobs
 
 
