@@ -81,8 +81,7 @@ def main() -> None:
     passes = time_prefill_passes(engine)
     rng, calls = random.Random(0), []
     for call in range(args.calls):
-        lengths = [args.prompt_len + (rng.randrange(-64, 65) if args.vary_lengths else 0) for _ in range(args.prompts)]
-        prompts = [[rng.randrange(3, 999) for _ in range(n)] for n in lengths]
+        prompts = random_prompts(rng, args)
         passes.clear()
         profile = cProfile.Profile() if call == args.profile_call else None
         if profile is not None:
@@ -97,12 +96,17 @@ def main() -> None:
     print(json.dumps({"prompt_len": args.prompt_len, "prompts": args.prompts, "calls": calls}))
 
 
+def random_prompts(rng: random.Random, args: argparse.Namespace) -> list[list[int]]:
+    """``args.prompts`` prompts of random tokens, ``args.prompt_len`` long (+- 64 with ``--vary-lengths``)."""
+    lengths = [args.prompt_len + (rng.randrange(-64, 65) if args.vary_lengths else 0) for _ in range(args.prompts)]
+    return [[rng.randrange(3, 999) for _ in range(n)] for n in lengths]
+
+
 def compare_variants(engine: EmbeddedEngine, args: argparse.Namespace) -> None:
     """Whole calls of each variant in turn (the first call of each compiles and plans), same prompts."""
     rng, seconds = random.Random(0), {v: [] for v in args.variants}
     for call in range(args.calls):
-        lengths = [args.prompt_len + (rng.randrange(-64, 65) if args.vary_lengths else 0) for _ in range(args.prompts)]
-        prompts = [[rng.randrange(3, 999) for _ in range(n)] for n in lengths]
+        prompts = random_prompts(rng, args)
         for variant in args.variants:
             attention.CUDNN_PREFILL = variant.startswith("cudnn")
             engine.options.overlap_steps = not variant.endswith("-one-at-a-time")
