@@ -56,7 +56,7 @@ class FrontSettings:
 
 @dataclass
 class FrontState:
-    """What the routes share: the pause gate, the trained step, counts for ``/metrics``."""
+    """The pause gate, the trained step, and the counts ``/metrics`` reports."""
 
     trained_step: Callable[[], int]
     running: int = 0
@@ -128,28 +128,36 @@ def sampling_params(body: dict[str, Any], prompt_len: int, max_model_len: int) -
     return vllm_sampling_params(body, room)  # no max_tokens: up to the context, as vLLM's server does
 
 
-def create_front(connect: Callable[[], AsyncArcticClient], settings: FrontSettings, trained_step: Callable[[], int],
-                 tokenizer: Any = None) -> FastAPI:
-    """The app; ``connect`` makes the Arctic client (in the app's event loop), ``trained_step``
-    says which weights the sampler serves, ``tokenizer`` renders chat requests (evaluations)."""
-    app = FastAPI(title="Arctic RL for PRIME-RL", description=(__doc__ or "").replace("``", "`"))
-    state = FrontState(trained_step)
-    state.unpaused.set()
-    front_metrics = FrontMetrics(state)
-    authorised = [Depends(bearer_check(settings.token, "VLLM_API_KEY"))]
-    holder: dict[str, Any] = {}
+class Front:
+    """What the routes share: the settings, the state, the metrics, and the request grouper that
+    turns single-sample calls into one Arctic ``generate`` per prompt group."""
 
-    def grouper() -> RequestGrouper:
-        if "grouper" not in holder:  # the client belongs to the event loop the app runs in
-            client = holder["client"] = connect()
+    def __init__(self, connect: Callable[[], AsyncArcticClient], settings: FrontSettings,
+                 trained_step: Callable[[], int], tokenizer: Any) -> None:
+        self.connect, self.settings, self.tokenizer = connect, settings, tokenizer
+        self.state = FrontState(trained_step)
+        self.state.unpaused.set()
+        self.metrics = FrontMetrics(self.state)
+        self._grouper: RequestGrouper | None = None
+
+    def grouper(self) -> RequestGrouper:
+        if self._grouper is None:  # the client belongs to the event loop the app runs in
+            client = self.connect()
 
             async def send(prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
                 return (await client.generate(prompts, params)).batch
 
-            holder["grouper"] = RequestGrouper(send, settings.group_quiet_s, settings.group_max_wait_s)
-        return holder["grouper"]
+            self._grouper = RequestGrouper(send, self.settings.group_quiet_s, self.settings.group_max_wait_s)
+        return self._grouper
 
-    async def sample(prompt: list[int], params: SamplingParams) -> tuple[list[int], list[float], str]:
+    def check_model(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise ApiError(404, "NotFound", f"model {name!r} is not served; this server serves "
+                                            f"{self.settings.model_name!r}")
+
+    async def sample(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[float], str]:
+        """One sample of ``prompt``: its tokens, their log-probs and vLLM's finish reason."""
+        state = self.state
         if not state.unpaused.is_set():  # a paused server holds new work until resume (mode=keep)
             state.waiting += 1
             try:
@@ -158,15 +166,24 @@ def create_front(connect: Callable[[], AsyncArcticClient], settings: FrontSettin
                 state.waiting -= 1
         state.running += 1
         try:
-            batch, row = await grouper().submit(prompt, params)
+            batch, row = await self.grouper().submit(prompt, params)
         finally:
             state.running -= 1
-        front_metrics.served.inc()
+        self.metrics.served.inc()
         tokens = batch.response(row)
         logprobs = batch.sampling_logprobs[row, : len(tokens)].tolist()
-        stops = set(params.stop_token_ids) | settings.eos_token_ids
+        stops = set(params.stop_token_ids) | self.settings.eos_token_ids
         finished = "length" if len(tokens) >= params.max_tokens and tokens[-1] not in stops else "stop"
         return tokens, logprobs, finished
+
+
+def create_front(connect: Callable[[], AsyncArcticClient], settings: FrontSettings, trained_step: Callable[[], int],
+                 tokenizer: Any = None) -> FastAPI:
+    """The app; ``connect`` makes the Arctic client (in the app's event loop), ``trained_step``
+    says which weights the sampler serves, ``tokenizer`` renders chat requests (evaluations)."""
+    app = FastAPI(title="Arctic RL for PRIME-RL", description=(__doc__ or "").replace("``", "`"))
+    front = Front(connect, settings, trained_step, tokenizer)
+    authorised = [Depends(bearer_check(settings.token, "VLLM_API_KEY"))]
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -176,9 +193,57 @@ def create_front(connect: Callable[[], AsyncArcticClient], settings: FrontSettin
     async def _arctic_error(request: Request, exc: ArcticError) -> JSONResponse:
         return error_response(*error_answer("generate", exc))
 
-    def check_model(name: str) -> None:
-        if name != settings.model_name:
-            raise ApiError(404, "NotFound", f"model {name!r} is not served; this server serves {settings.model_name!r}")
+    _add_sampling_routes(app, front, authorised)
+    _add_orchestrator_routes(app, front, authorised)
+    return app
+
+
+def _add_sampling_routes(app: FastAPI, front: Front, authorised: list) -> None:
+    """Token-in generate (rollouts) and chat completions (evaluations)."""
+    settings = front.settings
+
+    @app.post("/inference/v1/generate", dependencies=authorised)
+    async def generate(body: GenerateBody) -> dict[str, Any]:
+        front.check_model(body.model)
+        if body.features is not None or body.stream:
+            raise ApiError(400, "BadRequest", "multimodal features and streaming are not supported by Arctic's sampler")
+        if not body.token_ids:
+            raise ApiError(400, "BadRequest", "token_ids is empty")
+        params = sampling_params(body.sampling_params, len(body.token_ids), settings.max_model_len)
+        tokens, logprobs, finished = await front.sample(body.token_ids, params)
+        return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_logprobs": None,
+                "choices": [{"index": 0, "token_ids": tokens, "finish_reason": finished,
+                             "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp}
+                                                      for t, lp in zip(tokens, logprobs)]}}],
+                "usage": _usage(len(body.token_ids), len(tokens))}
+
+    @app.post("/v1/chat/completions", dependencies=authorised)
+    async def chat(body: ChatBody) -> dict[str, Any]:
+        front.check_model(body.model)
+        tokenizer = front.tokenizer
+        if tokenizer is None or body.stream:
+            raise ApiError(400, "BadRequest", "chat completions need the model's tokenizer and are not streamed")
+        extra = dict(body.model_extra or {})
+        prompt = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False, **extra.pop("chat_template_kwargs", {}))
+        if "max_completion_tokens" in extra:
+            extra["max_tokens"] = extra.pop("max_completion_tokens")
+        wanted = {k: v for k, v in extra.items() if k in {"temperature", "top_p", "top_k", "min_p", "max_tokens", "seed"}}
+        n = int(extra.get("n", 1))
+        params = sampling_params(wanted, len(prompt), settings.max_model_len)
+        results = await asyncio.gather(*(front.sample(prompt, params) for _ in range(n)))
+        choices = [{"index": i, "finish_reason": finished, "logprobs": None,
+                    "message": {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)}}
+                   for i, (tokens, _, finished) in enumerate(results)]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": settings.model_name, "choices": choices,
+                "usage": _usage(len(prompt) * n, sum(len(t) for t, _, _ in results))}
+
+
+def _add_orchestrator_routes(app: FastAPI, front: Front, authorised: list) -> None:
+    """What PRIME-RL's orchestrator calls around sampling: health, models, pause/resume, weight
+    updates and metrics."""
+    state, settings = front.state, front.settings
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -192,42 +257,6 @@ def create_front(connect: Callable[[], AsyncArcticClient], settings: FrontSettin
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "owned_by": "arctic-rl",
                                             "max_model_len": settings.max_model_len}]}
-
-    @app.post("/inference/v1/generate", dependencies=authorised)
-    async def generate(body: GenerateBody) -> dict[str, Any]:
-        check_model(body.model)
-        if body.features is not None or body.stream:
-            raise ApiError(400, "BadRequest", "multimodal features and streaming are not supported by Arctic's sampler")
-        if not body.token_ids:
-            raise ApiError(400, "BadRequest", "token_ids is empty")
-        params = sampling_params(body.sampling_params, len(body.token_ids), settings.max_model_len)
-        tokens, logprobs, finished = await sample(body.token_ids, params)
-        return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_logprobs": None,
-                "choices": [{"index": 0, "token_ids": tokens, "finish_reason": finished,
-                             "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp}
-                                                      for t, lp in zip(tokens, logprobs)]}}],
-                "usage": _usage(len(body.token_ids), len(tokens))}
-
-    @app.post("/v1/chat/completions", dependencies=authorised)
-    async def chat(body: ChatBody) -> dict[str, Any]:
-        check_model(body.model)
-        if tokenizer is None or body.stream:
-            raise ApiError(400, "BadRequest", "chat completions need the model's tokenizer and are not streamed")
-        extra = dict(body.model_extra or {})
-        prompt = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False, **extra.pop("chat_template_kwargs", {}))
-        if "max_completion_tokens" in extra:
-            extra["max_tokens"] = extra.pop("max_completion_tokens")
-        wanted = {k: v for k, v in extra.items() if k in {"temperature", "top_p", "top_k", "min_p", "max_tokens", "seed"}}
-        n = int(extra.get("n", 1))
-        params = sampling_params(wanted, len(prompt), settings.max_model_len)
-        results = await asyncio.gather(*(sample(prompt, params) for _ in range(n)))
-        choices = [{"index": i, "finish_reason": finished, "logprobs": None,
-                    "message": {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)}}
-                   for i, (tokens, _, finished) in enumerate(results)]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": settings.model_name, "choices": choices,
-                "usage": _usage(len(prompt) * n, sum(len(t) for t, _, _ in results))}
 
     @app.post("/pause", dependencies=authorised)
     async def pause() -> dict[str, str]:
@@ -262,9 +291,7 @@ def create_front(connect: Callable[[], AsyncArcticClient], settings: FrontSettin
 
     @app.get("/metrics", dependencies=authorised)
     async def metrics() -> Response:
-        return Response(front_metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
+        return Response(front.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
