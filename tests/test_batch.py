@@ -126,6 +126,9 @@ def test_a_moved_batch_holds_every_field_on_the_new_device_without_checking_them
         ({"old_logprobs": torch.zeros(5, 4, dtype=torch.long)}, "old_logprobs must be a floating-point"),
         ({"advantages": torch.zeros(4)}, "advantages must be"),
         ({"prompt_ids": torch.zeros(3, 3)}, "prompt_ids must hold integers"),
+        ({"response_ids": torch.zeros(5, 4, dtype=torch.uint64)}, r"response_ids must hold integers \(int64 or int32\)"),
+        ({"advantages": torch.tensor([1.0, float("nan"), 0, 0, 0])}, r"advantages must be finite.*advantages\[1\] = nan"),
+        ({"rewards": torch.tensor([1.0, 0, float("inf"), 0, 0])}, r"rewards\[2\] = inf"),
         ({"rewards": torch.zeros(2)}, "rewards has 2 entries"),
         ({"loss_mask": torch.ones(5, 4, dtype=torch.bool)}, "loss_mask marks padding"),
     ],
@@ -133,6 +136,27 @@ def test_a_moved_batch_holds_every_field_on_the_new_device_without_checking_them
 def test_bad_fields_are_named(change, message):
     with pytest.raises(BatchError, match=message):
         ragged_batch().replace(**change)
+
+
+def test_narrow_integer_ids_are_widened_and_float_ids_refused():
+    batch = ragged_batch()
+    narrow = batch.replace(response_ids=batch.response_ids.to(torch.int16), prompt_index=batch.prompt_index.to(torch.uint8))
+    assert narrow.response_ids.dtype == narrow.prompt_index.dtype == torch.int64  # torch's gathers take int32/64
+    assert torch.equal(narrow.response_ids, batch.response_ids)
+    with pytest.raises(BatchError, match=r"prompts\[0\] must be a sequence of integer token ids, got torch.float32"):
+        RolloutBatch.from_lists([[1, 2.7]], [[3]], [0])
+
+
+def test_non_finite_values_are_refused_where_a_loss_reads_them_and_zeroed_elsewhere():
+    batch = ragged_batch()
+    at_padding = torch.where(batch.loss_mask, -1.0, float("nan"))
+    masked_row = torch.zeros(batch.num_responses).index_fill(0, torch.tensor([2]), float("nan"))  # row 2 is empty
+    cleaned = batch.replace(old_logprobs=at_padding, advantages=masked_row)
+    # NaN x 0 is NaN in a masked product and in its gradient: such entries must not reach a loss.
+    assert torch.equal(cleaned.old_logprobs, torch.where(batch.loss_mask, -1.0, 0.0))
+    assert torch.equal(cleaned.advantages, torch.zeros(batch.num_responses))
+    with pytest.raises(BatchError, match=r"old_logprobs must be finite.*old_logprobs\[0, 0\] = -inf"):
+        batch.replace(old_logprobs=torch.where(batch.loss_mask, float("-inf"), 0.0))
 
 
 def test_from_tensors_names_unknown_and_missing_fields():

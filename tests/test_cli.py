@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,9 @@ import pytest
 import yaml
 
 
-def arctic_rl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def arctic_rl(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "arctic_core.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def config_file(tmp_path: Path, data: dict) -> Path:
@@ -61,6 +62,12 @@ def test_a_typo_inside_backend_options_names_path_file_keys_and_suggestion(tmp_p
     )
 
 
+def test_a_token_no_http_header_can_carry_is_refused_before_any_engine_starts(tmp_path, tiny_policy):
+    path = config_file(tmp_path, {"model": {"path": str(tiny_policy), "device": "cpu"}})
+    proc = arctic_rl("serve", "--config", str(path), "--port", "1", env={"ARCTIC_RL_TOKEN": "pässwörd"})
+    assert_one_line_error(proc, "the bearer token (--token / ARCTIC_RL_TOKEN) must be printable ASCII")
+
+
 def test_debug_shows_the_traceback(tmp_path):
     path = config_file(tmp_path, {"model": {"path": str(tmp_path / "nothing")}})
     proc = arctic_rl("--debug", "serve", "--config", str(path))
@@ -77,6 +84,12 @@ def test_tiny_model_writes_a_folder_transformers_loads(tmp_path):
         [{"role": "user", "content": "repeat 3"}], tokenize=False).startswith("<|im_start|>user")
     assert_one_line_error(arctic_rl("tiny-model", str(tmp_path / "tiny")), "exists and is not empty")
     assert_one_line_error(arctic_rl("tiny-model", str(tmp_path / "x"), "--family", "gpt9"), "unknown family 'gpt9'")
+
+
+def test_tiny_model_refuses_a_path_that_is_a_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    assert_one_line_error(arctic_rl("tiny-model", str(tmp_path / "notes.txt")), f"{tmp_path / 'notes.txt'} exists and is not a folder")
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient, AsyncArcticClient
 from arctic_core.errors import PluginNotFoundError, RequestError
 
-from helpers import PROMPTS, trainer_of, weights
+from helpers import PROMPTS, server_of, trainer_of, weights
 
 
 def sampler_of(client: ArcticClient):
@@ -113,6 +113,21 @@ def test_sync_weights_moves_the_sampler_to_the_trainer(arctic_config):
         assert client.generate(PROMPTS[:1], n=2, max_tokens=2).batch.policy_version.tolist() == [1, 1]
 
 
+def test_a_failed_sync_leaves_the_policy_version_for_its_retry(arctic_config, monkeypatch):
+    with ArcticClient.in_process(arctic_config()) as client:
+        transport = server_of(client).weight_transport
+
+        def lost(*args, **kwargs):
+            raise RuntimeError("the link to the sampler dropped")
+
+        monkeypatch.setattr(transport, "sync", lost)
+        with pytest.raises(RuntimeError, match="dropped"):
+            client.sync_weights()
+        assert client.status().policy_version == 0
+        monkeypatch.undo()
+        assert client.sync_weights().policy_version == 1
+
+
 def test_reference_log_probs_stay_at_the_initial_policy(arctic_config):
     with ArcticClient.in_process(arctic_config(reference={}, trainer={"optimizer": {"lr": 1e-2}})) as client:
         batch = rollout(client)
@@ -175,6 +190,8 @@ def test_sleep_refuses_work_until_wake(arctic_config):
         assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3
         with pytest.raises(RequestError, match=r"engine\(s\) \['reference'\] not configured"):
             client.sleep(["reference"])
+        client.sleep([])  # no engine named: none sleeps (None means every engine)
+        assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3
 
 
 def test_colocated_engines_sleep_between_calls_and_give_the_same_results(arctic_config):
@@ -204,10 +221,16 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(arctic_confi
             client.fwd_bwd(batch, "pp0")
         with pytest.raises(RequestError, match=r"SamplingParams\):\n  n: Input should be greater than or equal to 1"):
             client.generate(PROMPTS, n=0)
+        with pytest.raises(RequestError, match=r"max_token: unknown key \(did you mean 'max_tokens'\?\); valid keys: .*max_tokens, min_p, n,"):
+            client.generate(PROMPTS, max_token=3)
         with pytest.raises(RequestError, match="prompts.0: List should have at least 1 item"):
             client.generate([[]], n=1)
         with pytest.raises(RequestError, match="token id 100000 >= vocab size"):
             client.generate([[1, 100000]], n=1)
+        too_long = RolloutBatch.from_lists([[1] * 500], [[2] * 20], [0])
+        with pytest.raises(RequestError, match="response 0 with its prompt has 520 tokens, more than the model's "
+                                               "max_position_embeddings=512"):
+            client.log_probs(too_long)
         with pytest.raises(RequestError, match="no reference engine is configured"):
             client.log_probs(batch, model="reference")
         with pytest.raises(RequestError, match="loss.*at least 1 item"):
@@ -217,6 +240,34 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(arctic_confi
         with pytest.raises(RequestError, match="unknown operation 'train'"):
             client.transport.call("train", None)
         assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3
+
+
+@pytest.mark.parametrize("sampler", ["embedded", "hf-generate"])
+def test_every_sampler_refuses_a_prompt_without_room_for_its_new_tokens(arctic_config, sampler):
+    with ArcticClient.in_process(arctic_config(sampler={"backend": sampler})) as client:
+        with pytest.raises(RequestError, match=r"prompts\[0\] \(505 tokens\) \+ max_tokens=10 exceeds max_model_len=512"):
+            client.generate([[1] * 505], n=1, max_tokens=10)
+
+
+def test_log_probs_take_a_single_processor_name_as_a_string(arctic_config):
+    with ArcticClient.in_process(arctic_config()) as client:
+        batch = client.generate(PROMPTS, n=1, max_tokens=4, seed=0).batch
+        both = client.log_probs(batch, processors=["logprobs", "entropy"]).outputs
+        alone = client.log_probs(batch, processors="entropy").outputs
+    assert alone.keys() == {"entropy"} and torch.equal(alone["entropy"], both["entropy"])
+
+
+def test_leaving_the_block_after_an_explicit_shutdown_is_quiet(arctic_config):
+    with ArcticClient.in_process(arctic_config()) as client:
+        client.shutdown()
+    assert server_of(client).closed
+
+    async def main() -> AsyncArcticClient:
+        async with AsyncArcticClient.in_process(arctic_config()) as client:
+            await client.shutdown()
+        return client
+
+    assert server_of(asyncio.run(main())).closed
 
 
 def test_async_client_runs_calls_concurrently_and_serialises_them(arctic_config):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arctic_core.config import ArcticConfig, SamplingParams, SchedulerConfig
+from arctic_core.config import ArcticConfig, LossTermConfig, SamplingParams, SchedulerConfig
 from arctic_core.errors import ConfigError
 
 
@@ -38,6 +38,10 @@ def test_yaml_round_trip(tmp_path):
         ({"model": {"path": "/m", "dtype": "fp8"}}, "model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
         ({"model": {"path": "/m"}, "trainer": {"optimizer": {"lr": -1}}}, "trainer.optimizer.lr: Input should be greater than 0"),
         ({"model": {"path": "/m"}, "trainer": {"scheduler": {"name": "linear"}}}, "needs total_steps"),
+        ({"model": {"path": "/m", "device": "gpu"}}, "model.device: String should match pattern"),
+        ({"model": {"path": "/m"}, "trainer": {"optimizer": {"betas": [0.9, 1.5]}}},
+         "trainer.optimizer.betas.1: Input should be less than 1"),
+        ({"model": {"path": "/m"}, "seed": 2**70}, "seed: Input should be less than 9223372036854775808"),
     ],
 )
 def test_validation_errors_name_the_field(data, expected):
@@ -83,6 +87,13 @@ def test_bad_yaml_file_is_reported_with_its_path(tmp_path):
 
 def test_scheduler_and_sampling_params_bounds():
     assert SchedulerConfig(name="constant").total_steps is None
+    assert ArcticConfig.from_dict({"model": {"path": "/m", "device": "cuda:1"}}).model.device == "cuda:1"
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)  # torch's generators take 64-bit seeds
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[2**63])
+    with pytest.raises(ValueError, match="weight"):
+        LossTermConfig(name="ppo", weight=float("nan"))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     assert SamplingParams(temperature=0).greedy

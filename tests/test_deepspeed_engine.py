@@ -7,6 +7,7 @@ comm op (~40 s) into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); l
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,52 @@ def test_checkpoint_resume_reproduces_the_next_step(deepspeed_run):
 
 def test_hf_export_holds_the_full_trained_weights(deepspeed_run):
     assert max_relative_error(deepspeed_run["exported"], deepspeed_run["after"]) == 0
+
+
+def train_step(client: ArcticClient, batch: RolloutBatch) -> float:
+    client.fwd_bwd(batch, LOSS)
+    return client.step().metrics["step"]
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_before_deepspeed_loads_any_of_it(config_of, batch, tmp_path):
+    """DeepSpeed loads the weights before it finds that the optimizer state does not fit: what
+    must match is compared first, so such a checkpoint changes nothing."""
+    grouped = {**deepspeed_trainer(2), "optimizer": {**TRAINER["optimizer"], "decay": "transformers"}}
+    with ArcticClient.in_process(config_of(trainer=grouped)) as client:  # norms undecayed: two groups
+        train_step(client, batch)
+        client.save_checkpoint(str(tmp_path / "ckpt"))
+    refusals = [(deepspeed_trainer(2), r"parameter groups of \[\d+, \d+\] parameters, this trainer's \[\d+\]"),
+                ({**grouped, "options": {"zero_stage": 3}}, "saved with zero_stage 1 or 2, this trainer has 3")]
+    for trainer, problem in refusals:
+        with ArcticClient.in_process(config_of(trainer=trainer)) as client:
+            train_step(client, batch)
+            before, status = weights(client), client.status()
+            with pytest.raises(RequestError, match=problem):
+                client.load_checkpoint(str(tmp_path / "ckpt"))
+            assert max_relative_error(weights(client), before) == 0
+            assert (client.status().step, client.status().policy_version) == (status.step, status.policy_version)
+            assert train_step(client, batch) == 2.0  # trains on
+
+
+def test_a_load_failing_part_way_leaves_the_trainer_refusing_calls_until_one_loads_whole(config_of, batch, tmp_path):
+    with ArcticClient.in_process(config_of(trainer=deepspeed_trainer(2))) as client:
+        train_step(client, batch)
+        client.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = weights(client)
+        shutil.copytree(tmp_path / "ckpt", tmp_path / "damaged")
+        for states in (tmp_path / "damaged" / "trainer" / "arctic").glob("*optim_states.pt"):
+            states.unlink()  # DeepSpeed finds this out only after it has loaded the weights
+        train_step(client, batch)
+        with pytest.raises(RequestError, match="failed part-way .*partly restored"):
+            client.load_checkpoint(str(tmp_path / "damaged"))
+        for call in (lambda: client.fwd_bwd(batch, LOSS), lambda: client.log_probs(batch), client.sync_weights,
+                     lambda: client.save_checkpoint(str(tmp_path / "mixture"))):
+            with pytest.raises(RequestError, match="partly restored"):
+                call()
+        assert not (tmp_path / "mixture").exists()
+        assert client.load_checkpoint(str(tmp_path / "ckpt")).step == 1
+        assert max_relative_error(weights(client), saved) == 0
+        assert train_step(client, batch) == 2.0
 
 
 def test_an_unknown_option_is_a_config_error_naming_it(config_of):

@@ -7,6 +7,7 @@ load test, /metrics and /openapi.json, and the ``arctic-rl serve`` command itsel
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -29,7 +30,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.cli import app as cli_app
 from arctic_core.client import ArcticClient, AsyncArcticClient
 from arctic_core.config import ArcticConfig
-from arctic_core.errors import BatchError, PluginNotFoundError, RequestError
+from arctic_core.errors import BatchError, ConfigError, PluginNotFoundError, RequestError
 from arctic_core.serving.http import create_app
 from arctic_core.transports.http import wait_until_serving
 from arctic_core.protocol import OPS, GenerateRequest
@@ -239,13 +240,122 @@ def test_an_unexpected_failure_is_a_500_and_the_server_keeps_serving(shared, mon
     client.close()
 
 
-def test_refused_without_a_reachable_server():
+def test_a_failure_inside_a_checkpointed_backward_leaves_every_server_thread_working(shared, monkeypatch):
+    # torch's checkpoint keeps its saved-tensor hooks open in a generator that the failed call's
+    # traceback holds; closed on another thread, it left them on the pool thread that ran the call,
+    # and every later fwd_bwd on that thread failed.
+    import arctic_zorro.packed_forward as packed_forward
+
+    server, live = shared
+    client = ArcticClient.http(live.url)
+    batch = client.generate(PROMPTS, n=2, max_tokens=3, seed=3).batch
+    batch = batch.replace(old_logprobs=client.log_probs(batch).outputs["logprobs"], advantages=torch.ones(6))
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a processor fell over")
+
+    monkeypatch.setattr(packed_forward, "run_processors", failing)
+    with pytest.raises(RemoteError, match="a processor fell over"):
+        client.fwd_bwd(batch, "ppo")
+    monkeypatch.undo()
+    # The HTTP server runs calls on a pool of threads: reach the one that failed. Same batch, same
+    # weights (no step between): the same loss every time.
+    losses = [client.fwd_bwd(batch, "ppo").metrics["loss"] for _ in range(8)]
+    assert losses == [losses[0]] * 8
+    client.step()
+    client.close()
+
+
+def unused_port() -> int:
     sock = socket.socket()
     sock.bind((HOST, 0))
     port = sock.getsockname()[1]
     sock.close()  # nothing listens there now
+    return port
+
+
+def test_refused_without_a_reachable_server():
+    port = unused_port()
     with pytest.raises(RemoteError, match=f"status to the Arctic server at http://{HOST}:{port} failed"):
         ArcticClient.http(f"http://{HOST}:{port}", timeout=5).status()
+
+
+def test_waiting_for_a_server_that_never_answers_raises_a_remote_error():
+    url = f"http://{HOST}:{unused_port()}"
+    with pytest.raises(RemoteError, match=f"Timeout .*{url} did not answer /health within 0.5 s") as info:
+        wait_until_serving(url, timeout=0.5)
+    assert info.value.status is None
+    with pytest.raises(RemoteError, match=f"ServerExited .*{url} ended before it answered /health"):
+        wait_until_serving(url, timeout=60, alive=lambda: False)
+
+
+def raw_body(header: str) -> bytes:
+    """A safetensors-shaped body: the 8-byte length, then ``header`` as its JSON header."""
+    data = header.encode()
+    return len(data).to_bytes(8, "little") + data
+
+
+def test_deeply_nested_json_in_a_body_is_a_400_and_the_server_keeps_serving(shared):
+    _, live = shared
+    deep = "[" * 100_000 + "]" * 100_000  # far past the recursion limit of Python's JSON parser
+    bodies = {
+        "the safetensors header": raw_body(deep),
+        "the 'arctic' metadata of the GenerateRequest": raw_body(json.dumps(
+            {"__metadata__": {wire.JSON_KEY: deep, wire.MESSAGE_KEY: "GenerateRequest"}})),
+    }
+    for what, body in bodies.items():
+        assert_refused(post(live, "generate", body, token=None), 400, "RequestError", f"malformed body: {what} nests JSON")
+    assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
+
+
+def test_a_request_that_reaches_no_endpoint_gets_the_error_format(shared):
+    _, live = shared
+    for method, path, status, error, match in [
+        ("GET", "/v1/generate", 405, "MethodNotAllowed", "GET /v1/generate: this path takes POST"),
+        ("PUT", "/v1/status", 405, "MethodNotAllowed", "PUT /v1/status: this path takes POST"),
+        ("POST", "/v1/", 404, "NotFound", "POST /v1/: no such endpoint; the server answers POST /v1/<operation> ("),
+        ("POST", "/v1/x/y", 404, "NotFound", "POST /v1/x/y: no such endpoint"),
+    ]:
+        response = httpx.request(method, f"{live.url}{path}", timeout=30)
+        assert_refused(response, status, error, match)
+        assert response.headers.get("allow") == ("POST" if status == 405 else None)
+
+
+def test_a_token_no_http_header_can_carry_is_refused_by_server_and_client(shared, monkeypatch):
+    server, live = shared
+    for token in ("pässwörd", " padded", "tab\there"):
+        with pytest.raises(ConfigError, match=r"bearer token \(ARCTIC_RL_TOKEN\) must be printable ASCII"):
+            create_app(server, token=token)
+        with pytest.raises(ConfigError, match=r"bearer token \(the token argument\) must be printable ASCII"):
+            ArcticClient.http(live.url, token=token)
+    monkeypatch.setenv("ARCTIC_RL_TOKEN", "pässwörd")
+    with pytest.raises(ConfigError, match=r"bearer token \(ARCTIC_RL_TOKEN\) must be printable ASCII"):
+        AsyncArcticClient.http(live.url)
+    # Inner spaces travel as they are.
+    spaced = LiveServer(create_app(server, token="two words"))
+    try:
+        with ArcticClient.http(spaced.url, token="two words") as client:
+            assert client.status().step == server.step_count
+    finally:
+        spaced.stop()
+
+
+def test_after_shutdown_health_says_so_for_every_engine(config):
+    answered = threading.Event()
+    live = LiveServer(create_app(ArcticServer(config), on_shutdown=answered.set))
+    try:
+        with ArcticClient.http(live.url) as client:
+            client.status()
+            assert not answered.is_set()
+            client.shutdown()
+            assert answered.wait(10)  # run once the answer was sent: `arctic-rl serve` exits there
+            with pytest.raises(RequestError, match="the server has been shut down"):
+                client.status()
+        health = httpx.get(f"{live.url}/health").json()
+    finally:
+        live.stop()
+    assert health["status"] == "shut down" and health["engines"].keys() == {"trainer", "sampler", "reference"}
+    assert all(engine["asleep"] for engine in health["engines"].values()), health
 
 
 # ----------------------------------------------------------------- (d) bounded load
@@ -418,13 +528,10 @@ def test_serve_refuses_a_public_host_without_a_token():
 
 
 @pytest.mark.timeout(120)
-def test_serve_command_answers_with_the_env_token(config, tmp_path):
+def test_serve_command_answers_with_the_env_token_and_exits_after_shutdown(config, tmp_path):
     path = tmp_path / "arctic.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    sock = socket.socket()
-    sock.bind((HOST, 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = unused_port()
     env = {**os.environ, "ARCTIC_RL_TOKEN": TOKEN}
     cmd = [sys.executable, "-m", "arctic_core.cli", "serve", "--config", str(path), "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -432,9 +539,13 @@ def test_serve_command_answers_with_the_env_token(config, tmp_path):
         url = f"http://{HOST}:{port}"
         wait_until_serving(url, timeout=90, alive=lambda: proc.poll() is None)
         assert httpx.post(f"{url}/v1/status", content=b"").status_code == 401
-        client = ArcticClient.http(url, token=TOKEN)
-        assert client.generate(PROMPTS, n=2, max_tokens=2).batch.num_responses == 6
-        client.close()
+        with ArcticClient.http(url, token=TOKEN) as client:
+            assert client.generate(PROMPTS, n=2, max_tokens=2).batch.num_responses == 6
+            client.shutdown()
+        # The engines are gone: the process ends by itself and nothing listens on the port.
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health")
     finally:
         proc.terminate()
         proc.wait(timeout=30)

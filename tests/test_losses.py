@@ -450,6 +450,11 @@ def test_invalid_option_values_raise_config_error() -> None:
         PPOLoss(dual_clip=1.0)  # must be > 1
     with pytest.raises(ConfigError, match="estimator"):
         KLLoss(estimator="k4")
+    with pytest.raises(ConfigError, match="low bound 1.0 is above the high bound -1.0"):
+        PPOLoss(log_ratio_bounds=(1, -1))
+    with pytest.raises(ConfigError, match="ratio_floor 10.0 is above ratio_cap 2.0"):
+        CISPOLoss(ratio_floor=10, ratio_cap=2)
+    assert PPOLoss(log_ratio_bounds=(None, 10)) and CISPOLoss(ratio_floor=0.8, ratio_cap=1.2)
 
 
 def test_gspo_under_token_mean_weighs_each_sequence_by_its_tokens() -> None:

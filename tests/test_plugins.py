@@ -1,4 +1,5 @@
-"""Plugin discovery through real installed entry points, and errors for unknown names."""
+"""Plugin discovery through real installed entry points, and errors for unknown names (found before
+any engine loads)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import types
 
 import pytest
 
-from arctic_core.errors import PluginConflictError, PluginNotFoundError
+from arctic_core.config import ArcticConfig
+from arctic_core.errors import ConfigError, PluginConflictError, PluginNotFoundError
 from arctic_core.plugins.hookspecs import hookimpl
 from arctic_core.plugins.registry import build_registry, default_registry, installed_entry_points
+from arctic_core.serving.server import ArcticServer
+from arctic_zorro.torch_backend import TorchTrainer
 
 
 def test_installed_entry_points_include_builtins_and_the_example_plugin():
@@ -115,3 +119,20 @@ def test_resolving_plugins_imports_no_engine():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_every_plugin_name_is_found_before_an_engine_is_built_and_a_failed_start_frees_what_it_built(
+        tiny_policy, monkeypatch):
+    built, freed = [], []
+    build = ArcticServer._build
+    monkeypatch.setattr(ArcticServer, "_build", lambda self, kind, *args: built.append(kind) or build(self, kind, *args))
+    monkeypatch.setattr(TorchTrainer, "shutdown", lambda self: freed.append(type(self).__name__))
+    model = {"path": str(tiny_policy), "device": "cpu"}
+    with pytest.raises(PluginNotFoundError, match="no weight transport named 'nope'"):
+        ArcticServer(ArcticConfig.from_dict({"model": model, "trainer": {"backend": "torch"},
+                                             "weight_sync": {"transport": "nope"}}))
+    assert built == []  # a real model would have taken minutes to load before the typo was found
+    with pytest.raises(ConfigError, match="sampler.options.bogus"):
+        ArcticServer(ArcticConfig.from_dict({"model": model, "trainer": {"backend": "torch"},
+                                             "sampler": {"options": {"bogus": 1}}}))
+    assert built == ["training_backend", "sampling_backend"] and freed == ["TorchTrainer"]

@@ -9,6 +9,7 @@ optimizer, an engine asleep) behind.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -194,6 +195,31 @@ def test_step_without_gradients_is_a_no_op(backend, tiny_policy):
         metrics = client.step().metrics
         # The schedule did not move: the first real step runs at the first warm-up LR.
         assert metrics["skipped"] == 0.0 and metrics["step"] == 1.0 and metrics["lr"] == pytest.approx(0.5e-2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed-zero0", "deepspeed-zero2"])
+def test_a_step_over_non_finite_gradients_or_no_loss_tokens_changes_nothing(backend, tiny_policy):
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
+                                     "trainer": {**TRAINER, **BACKENDS[backend],
+                                                 "scheduler": {"name": "linear", "warmup_steps": 2, "total_steps": 9}}})
+    with build_client(config) as client, build_client(config) as clean:
+        batch = random_grpo_batch(server_of(client).sampler.model.config.vocab_size)
+        before = weights(client)
+        client.fwd_bwd(batch.replace(loss_mask=torch.zeros_like(batch.loss_mask)), LOSS)  # no loss token
+        assert client.step().metrics["skipped"] == 1.0
+        # A NaN gradient, as an overflow inside the model gives: the step is skipped (every backend,
+        # every ZeRO stage) and the gradients are dropped.
+        hook = next(server_of(client).trainer.model.parameters()).register_hook(lambda grad: grad * float("nan"))
+        client.fwd_bwd(batch, LOSS)
+        hook.remove()
+        metrics = client.step().metrics
+        assert metrics["skipped"] == 1.0 and metrics["step"] == 0.0 and not math.isfinite(metrics["grad_norm"])
+        assert all(torch.equal(before[k], v) for k, v in weights(client).items())
+        for each in (client, clean):
+            each.fwd_bwd(batch, LOSS)
+            metrics = each.step().metrics
+            assert metrics["skipped"] == 0.0 and metrics["step"] == 1.0 and metrics["lr"] == pytest.approx(0.5e-2)
+        assert all(torch.equal(weights(clean)[k], v) for k, v in weights(client).items())
 
 
 def test_a_failed_fwd_bwd_discards_the_step_and_a_refused_one_changes_nothing(tiny_policy):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from arctic_core.client import ArcticClient
+from arctic_core.config import WeightSyncConfig
+from arctic_core.errors import ConfigError
+from arctic_core.plugins.registry import default_registry
 from arctic_core.ports import free_port
 from arctic_core.weights.files import MANIFEST, WeightFilesError, load_weight_files, read_manifest, write_weight_files
 
@@ -65,6 +69,18 @@ def test_default_dir_is_a_temp_folder_per_server(arctic_config):
         assert client.sync_weights().metrics["files"] > 1
         folder = server_of(client).weight_transport.dir
         assert read_manifest(folder)["version"] == 1 and folder.name.startswith("arctic-weights-")
+
+
+@pytest.mark.parametrize(("transport", "options", "message"), [
+    ("inprocess", {"dirr": "/x"}, "weight_sync.options.dirr: unknown key"),
+    ("safetensors-files", {"dirr": "/x"}, "weight_sync.options.dirr: unknown key (did you mean 'dir'?)"),
+    ("torch-broadcast", {"backend": "ncl"}, "weight_sync.options.backend: Input should be 'gloo' or 'nccl'"),
+    ("cuda-ipc", {"backend": "nccl"}, "weight_sync.options.backend: unknown key"),
+])
+def test_every_transport_refuses_options_it_does_not_take(transport, options, message):
+    config = WeightSyncConfig(transport=transport, options=options)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        default_registry().get("weight_transport", transport)(config)
 
 
 def test_tied_tensors_are_written_once_and_loaded_under_both_names(tmp_path):

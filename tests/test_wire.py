@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save as st_save
 
 from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
@@ -118,6 +119,7 @@ def test_tensors_travel_as_safetensors_and_the_rest_as_json_metadata():
         (wire_body({}, {"prompts": [["a"]]}, "GenerateRequest"), RequestError, "prompts.0.0: Input should be a valid integer"),
         (wire_body({}, {}, "GenerateRequest"), RequestError, "prompts: Field required"),
         (wire_body({"batch.prompt_ids": torch.ones(1, 1)}, {"prompts": [[1]]}, "GenerateRequest"), RequestError, "unexpected tensor 'batch.prompt_ids' in a GenerateRequest"),
+        (wire_body({}, {"prompts": [[1]], "parms": {}}, "GenerateRequest"), RequestError, r"parms: unknown key \(did you mean 'params'\?\); valid keys: params, prompts"),
     ],
 )
 def test_bad_generate_bodies_name_the_problem(data, error, match):
@@ -131,7 +133,7 @@ def test_bad_generate_bodies_name_the_problem(data, error, match):
         (batch_tensors(), {}, RequestError, "loss: Field required"),
         ({}, {"loss": [{"name": "ppo"}]}, RequestError, "batch: Field required"),
         ({k: v for k, v in batch_tensors().items() if k != "batch.prompt_index"}, {"loss": [{"name": "ppo"}]}, BatchError, r"missing required batch field\(s\) \['prompt_index'\]"),
-        (batch_tensors(response_ids=torch.ones(1, 2)), {"loss": [{"name": "ppo"}]}, BatchError, "response_ids must hold integers, got dtype torch.float32"),
+        (batch_tensors(response_ids=torch.ones(1, 2)), {"loss": [{"name": "ppo"}]}, BatchError, r"response_ids must hold integers \(int64 or int32\), got dtype torch.float32"),
         (batch_tensors(advantages=torch.ones(1, 5)), {"loss": [{"name": "ppo"}]}, BatchError, r"advantages must be \[B\] or \[B, Lr\]"),
         (batch_tensors(old_logprobs=torch.ones(1, 2, dtype=torch.int64)), {"loss": [{"name": "ppo"}]}, BatchError, "old_logprobs must be a floating-point tensor"),
         ({**batch_tensors(), "batch.bogus": torch.ones(1)}, {"loss": [{"name": "ppo"}]}, BatchError, r"unknown batch field\(s\) \['bogus'\]"),
@@ -141,6 +143,16 @@ def test_bad_generate_bodies_name_the_problem(data, error, match):
 def test_bad_fwd_bwd_bodies_name_the_problem(tensors, fields, error, match):
     with pytest.raises(error, match=match):
         wire.decode_request("fwd_bwd", wire_body(tensors, fields, "FwdBwdRequest"))
+
+
+def test_json_nested_deeper_than_the_parser_recurses_is_a_malformed_body():
+    deep = "[" * 100_000 + "]" * 100_000
+    header = deep.encode()
+    with pytest.raises(RequestError, match="malformed body: the safetensors header nests JSON arrays or objects too deeply"):
+        wire.decode_request("generate", len(header).to_bytes(8, "little") + header)
+    body = st_save({}, metadata={wire.JSON_KEY: deep, wire.MESSAGE_KEY: "GenerateRequest"})
+    with pytest.raises(RequestError, match="malformed body: the 'arctic' metadata of the GenerateRequest nests JSON"):
+        wire.decode_request("generate", body)
 
 
 def test_every_truncation_of_a_message_is_refused():

@@ -337,6 +337,12 @@ def test_bad_requests_and_unsupported_models_get_clear_errors(tokenizer):
         validate(SamplingParams, {"temperature": -1})
     with pytest.raises(ConfigError, match="block_size"):
         validate(EngineOptions, {"block_size": "big"})
+    with pytest.raises(ConfigError, match="block_size must be a power of two >= 16, got 24"):
+        validate(EngineOptions, {"block_size": 24})  # refused with the config, not at the first decode step
+    with pytest.raises(ConfigError, match="kv_cache_tokens=8 holds no block of 16 tokens"):
+        validate(EngineOptions, {"kv_cache_tokens": 8})
+    with pytest.raises(ConfigError, match="max_model_len=100000 exceeds the model's max_position_embeddings=512"):
+        make_engine(tokenizer, max_model_len=100_000)
     with pytest.raises(ConfigError, match="sliding-window"):
         EmbeddedEngine(build_tiny_model(tokenizer, family="mistral"))
     assert engine.generate([[5, 6]], SamplingParams(max_tokens=2))  # still serving

@@ -18,7 +18,7 @@ from arctic_core.plugins.interfaces import LossContext
 from arctic_core.plugins.registry import default_registry
 from arctic_primerl import samples as sample_ops
 from arctic_primerl.loss import loss_terms
-from arctic_primerl.trainer import add_call_metrics
+from arctic_primerl.trainer import RunFolder, add_call_metrics
 from arctic_primerl.wire import PRIME_RL_COMMIT, MicroBatch, WireError, decode, encode
 from runs import FIXTURES
 
@@ -131,3 +131,14 @@ def test_a_steps_metrics_merge_its_calls_by_tokens():
     add_call_metrics(totals, {"loss": 6.0, "dppo/loss": 6.0, "tokens": 30, "packed_tokens": 10, "kl": 0.5}, 0.75, 40)
     add_call_metrics(totals, {"loss": 2.0, "dppo/loss": 2.0, "tokens": 10, "packed_tokens": 5, "kl": 0.1}, 0.25, 40)
     assert totals == pytest.approx({"loss": 0.2, "dppo/loss": 0.2, "tokens": 40, "packed_tokens": 15, "kl": 0.4})
+
+
+def test_keep_last_prunes_arctics_step_checkpoints_and_leaves_prime_rls_files(tmp_path):
+    run = RunFolder(tmp_path)
+    for step in (1, 2, 3, 10):
+        run.checkpoint(step).mkdir(parents=True)
+    (run.checkpoint(2).parent / "orchestrator").mkdir()  # PRIME-RL's own part of step 2's checkpoint
+    run.prune_checkpoints(2)
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("checkpoints/*/*"))
+    assert left == ["checkpoints/step_10/arctic", "checkpoints/step_2/orchestrator", "checkpoints/step_3/arctic"]
+    assert not (tmp_path / "checkpoints" / "step_1").exists()  # emptied, so removed

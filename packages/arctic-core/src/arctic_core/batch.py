@@ -38,6 +38,8 @@ from arctic_core.errors import BatchError
 
 TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "sampling_logprobs")
 """Optional float fields shaped like ``response_ids``."""
+WIDENED_INTEGERS = (torch.int8, torch.int16, torch.uint8, torch.uint16, torch.uint32)
+"""Integer dtypes a batch takes and widens to int64 (the index types torch's gathers take are int32/64)."""
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -59,9 +61,12 @@ def _pad_rows(rows: Sequence[Sequence[int]], what: str) -> tuple[torch.Tensor, t
     for i, row in enumerate(rows):
         if len(row):
             try:
-                out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+                values = torch.as_tensor(row)
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise BatchError(f"{what}[{i}] must be a sequence of integer token ids: {exc}") from exc
+            if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+                raise BatchError(f"{what}[{i}] must be a sequence of integer token ids, got {values.dtype} values")
+            out[i, : len(row)] = values
     return out, lens
 
 
@@ -333,10 +338,9 @@ class RolloutBatch:
 
     # ----------------------------------------------------------------- validation
     def _check_ids(self) -> None:
-        for name in ("prompt_ids", "response_ids"):
-            _check_tensor(name, getattr(self, name), dims=2, integer=True)
-        for name in ("prompt_lens", "response_lens", "prompt_index"):
-            _check_tensor(name, getattr(self, name), dims=1, integer=True)
+        for name, dims in (("prompt_ids", 2), ("response_ids", 2), ("prompt_lens", 1), ("response_lens", 1),
+                           ("prompt_index", 1)):
+            setattr(self, name, _as_integers(name, getattr(self, name), dims))
         num_p, num_b = self.prompt_ids.shape[0], self.response_ids.shape[0]
         _check_len("prompt_lens", self.prompt_lens, num_p, "prompts")
         _check_len("response_lens", self.response_lens, num_b, "responses")
@@ -360,20 +364,26 @@ class RolloutBatch:
             raise BatchError("loss_mask marks padding positions beyond response_lens")
         for name in TOKEN_FIELDS:
             value = _as_float(name, getattr(self, name))
-            if value is not None and tuple(value.shape) != shape:
-                raise BatchError(f"{name} must be [B, Lr] = {list(shape)}, got {list(value.shape)}")
+            if value is not None:
+                if tuple(value.shape) != shape:
+                    raise BatchError(f"{name} must be [B, Lr] = {list(shape)}, got {list(value.shape)}")
+                value = _finite_where_read(name, value, self.loss_mask)
             setattr(self, name, value)
 
     def _check_row_fields(self) -> None:
         num_b, width = self.response_ids.shape
         self.advantages = _as_float("advantages", self.advantages)
-        if self.advantages is not None and tuple(self.advantages.shape) not in ((num_b,), (num_b, width)):
-            raise BatchError(f"advantages must be [B] or [B, Lr] = [{num_b}] or [{num_b}, {width}], got {list(self.advantages.shape)}")
+        if self.advantages is not None:
+            if tuple(self.advantages.shape) not in ((num_b,), (num_b, width)):
+                raise BatchError(f"advantages must be [B] or [B, Lr] = [{num_b}] or [{num_b}, {width}], got {list(self.advantages.shape)}")
+            read = self.loss_mask if self.advantages.dim() == 2 else self.loss_mask.any(dim=1)
+            self.advantages = _finite_where_read("advantages", self.advantages, read)
         self.rewards = _as_float("rewards", self.rewards)
         if self.rewards is not None:
             _check_len("rewards", self.rewards, num_b, "responses")
+            self.rewards = _finite_where_read("rewards", self.rewards, torch.ones_like(self.rewards, dtype=torch.bool))
         if self.policy_version is not None:
-            _check_tensor("policy_version", self.policy_version, dims=1, integer=True)
+            self.policy_version = _as_integers("policy_version", self.policy_version, dims=1)
             _check_len("policy_version", self.policy_version, num_b, "responses")
         for name, value in self.extras.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != num_b:
@@ -391,13 +401,33 @@ def _prefix_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width, device=lens.device)[None, :] < lens[:, None]
 
 
-def _check_tensor(name: str, value: object, dims: int, integer: bool) -> None:
+def _finite_where_read(name: str, value: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """``value`` with its NaN/inf entries where ``read`` is False set to 0; one where it is True
+    (a position a loss reads) is refused. Padding and masked tokens do not enter a loss, but a NaN
+    times a zero mask is NaN, in the loss and in its gradient."""
+    finite = torch.isfinite(value)
+    if bool(finite.all()):
+        return value
+    bad = ~finite & read.to(value.device)
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise BatchError(f"{name} must be finite (padding and masked-out tokens excepted); "
+                         f"{name}{list(at)} = {value[at].item()}")
+    return value.masked_fill(~finite, 0.0)
+
+
+def _as_integers(name: str, value: object, dims: int) -> torch.Tensor:
+    """``value`` as int64 or int32 (the index types torch's gathers take); narrower integer types
+    are widened to int64, other dtypes refused by name."""
     if not isinstance(value, torch.Tensor):
         raise BatchError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.dim() != dims:
         raise BatchError(f"{name} must have {dims} dimension(s), got shape {list(value.shape)}")
-    if integer and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
-        raise BatchError(f"{name} must hold integers, got dtype {value.dtype}")
+    if value.dtype in (torch.int64, torch.int32):
+        return value
+    if value.dtype in WIDENED_INTEGERS:
+        return value.long()
+    raise BatchError(f"{name} must hold integers (int64 or int32), got dtype {value.dtype}")
 
 
 def _check_len(name: str, value: torch.Tensor, expected: int, what: str) -> None:

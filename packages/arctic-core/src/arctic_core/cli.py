@@ -64,6 +64,8 @@ def tiny_model(
 
     if family not in TINY_SHAPES:
         raise ConfigError(f"unknown family {family!r}; choose one of {sorted(TINY_SHAPES)}")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a folder")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty")
     _quiet_model_loading()
@@ -97,6 +99,10 @@ def serve(
     arctic_config = ArcticConfig.from_yaml(config) if config else embedded_default_config()
     if ray:
         arctic_config = ray_config(arctic_config, ray_workers, ray_samplers, address)
+    if token:
+        from arctic_core.transports.http import check_token
+
+        check_token(token, "--token / ARCTIC_RL_TOKEN")  # before the engines spend their start-up time
     with config_errors_from(config):
         arctic_config.check_model_folders()
         import uvicorn
@@ -106,9 +112,16 @@ def serve(
 
         _quiet_model_loading()
         server = ArcticServer(arctic_config)
-    app_ = create_app(server, token=token, max_body_bytes=int(max_body_mb * 2**20))
+    # After a shutdown call the engines are gone: exit once it is answered, freeing the port and the
+    # memory (http_server is bound below, before any call can arrive).
+    app_ = create_app(server, token=token, max_body_bytes=int(max_body_mb * 2**20),
+                      on_shutdown=lambda: setattr(http_server, "should_exit", True))
+    http_server = uvicorn.Server(uvicorn.Config(app_, host=host, port=port, log_level="info"))
     typer.echo(f"Arctic RL serving on http://{host}:{port} (API: /openapi.json, /docs; token {'required' if token else 'off'})", err=True)
-    uvicorn.run(app_, host=host, port=port, log_level="info")
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C stops the server cleanly, as in uvicorn.run
+        http_server.run()
+    if not http_server.started:  # e.g. the port is taken; uvicorn has logged why
+        raise SystemExit(3)
 
 
 def ray_config(config: ArcticConfig, workers: int, samplers: int, address: str | None) -> ArcticConfig:

@@ -36,7 +36,7 @@ def _request[M: BaseModel](schema: type[M], **fields: Any) -> M:
     try:
         return schema.model_validate(fields)
     except ValidationError as exc:
-        raise RequestError(format_validation_error(exc, f"request ({schema.__name__})")) from None
+        raise RequestError(format_validation_error(exc, f"request ({schema.__name__})", schema)) from None
 
 
 def _loss_terms(loss: LossSpec | Sequence[LossSpec]) -> list[Any]:
@@ -49,6 +49,7 @@ class _Calls:
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
+        self._shut_down = False  # set by a successful shutdown(): leaving a `with` block must not repeat it
 
     def _call(self, op: str, request: Message) -> Any:
         raise NotImplementedError
@@ -62,13 +63,15 @@ class _Calls:
         self,
         batch: RolloutBatch,
         model: str = "policy",
-        processors: Sequence[str] = ("logprobs",),
+        processors: str | Sequence[str] = ("logprobs",),
         temperature: float = 1.0,
     ) -> Any:
-        """Per-token outputs (``[B, Lr]`` each) of the policy or the reference model -> ``LogProbsResult``."""
+        """Per-token outputs (``[B, Lr]`` each) of the policy or the reference model -> ``LogProbsResult``;
+        ``processors`` is one name or several."""
+        names = [processors] if isinstance(processors, str) else list(processors)  # a str is a Sequence too
         return self._call(
             "log_probs",
-            _request(LogProbsRequest, batch=batch, model=model, processors=list(processors), temperature=temperature),
+            _request(LogProbsRequest, batch=batch, model=model, processors=names, temperature=temperature),
         )
 
     def fwd_bwd(
@@ -154,6 +157,12 @@ class ArcticClient(_Calls):
         without: connect to it."""
         return cls(_ray_transport(config, name, address, num_gpus, num_cpus))
 
+    def shutdown(self) -> Any:
+        """Shut the engines down; the server refuses every later call."""
+        result = super().shutdown()
+        self._shut_down = True
+        return result
+
     def close(self) -> None:
         self.transport.close()
 
@@ -161,7 +170,8 @@ class ArcticClient(_Calls):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if _owns_server(self.transport):  # a remote server is shared: leaving only closes the connection
+        # A remote server is shared: leaving only closes the connection.
+        if _owns_server(self.transport) and not self._shut_down:
             self.shutdown()
         self.close()
 
@@ -189,6 +199,12 @@ class AsyncArcticClient(_Calls):
         """As :meth:`ArcticClient.ray`; calls await the actor's results."""
         return cls(_ray_transport(config, name, address, num_gpus, num_cpus))
 
+    async def shutdown(self) -> Any:
+        """Shut the engines down; the server refuses every later call."""
+        result = await super().shutdown()
+        self._shut_down = True
+        return result
+
     async def aclose(self) -> None:
         aclose = getattr(self.transport, "aclose", None)
         if aclose is not None:
@@ -200,7 +216,7 @@ class AsyncArcticClient(_Calls):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if _owns_server(self.transport):
+        if _owns_server(self.transport) and not self._shut_down:
             await self.shutdown()
         await self.aclose()
 

@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from arctic_core.errors import ConfigError
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+Seed = Annotated[int, Field(ge=0, lt=2**63)]  # torch's generators take 64-bit seeds
+AdamBeta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class StrictModel(BaseModel):
@@ -29,7 +32,8 @@ class ModelConfig(StrictModel):
 
     path: str = Field(description="Folder with config.json, weights and tokenizer files.")
     dtype: Dtype = Field("float32", description="Precision of the weights the engines hold (bfloat16 on GPUs).")
-    device: str = Field("auto", description="'auto' picks cuda when available, else cpu.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
+                        description="'auto' picks cuda when available, else cpu; or cpu, cuda, cuda:N, mps.")
 
     def check_folder(self, where: str = "model") -> None:
         """Refuse, naming the setting, a path that is no local model folder (before any engine starts)."""
@@ -45,7 +49,7 @@ class OptimizerConfig(StrictModel):
     """AdamW (torch's, in every training backend) and gradient clipping."""
 
     lr: Annotated[float, Field(gt=0)] = Field(1e-5, description="Peak learning rate (the schedule scales it).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's moment decays.")
+    betas: tuple[AdamBeta, AdamBeta] = Field((0.9, 0.999), description="Adam's moment decays, each in [0, 1).")
     eps: Annotated[float, Field(gt=0)] = Field(1e-8, description="Adam's denominator term.")
     weight_decay: Annotated[float, Field(ge=0)] = Field(0.0, description="Decoupled (AdamW) weight decay.")
     decay: Literal["all", "transformers"] = Field("all", description=(
@@ -140,6 +144,15 @@ class WeightSyncConfig(StrictModel):
     bucket_bytes: Annotated[int, Field(gt=0)] = Field(256 * 2**20, description="Bytes per broadcast bucket.")
     options: dict[str, Any] = Field(default_factory=dict, description="Transport-specific settings.")
 
+    def checked_options[M: BaseModel](self, model: type[M]) -> M:
+        """``options`` checked by the transport's own model; errors name the full path."""
+        return validate(model, self.options, f"weight_sync.options of transport {self.transport!r}",
+                        prefix="weight_sync.options.")
+
+
+class NoOptions(StrictModel):
+    """The options of a plugin that takes none: any key is refused."""
+
 
 class ArcticConfig(StrictModel):
     """Everything a server needs: the policy model and its engines."""
@@ -152,7 +165,7 @@ class ArcticConfig(StrictModel):
     colocate: bool = Field(False, description=(
         "Engines share one device: before each call the server puts to sleep the engines it does not "
         "need and wakes those it does, so one engine's memory is resident at a time (weight sync wakes both)."))
-    seed: int = Field(0, description="Seeds weights' random parts, sampling without a request seed, and the engines.")
+    seed: Seed = Field(0, description="Seeds weights' random parts, sampling without a request seed, and the engines.")
 
     def check_model_folders(self) -> None:
         """Every model path names a local model folder (see :meth:`ModelConfig.check_folder`)."""
@@ -182,9 +195,9 @@ class SamplingParams(StrictModel):
         1.0, description="Logits of tokens already in the prompt or output: positive ones divided by it, negative "
         "ones multiplied (transformers' rule); 1 disables it.")
     max_tokens: Annotated[int, Field(ge=1)] = Field(256, description="New tokens per sample at most.")
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+    stop_token_ids: list[TokenId] = Field(
         default_factory=list, description="Tokens that end a sample (kept in it); empty: the model's eos.")
-    seed: int | None = Field(None, description="Same seed, same samples; None: the engine's own sequence.")
+    seed: Seed | None = Field(None, description="Same seed, same samples; None: the engine's own sequence.")
 
     @property
     def greedy(self) -> bool:
@@ -196,7 +209,7 @@ class LossTermConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     name: str
-    weight: float = 1.0
+    weight: Annotated[float, Field(allow_inf_nan=False)] = 1.0
 
     def options(self) -> dict[str, Any]:
         return dict(self.model_extra or {})

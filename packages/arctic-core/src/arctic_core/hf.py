@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig
 from arctic_core.errors import ConfigError, RequestError
 
@@ -48,9 +49,50 @@ def copy_weights_(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Ten
     return count
 
 
+def check_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse ``weights`` (from ``where``) unless they are exactly ``model``'s: the same names and
+    shapes. Checked whole before a copy, which would otherwise stop half-way at the first misfit."""
+    difference = shapes_difference({name: list(t.shape) for name, t in model.state_dict().items()},
+                                   {name: list(t.shape) for name, t in weights.items()})
+    if difference:
+        raise RequestError(f"the weights in {where} do not fit the model: {difference}")
+
+
+def shapes_difference(expected: Mapping[str, list[int]], found: Mapping[str, list[int]]) -> str | None:
+    """How the tensors ``found`` (name -> shape) differ from the ``expected`` ones, in a few words;
+    None if they do not."""
+    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if missing or unexpected:
+        return (f"missing {missing[:5]}, unexpected {unexpected[:5]} "
+                f"({len(missing)} missing and {len(unexpected)} unexpected in all)")
+    for name, shape in found.items():
+        if shape != expected[name]:
+            return f"{name!r} has shape {shape}, the model's {expected[name]}"
+    return None
+
+
 def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
     if ids.numel() and int(ids.max()) >= vocab_size:
         raise RequestError(f"{what} contain token id {int(ids.max())} >= vocab size {vocab_size}")
+
+
+def max_positions(model: PreTrainedModel) -> int:
+    """The positions the model was built for (``max_position_embeddings``; 65,536 where unset)."""
+    return getattr(model.config, "max_position_embeddings", None) or 1 << 16
+
+
+def check_batch_fits(batch: RolloutBatch, model: PreTrainedModel) -> None:
+    """Refuse a batch with token ids outside ``model``'s vocabulary or a sequence (prompt and
+    response) longer than its positions: past them a model computes garbage or fails deep inside."""
+    vocab_size = model.config.vocab_size
+    check_token_ids(batch.prompt_ids, vocab_size, "prompts")
+    check_token_ids(batch.response_ids, vocab_size, "responses")
+    if batch.num_responses:
+        lengths = batch.prompt_lens[batch.prompt_index] + batch.response_lens
+        longest, limit = int(lengths.max()), max_positions(model)
+        if longest > limit:
+            raise RequestError(f"response {int(lengths.argmax())} with its prompt has {longest} tokens, more than the "
+                               f"model's max_position_embeddings={limit}")
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_tokens: int, max_model_len: int) -> None:

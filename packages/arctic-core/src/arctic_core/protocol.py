@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import LossTermConfig, SamplingParams
+from arctic_core.config import LossTermConfig, SamplingParams, TokenId
 
 EngineName = Literal["trainer", "sampler", "reference"]
 
@@ -27,7 +27,7 @@ class Result(Message):
 
 
 class GenerateRequest(Message):
-    prompts: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = Field(min_length=1)
+    prompts: list[Annotated[list[TokenId], Field(min_length=1)]] = Field(min_length=1)
     params: SamplingParams = SamplingParams()
 
 
@@ -50,7 +50,8 @@ class FwdBwdRequest(Message):
     batch: RolloutBatch
     loss: list[LossTermConfig] = Field(min_length=1)
     temperature: Annotated[float, Field(gt=0)] = 1.0
-    scale: float = Field(1.0, description="Multiplies this call's loss; gradients add up across calls until step().")
+    scale: float = Field(1.0, allow_inf_nan=False,
+                         description="Multiplies this call's loss; gradients add up across calls until step().")
     max_response_len: Annotated[int, Field(gt=0)] | None = Field(
         None, description="Constant of Dr.GRPO normalisation; defaults to the batch's response width."
     )
@@ -76,7 +77,8 @@ class CheckpointRequest(Message):
     path: str
     export_hf: bool = Field(False, description="save: also write the policy as a Hugging Face folder at {path}/hf.")
     keep_last: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="save: afterwards keep only the newest k Arctic checkpoints beside {path} (by step)."
+        None, description="save: afterwards keep only k Arctic checkpoints beside {path}: this one and the k - 1 "
+        "newest others (by step)."
     )
 
 

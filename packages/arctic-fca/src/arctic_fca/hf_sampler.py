@@ -11,7 +11,7 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate_options
 from arctic_core.errors import RequestError
-from arctic_core.hf import check_token_ids, copy_weights_, default_stop_tokens, load_causal_lm
+from arctic_core.hf import check_prompts, copy_weights_, default_stop_tokens, load_causal_lm, max_positions
 from arctic_core.plugins.interfaces import NamedTensors
 
 
@@ -38,8 +38,7 @@ class HFGenerateSampler:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         if self.asleep:
             raise RequestError("the sampler is asleep; call wake() first")
-        for i, prompt in enumerate(prompts):
-            check_token_ids(torch.tensor(prompt), self.model.config.vocab_size, f"prompts[{i}]")
+        check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, max_positions(self.model))
         stops = params.stop_token_ids or default_stop_tokens(self.model)
         per_chunk = max(1, self.config.max_batch_size // params.n)
         seed = params.seed if params.seed is not None else self.seed + self.calls

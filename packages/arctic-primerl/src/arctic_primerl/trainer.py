@@ -10,6 +10,7 @@ it in memory (``sync_weights``) before writing STABLE, so no weight files are wr
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import time
@@ -41,6 +42,16 @@ class RunFolder:
 
     def checkpoint(self, step: int) -> Path:
         return self.root / "checkpoints" / f"step_{step}" / "arctic"
+
+    def prune_checkpoints(self, keep: int) -> None:
+        """Keep Arctic's ``keep`` newest checkpoints; the rest of an older step's folder (the
+        orchestrator's own checkpoint) is PRIME-RL's, and the folder goes only once it is empty."""
+        steps = sorted(int(step) for folder in (self.root / "checkpoints").glob("step_*/arctic")
+                       if (step := folder.parent.name.removeprefix("step_")).isdigit())
+        for step in steps[:-keep]:
+            shutil.rmtree(self.checkpoint(step), ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.checkpoint(step).parent.rmdir()
 
     def announce(self, step: int) -> None:
         """Mark the weights after ``step`` as live (the folder holds no weights: they are in memory)."""
@@ -123,7 +134,11 @@ class RolloutTrainer:
     def _checkpoint(self, step: int) -> None:
         s = self.settings
         if s.checkpoints and (step == s.max_steps or (s.ckpt_interval and step % s.ckpt_interval == 0)):
-            self.client.save_checkpoint(str(self.run.checkpoint(step)), keep_last=s.ckpt_keep_last)
+            # Each step's checkpoint has a folder of its own (step_N/arctic), so Arctic's keep_last,
+            # which prunes a checkpoint's siblings, would find none: prune the step folders here.
+            self.client.save_checkpoint(str(self.run.checkpoint(step)))
+            if s.ckpt_keep_last:
+                self.run.prune_checkpoints(s.ckpt_keep_last)
 
 
 def add_call_metrics(totals: dict[str, float], metrics: dict[str, float], share: float, count: int) -> None:

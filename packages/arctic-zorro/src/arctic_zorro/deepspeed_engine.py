@@ -23,13 +23,14 @@ from pydantic import model_validator
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate_options
 from arctic_core.errors import ConfigError, RequestError
-from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
+from arctic_core.hf import check_batch_fits, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_core.ports import free_port
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.fused_elementwise import apply_compile_elementwise
 from arctic_zorro.lr_schedule import lr_factor, set_lr
-from arctic_zorro.param_groups import param_groups
+from arctic_zorro.param_groups import param_group_shapes, param_groups
+from arctic_zorro.saved_state import PARAM_GROUPS, TrainerState, check_layout, validated
 from arctic_zorro.micro_batches import Align, micro_forward_backward, micro_log_probs
 from arctic_zorro.packed_forward import Forward, ZorroOptions, select_forward
 
@@ -210,7 +211,6 @@ class DeepSpeedLogProbEngine:
         self.engine = self._initialize(OutputsModule(self.model, forward), config, model)
         self.engine.eval()  # no dropout: RL needs the same log-probs from every forward
         self.device = self.engine.device
-        self.vocab_size = self.model.config.vocab_size
         self.asleep = False
 
     def _initialize(self, module: torch.nn.Module, config: Any, model: ModelConfig) -> Any:
@@ -268,8 +268,7 @@ class DeepSpeedLogProbEngine:
     def _check(self, batch: RolloutBatch) -> None:
         if self.asleep:
             raise RequestError(f"{type(self).__name__} is asleep; call wake() first")
-        check_token_ids(batch.prompt_ids, self.vocab_size, "prompts")
-        check_token_ids(batch.response_ids, self.vocab_size, "responses")
+        check_batch_fits(batch, self.model)
 
 
 class DeepSpeedTrainer(DeepSpeedLogProbEngine):
@@ -287,6 +286,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
                                               agree=True)
         self.steps = 0
         self.has_gradients = False  # a backward ran since the last step (DeepSpeed cannot step without one)
+        self.partly_loaded: Path | None = None  # a checkpoint whose load failed part-way: calls are refused
 
     def _initialize(self, module: torch.nn.Module, config: Any, model: ModelConfig) -> Any:
         apply_compile_elementwise(self.model, config.compile_elementwise)
@@ -322,15 +322,29 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
             # no gradient means no update, and the schedule does not advance.
             return {"grad_norm": 0.0, "lr": self.engine.get_lr()[0], "skipped": 1.0}
         set_lr(self.engine.optimizer, lr)
-        # A plain (non-ZeRO, fp32) optimizer clips without reporting the norm: measure it first.
-        norm_before = self._local_grad_norm() if self._grads_in_params() else None
         lr = self.engine.get_lr()[0]
+        # A plain (non-ZeRO, fp32) optimizer clips without reporting the norm: measure it first. It
+        # would also apply a NaN/inf gradient, which ZeRO's optimizers skip: skip it here as they do.
+        norm_before = self._local_grad_norm() if self._grads_in_params() else None
+        if norm_before is not None and not self._finite_on_every_rank(norm_before):
+            self.discard_gradients()
+            return {"grad_norm": float(norm_before), "lr": lr, "skipped": 1.0}
+        skipped_before = self.engine.skipped_steps
         self.engine.step()  # reduce, clip, update, zero the gradients, step the LR schedule
         reported = self.engine.get_global_grad_norm()
-        self.steps += 1
         self.has_gradients = False
-        grad_norm = norm_before if reported is None else reported
-        return {"grad_norm": float(grad_norm if grad_norm is not None else 0.0), "lr": lr}
+        grad_norm = float(next(n for n in (reported, norm_before, 0.0) if n is not None))
+        if self.engine.skipped_steps > skipped_before:  # not finite: no update, the schedule held
+            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
+        self.steps += 1
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    def _finite_on_every_rank(self, norm: torch.Tensor) -> bool:
+        """Whether every rank's gradient norm is finite (ranks must agree to skip a step)."""
+        bad = (~torch.isfinite(norm)).to(torch.int32).reshape(1).to(self.device)
+        if deepspeed.comm.get_world_size() > 1:
+            deepspeed.comm.all_reduce(bad, op=deepspeed.comm.ReduceOp.MAX)
+        return not bool(bad.item())
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The accumulated gradient of every trainable parameter as full tensors (any ZeRO stage)."""
@@ -364,6 +378,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         return pending
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._check_whole()
         # Gather one tensor at a time, so ZeRO-3 never holds more than one full weight extra.
         for name, tensor in self.model.state_dict(keep_vars=True).items():
             with self._gathered([tensor]):
@@ -384,19 +399,60 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         self.model.save_pretrained(path, state_dict=dict(self.named_weights()))
 
     def save_checkpoint(self, path: Path) -> None:
+        self._check_whole()
         path.mkdir(parents=True, exist_ok=True)
-        state = {"steps": self.steps, "rng": torch.get_rng_state()}
+        state = {"steps": self.steps, "rng": torch.get_rng_state(), "layout": self._layout()}
         self.engine.save_checkpoint(str(path), tag=CHECKPOINT_TAG, client_state={"arctic": state})
 
     def load_checkpoint(self, path: Path) -> None:
-        if not (path / CHECKPOINT_TAG).is_dir():
-            raise RequestError(f"{path} holds no DeepSpeed-trainer checkpoint ({CHECKPOINT_TAG}/ missing)")
-        loaded, client_state = self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG)
-        if loaded is None:
-            raise RequestError(f"DeepSpeed could not load the checkpoint in {path}")
-        self.steps = int(client_state["arctic"]["steps"])
-        torch.set_rng_state(client_state["arctic"]["rng"])
+        """All of the checkpoint, or a RequestError. DeepSpeed loads the weights before it finds out
+        that the optimizer state does not fit, so what it needs to match is compared first, and a
+        checkpoint that does not fit changes nothing. A load that still fails part-way (a damaged
+        file) leaves the trainer refusing to train, sync or save until a checkpoint loads whole."""
+        check_layout(self._saved_state(path).layout, self._layout(), path)
+        try:
+            loaded, client_state = self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG)
+            state = validated(TrainerState, (client_state or {}).get("arctic"), path / CHECKPOINT_TAG)
+        except Exception as exc:
+            self.partly_loaded = path
+            self.has_gradients = False  # nothing pending may be applied to the mixture
+            raise RequestError(f"loading the checkpoint in {path} failed part-way ({type(exc).__name__}: {exc}); "
+                               "the trainer is partly restored and refuses to train, sync or save until a "
+                               "checkpoint loads whole: load an intact checkpoint, or restart the server") from exc
+        self.partly_loaded = None
+        self.steps = state.steps
+        torch.set_rng_state(state.rng)
         self.discard_gradients()  # gradients accumulated before the load belong to another state
+
+    def _saved_state(self, path: Path) -> TrainerState:
+        """The trainer's state in the checkpoint, read before DeepSpeed loads anything; its file is
+        memory-mapped, so the weights saved beside it are not read."""
+        files = sorted((path / CHECKPOINT_TAG).glob("*model_states.pt"))
+        if not files:
+            raise RequestError(f"{path} holds no DeepSpeed-trainer checkpoint (no {CHECKPOINT_TAG}/*model_states.pt)")
+        try:
+            saved = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)
+        except Exception as exc:  # truncated or not a torch file: zip, pickle and OS errors alike
+            raise RequestError(f"cannot read {files[0]}: {exc}") from exc
+        return validated(TrainerState, saved.get("arctic") if isinstance(saved, dict) else None, files[0])
+
+    def _layout(self) -> dict[str, Any]:
+        """What a saved optimizer state loads into only: the same partitioning (stages 1 and 2 share
+        one), precision, number of data-parallel ranks and parameter groups."""
+        stage = self.options.zero_stage
+        return {"zero_stage": {0: "0", 1: "1 or 2", 2: "1 or 2", 3: "3"}[stage],
+                "model.dtype": str(self.model.dtype).removeprefix("torch."),
+                "data-parallel ranks": deepspeed.comm.get_world_size() if stage else "any",
+                PARAM_GROUPS: param_group_shapes(self.model, self.config.optimizer)}
+
+    def _check(self, batch: RolloutBatch) -> None:
+        self._check_whole()
+        super()._check(batch)
+
+    def _check_whole(self) -> None:
+        if self.partly_loaded is not None:
+            raise RequestError(f"the trainer is partly restored by a failed load of {self.partly_loaded}; "
+                               "load_checkpoint a checkpoint that fits it first")
 
     def sleep(self) -> None:
         if self._bf16_optimizer:  # it cannot move its states: refuse on any device, before anything sleeps

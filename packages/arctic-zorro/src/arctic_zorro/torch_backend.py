@@ -6,22 +6,28 @@ against (``options: {zorro: {enable: false}}`` runs one padded row per response)
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate_options
 from arctic_core.errors import RequestError
-from arctic_core.hf import check_token_ids, copy_weights_, enable_gradient_checkpointing, load_causal_lm
+from arctic_core.hf import check_batch_fits, check_weights, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.fused_elementwise import apply_compile_elementwise
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
 from arctic_zorro.lr_schedule import lr_factor, set_lr
-from arctic_zorro.param_groups import param_groups
+from arctic_zorro.param_groups import param_group_shapes, param_groups
+from arctic_zorro.saved_state import PARAM_GROUPS, TorchTrainerState, check_layout, validated
 from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
 
@@ -79,9 +85,7 @@ class TorchLogProbEngine:
     def _check(self, batch: RolloutBatch) -> None:
         if self.asleep:
             raise RequestError(f"{type(self).__name__} is asleep; call wake() first")
-        vocab = self.model.config.vocab_size
-        check_token_ids(batch.prompt_ids, vocab, "prompts")
-        check_token_ids(batch.response_ids, vocab, "responses")
+        check_batch_fits(batch, self.model)
 
 
 class TorchTrainer(TorchLogProbEngine):
@@ -115,13 +119,17 @@ class TorchTrainer(TorchLogProbEngine):
         set_lr(self.optimizer, lr)
         max_norm = self.config.optimizer.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")))
         lr = self.optimizer.param_groups[0]["lr"]
+        if not math.isfinite(grad_norm):  # an update by NaN/inf would leave every weight NaN for good
+            log.warning("gradient norm is %s: step skipped, gradients dropped", grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        return {"grad_norm": float(grad_norm), "lr": lr}
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def discard_gradients(self) -> None:
         """Forget every gradient accumulated since the last step."""
@@ -146,20 +154,49 @@ class TorchTrainer(TorchLogProbEngine):
             "scheduler": self.scheduler.state_dict(),
             "steps": self.steps,
             "rng": torch.get_rng_state(),
+            "layout": self._layout(),
         }
         torch.save(state, path / STATE_FILE)
 
     def load_checkpoint(self, path: Path) -> None:
-        if not (path / STATE_FILE).is_file():
-            raise RequestError(f"{path} holds no torch-trainer checkpoint ({STATE_FILE} missing)")
-        saved = load_causal_lm(ModelConfig(path=str(path / "model"), dtype=_dtype_name(self.model.dtype), device="cpu"))
-        copy_weights_(self.model, saved.state_dict().items())
-        state = torch.load(path / STATE_FILE, weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.steps = int(state["steps"])
-        torch.set_rng_state(state["rng"])
+        """All of the checkpoint, or a RequestError and nothing changed: each part is checked against
+        this trainer before any is applied."""
+        state = self._read_state(path)
+        check_layout(state.layout, self._layout(), path)
+        model_path = path / "model"
+        saved = load_causal_lm(ModelConfig(path=str(model_path), dtype=_dtype_name(self.model.dtype), device="cpu"))
+        weights = saved.state_dict()
+        check_weights(self.model, weights, str(model_path))
+        self._load_optimizer(state, path)
+        copy_weights_(self.model, weights.items())
+        self.steps = state.steps
+        torch.set_rng_state(state.rng)
         self.discard_gradients()
+
+    def _read_state(self, path: Path) -> TorchTrainerState:
+        file = path / STATE_FILE
+        if not file.is_file():
+            raise RequestError(f"{path} holds no torch-trainer checkpoint ({STATE_FILE} missing)")
+        try:
+            data = torch.load(file, weights_only=True)
+        except Exception as exc:  # truncated or not a torch file: zip, pickle and OS errors alike
+            raise RequestError(f"cannot read {file}: {exc}") from exc
+        return validated(TorchTrainerState, data, file)
+
+    def _load_optimizer(self, state: TorchTrainerState, path: Path) -> None:
+        """The optimizer's and the LR scheduler's state, both or neither. Torch checks the optimizer's
+        groups before it changes anything; the scheduler's few numbers are put back if it refuses."""
+        scheduler_before = self.scheduler.state_dict()
+        try:
+            self.scheduler.load_state_dict(state.scheduler)
+            self.optimizer.load_state_dict(state.optimizer)
+        except (KeyError, TypeError, ValueError) as exc:
+            self.scheduler.load_state_dict(scheduler_before)
+            raise RequestError(f"the optimizer state in {path / STATE_FILE} does not fit this trainer: "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+    def _layout(self) -> dict[str, Any]:
+        return {PARAM_GROUPS: param_group_shapes(self.model, self.config.optimizer)}
 
     def _move(self, device: torch.device | str) -> None:
         super()._move(device)

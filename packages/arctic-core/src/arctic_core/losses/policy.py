@@ -55,6 +55,13 @@ class PolicyOptions(StrictModel):
     bound on that side); outside the bounds it has no gradient. verl clamps to [-20, 20] for
     stability (its GSPO to [None, 10])."""
 
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> PolicyOptions:
+        low, high = self.log_ratio_bounds or (None, None)
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"log_ratio_bounds: the low bound {low} is above the high bound {high}")
+        return self
+
 
 class ClipOptions(PolicyOptions):
     clip_low: Annotated[float, Field(ge=0)] = 0.2
@@ -92,6 +99,12 @@ class CISPOOptions(PolicyOptions):
     """The importance ratio, detached, is capped at this and weighs -A * log-prob (CISPO)."""
     ratio_floor: Annotated[float, Field(ge=0)] | None = None
     """And raised to at least this (verl clips both sides: [1 - clip_low, 1 + clip_high]); None: no floor."""
+
+    @model_validator(mode="after")
+    def _floor_below_cap(self) -> CISPOOptions:
+        if self.ratio_floor is not None and self.ratio_floor > self.ratio_cap:
+            raise ValueError(f"ratio_floor {self.ratio_floor} is above ratio_cap {self.ratio_cap}")
+        return self
 
 
 class SAPOOptions(PolicyOptions):

@@ -11,11 +11,15 @@ next save removes what dead processes left behind.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import shutil
 from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError
+
+from arctic_core.config import format_validation_error
+from arctic_core.errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +27,59 @@ STATE_FILE = "arctic_state.json"
 """Written last into every checkpoint folder: its presence marks a complete checkpoint."""
 
 
+class CheckpointState(BaseModel):
+    """The server's counters, in :data:`STATE_FILE`."""
+
+    step: int = Field(ge=0)
+    policy_version: int = Field(ge=0)
+
+
+def checkpoint_path(path: str) -> Path:
+    """``path`` as a checkpoint folder; refused unless it names one (not empty, ``.``, ``..`` or ``/``)."""
+    if "\0" in path:
+        raise RequestError(f"checkpoint path {path!r} contains a NUL byte")
+    folder = Path(path)
+    if folder.name in ("", ".."):
+        raise RequestError(f"checkpoint path {path!r} does not name a folder; give e.g. 'checkpoints/step-100'")
+    return folder
+
+
+def read_checkpoint(folder: Path) -> CheckpointState:
+    """The state of the complete checkpoint in ``folder`` (put back first if a save died while
+    replacing it), checked before anything is loaded from it."""
+    recover(folder)
+    if not (folder / STATE_FILE).is_file():
+        raise RequestError(f"{folder} is not an Arctic checkpoint (no {STATE_FILE})")
+    return read_state(folder)
+
+
+def read_state(folder: Path) -> CheckpointState:
+    """``folder``'s :data:`STATE_FILE`, validated; a RequestError names the file and what is wrong."""
+    file = folder / STATE_FILE
+    try:
+        return CheckpointState.model_validate_json(file.read_bytes())
+    except OSError as exc:
+        raise RequestError(f"cannot read {file}: {exc}") from exc
+    except ValidationError as exc:
+        raise RequestError(format_validation_error(exc, f"checkpoint state {file}")) from None
+
+
 def staging_for(target: Path) -> Path:
-    """The folder a save of ``target`` writes into (after clearing what dead saves left)."""
+    """The folder a save of ``target`` writes into (after clearing what dead saves left). Only an
+    Arctic checkpoint or an empty folder may be replaced: anything else at ``target`` is refused."""
+    recover(target)
+    _check_replaceable(target)
     _remove_stale(target)
     return _sibling(target, "tmp", os.getpid())
+
+
+def _check_replaceable(target: Path) -> None:
+    # A save replaces the whole folder: never take a user's files with it.
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise RequestError(f"cannot save a checkpoint at {target}: it exists and is not a folder")
+    if target.is_dir() and not (target / STATE_FILE).is_file() and any(target.iterdir()):
+        raise RequestError(f"cannot save a checkpoint at {target}: the folder is not empty and not an Arctic "
+                           f"checkpoint (no {STATE_FILE}); choose a new or empty folder")
 
 
 def publish(staging: Path, target: Path) -> None:
@@ -49,17 +102,34 @@ def recover(target: Path) -> None:
         os.replace(complete[-1], target)
 
 
-def prune(folder: Path, keep: int) -> None:
-    """Delete all but the ``keep`` newest complete checkpoints in ``folder`` (other folders untouched)."""
-    found = [d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".") and (d / STATE_FILE).is_file()]
-    found.sort(key=lambda d: (json.loads((d / STATE_FILE).read_text())["step"], d.stat().st_mtime))
-    for old in found[:-keep]:
+def prune(saved: Path, keep: int) -> None:
+    """Keep ``saved``, the checkpoint just written, and the ``keep - 1`` newest other complete
+    checkpoints beside it (by step, then save time); delete the older ones. ``saved`` counts as the
+    newest even when its step is lower (a save after loading an earlier checkpoint). Other folders,
+    and checkpoints whose state cannot be read, are left alone."""
+    ranked = []
+    for folder in saved.parent.iterdir():
+        if folder.name != saved.name and (rank := _rank(folder)) is not None:
+            ranked.append((rank, folder))
+    ranked.sort()
+    for _, old in ranked[:max(len(ranked) - (keep - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _rank(folder: Path) -> tuple[int, float] | None:
+    """(step, save time) of the complete checkpoint in ``folder``; None if it is not one."""
+    state_file = folder / STATE_FILE
+    try:
+        if folder.name.startswith(".") or folder.is_symlink() or not state_file.is_file():
+            return None
+        return read_state(folder).step, state_file.stat().st_mtime
+    except (OSError, RequestError) as exc:
+        log.warning("keep_last leaves %s alone: %s", folder, exc)
+        return None
 
 
 def _remove_stale(target: Path) -> None:
     """Staging folders of dead processes, and old copies once ``target`` itself is complete."""
-    recover(target)
     for folder in _siblings(target, "tmp"):
         if not _process_alive(int(folder.name.rsplit("-", 1)[1])):
             shutil.rmtree(folder, ignore_errors=True)

@@ -20,7 +20,8 @@ Errors are JSON ``{"error": <class name>, "message": <what is wrong>}``:
 |---|---|
 | 400 | an Arctic error: malformed or truncated body, wrong dtype or shape, missing field (``RequestError``, ``BatchError``), an unknown loss or processor name (``PluginNotFoundError``: a bad value inside a valid request, not a missing URL, hence 400, not 404), a wrong state (engine asleep, server shut down) |
 | 401 | a token is configured and the ``Authorization: Bearer`` header is missing or wrong (``/health`` and ``/openapi.json`` stay open: they reveal no data) |
-| 404 | an unknown operation |
+| 404 | an unknown operation (``RequestError``) or path (``NotFound``) |
+| 405 | a method other than POST on an operation (``MethodNotAllowed``) |
 | 413 | a body over the size limit (checked on ``Content-Length`` before reading, and on the bytes read) |
 | 500 | an unexpected exception, with its message; the server keeps serving |
 """
@@ -31,11 +32,14 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from arctic_core.serving import wire
@@ -44,6 +48,7 @@ from arctic_core.serving.metrics import CallMetrics
 from arctic_core.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from arctic_core.protocol import OPS, Message, Result
 from arctic_core.serving.server import ArcticServer
+from arctic_core.transports.http import check_token
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +63,19 @@ class ApiError(Exception):
         self.status, self.error, self.message = status, error, message
 
 
-def error_response(status: int, error: str, message: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+def error_response(status: int, error: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse({"error": error, "message": message}, status_code=status, headers=headers)
 
 
-def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               on_shutdown: Callable[[], None] | None = None) -> FastAPI:
     """The FastAPI app serving ``server``; ``token`` set means every call needs that bearer token.
 
     The ``arctic-rl serve`` command reads the token from ``--token`` or ``ARCTIC_RL_TOKEN``; here
-    ``None`` means no authentication.
+    ``None`` means no authentication. ``on_shutdown`` runs once a ``shutdown`` call has succeeded
+    and its answer has been sent (``arctic-rl serve`` stops uvicorn there).
     """
     if token is not None and not token:
         raise ValueError("the bearer token must not be empty (pass None for no authentication)")
@@ -82,9 +90,16 @@ def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: i
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.error, exc.message)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own refusals (no route, wrong method) in the same format as every other error.
+        error = HTTPStatus(exc.status_code).phrase.replace(" ", "")  # "MethodNotAllowed", as "PayloadTooLarge"
+        return error_response(exc.status_code, error, _route_problem(request, exc), exc.headers)
+
     for op in OPS:
+        after = on_shutdown if op == "shutdown" else None
         app.add_api_route(
-            f"/v1/{op}", _op_endpoint(op, server, app.state.metrics, gate, max_body_bytes), methods=["POST"],
+            f"/v1/{op}", _op_endpoint(op, server, app.state.metrics, gate, max_body_bytes, after), methods=["POST"],
             dependencies=[authorised], openapi_extra=_openapi_op(op), summary=f"{op} (serialised with every other call)",
             response_class=Response, responses={200: {"content": {wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
         )
@@ -114,8 +129,10 @@ def _engine_health(engine: Any, backend: str, asleep: bool) -> dict[str, Any]:
 
 # ----------------------------------------------------------------- one operation
 def _op_endpoint(
-    op: str, server: ArcticServer, metrics: CallMetrics, gate: asyncio.Lock, limit: int
+    op: str, server: ArcticServer, metrics: CallMetrics, gate: asyncio.Lock, limit: int,
+    after: Callable[[], None] | None = None,
 ) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint of ``op``; ``after`` runs once a successful call's answer has been sent."""
     request_schema, _ = OPS[op]
 
     async def endpoint(request: Request) -> Response:
@@ -140,7 +157,7 @@ def _op_endpoint(
             metrics.record_error(op, error)
             return error_response(status, error, message)
         metrics.record_ok(op, result, server.policy_version)
-        return Response(payload, media_type=wire.CONTENT_TYPE)
+        return Response(payload, media_type=wire.CONTENT_TYPE, background=BackgroundTask(after) if after else None)
 
     endpoint.__name__ = f"op_{op}"
     endpoint.__doc__ = f"Request: `{request_schema.__name__}`; result: `{OPS[op][1].__name__}` (wire format)."
@@ -168,6 +185,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 def bearer_check(token: str | None, source: str = "ARCTIC_RL_TOKEN") -> Callable[..., None]:
     """A FastAPI dependency refusing calls without ``token`` (none: open); ``source`` names where
     the caller's token comes from, for the error message."""
+    if token:
+        check_token(token, source)  # one no client could send would lock every caller out
     scheme = HTTPBearer(auto_error=False, description=f"Required when the server has a token ({source}).")
     expected = token.encode() if token else None
 
@@ -184,13 +203,24 @@ def bearer_check(token: str | None, source: str = "ARCTIC_RL_TOKEN") -> Callable
     return check
 
 
+def _route_problem(request: Request, exc: HTTPException) -> str:
+    """What is wrong with a request that reached no endpoint, and what the server does answer."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 405:
+        return f"{where}: this path takes {(exc.headers or {}).get('Allow', 'other methods')}; every operation is a POST"
+    if exc.status_code == 404:
+        return (f"{where}: no such endpoint; the server answers POST /v1/<operation> ({', '.join(sorted(OPS))}) "
+                "and GET /health, /metrics, /openapi.json, /docs")
+    return f"{where}: {exc.detail}"
+
+
 def _health(server: ArcticServer, busy: bool) -> dict[str, Any]:
     config = server.config
     backends = {"trainer": config.trainer.backend, "sampler": config.sampler.backend}
     if server.reference is not None and config.reference is not None:
         backends["reference"] = config.reference.backend
-    engines = {name: _engine_health(getattr(server, name), backend, name in server.asleep)
-               for name, backend in backends.items()}
+    engines = {name: _engine_health(getattr(server, name), backend, server.closed or name in server.asleep)
+               for name, backend in backends.items()}  # after shutdown every engine is asleep for good
     degraded = any(e.get("dead_ranks") for e in engines.values())
     return {
         "status": "shut down" if server.closed else "degraded" if degraded else "ok",

@@ -13,7 +13,7 @@ import resource
 import shutil
 import threading
 import time
-from pathlib import Path
+import traceback
 from typing import Any
 
 import torch
@@ -60,14 +60,39 @@ class ArcticServer:
         self.gradients_pending = False  # a fwd_bwd has accumulated gradients since the last step
         self._lock = threading.Lock()
         self._closed = False
-        self.trainer: TrainingBackend = self._build("training_backend", config.trainer.backend, config.trainer, config.model)
-        self.sampler: SamplingBackend = self._build("sampling_backend", config.sampler.backend, config.sampler, config.model)
+        self.asleep: set[str] = set()  # engines put to sleep, by the client or by colocation
+        # Every plugin name is looked up before the first engine spends seconds (or minutes) loading.
+        for kind, name in self._plugin_names():
+            self.registry.get(kind, name)
+        self.trainer: TrainingBackend | None = None
+        self.sampler: SamplingBackend | None = None
         self.reference: LogProbBackend | None = None
+        try:
+            self._build_engines()
+        except BaseException:
+            for engine in filter(None, self._engine_map().values()):  # free what was built
+                try:
+                    engine.shutdown()
+                except Exception:
+                    log.exception("shutting down %s after a failed start", type(engine).__name__)
+            raise
+
+    def _plugin_names(self) -> list[tuple[str, str]]:
+        config = self.config
+        names = [("training_backend", config.trainer.backend), ("sampling_backend", config.sampler.backend),
+                 ("weight_transport", config.weight_sync.transport)]
+        if config.reference is not None:
+            names.append(("logprob_backend", config.reference.backend))
+        return names
+
+    def _build_engines(self) -> None:
+        config = self.config
+        self.trainer = self._build("training_backend", config.trainer.backend, config.trainer, config.model)
+        self.sampler = self._build("sampling_backend", config.sampler.backend, config.sampler, config.model)
         if config.reference is not None:
             ref_model = config.reference.model or config.model
             self.reference = self._build("logprob_backend", config.reference.backend, config.reference, ref_model)
         self.weight_transport = self.registry.get("weight_transport", config.weight_sync.transport)(config.weight_sync)
-        self.asleep: set[str] = set()  # engines put to sleep, by the client or by colocation
 
     def _build(self, kind: str, name: str, *args: Any) -> Any:
         factory = self.registry.get(kind, name)
@@ -93,7 +118,15 @@ class ArcticServer:
             start = time.perf_counter()
             if self.config.colocate:
                 self._colocate(op, request)
-            result: Result = getattr(self, f"_op_{op}")(request)
+            try:
+                result: Result = getattr(self, f"_op_{op}")(request)
+            except Exception as exc:
+                # Close what the failed call left open, here, on the thread that opened it: torch's
+                # checkpoint keeps its saved-tensor hooks in a suspended generator that the traceback
+                # holds, and closed later on another thread it leaves this one's hooks in place,
+                # breaking every later backward on it (the HTTP server runs calls on a pool).
+                traceback.clear_frames(exc.__traceback__)
+                raise
             result.metrics.update(call_metrics(result.metrics, time.perf_counter() - start))
             return result
 
@@ -125,7 +158,9 @@ class ArcticServer:
             # Part of this call's gradient may have been added: the sum would be silently wrong.
             self._discard_gradients()
             raise
-        self.gradients_pending = True
+        # A batch without loss tokens adds no gradient: the next step() stays a no-op rather than
+        # moving the weights by the optimizer's momentum and advancing the schedule.
+        self.gradients_pending |= bool(req.batch.loss_mask.any())
         metrics["tokens"] = float(req.batch.total_tokens())
         metrics["packed_tokens"] = float(req.batch.packed_tokens())  # tokens / packed_tokens: the dedup ratio
         return Result(metrics=metrics)
@@ -137,17 +172,20 @@ class ArcticServer:
             return Result(metrics={"grad_norm": 0.0, "skipped": 1.0, "step": float(self.step_count)})
         metrics = self.trainer.optimizer_step(lr=req.lr)
         self.gradients_pending = False
-        self.step_count += 1
-        return Result(metrics={**metrics, "skipped": 0.0, "step": float(self.step_count)})
+        # A backend skips a step whose gradients are not finite (and drops them): no step is counted.
+        skipped = metrics.pop("skipped", 0.0)
+        self.step_count += 0 if skipped else 1
+        return Result(metrics={**metrics, "skipped": skipped, "step": float(self.step_count)})
 
     def _op_sync_weights(self, req: Empty) -> SyncWeightsResult:
-        self.policy_version += 1
-        metrics = self.weight_transport.sync(self.trainer, [self.sampler], self.policy_version)
-        return SyncWeightsResult(policy_version=self.policy_version, metrics=metrics)
+        version = self.policy_version + 1  # counted once the samplers have it: a failed sync is retried as it
+        metrics = self.weight_transport.sync(self.trainer, [self.sampler], version)
+        self.policy_version = version
+        return SyncWeightsResult(policy_version=version, metrics=metrics)
 
     def _op_save_checkpoint(self, req: CheckpointRequest) -> StatusResult:
-        target = Path(req.path)
-        staging = checkpoint_folders.staging_for(target)
+        target = checkpoint_folders.checkpoint_path(req.path)
+        staging = checkpoint_folders.staging_for(target)  # refuses to replace anything but a checkpoint
         try:
             staging.mkdir(parents=True)
             self.trainer.save_checkpoint(staging / "trainer")
@@ -161,21 +199,18 @@ class ArcticServer:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         if req.keep_last is not None:
-            checkpoint_folders.prune(target.parent, req.keep_last)
+            checkpoint_folders.prune(target, req.keep_last)
         return self._status()
 
     def _op_load_checkpoint(self, req: CheckpointRequest) -> StatusResult:
-        path = Path(req.path)
-        checkpoint_folders.recover(path)
-        if not (path / STATE_FILE).is_file():
-            raise RequestError(f"{path} is not an Arctic checkpoint (no {STATE_FILE})")
-        state = json.loads((path / STATE_FILE).read_text())
-        self.trainer.load_checkpoint(path / "trainer")
+        path = checkpoint_folders.checkpoint_path(req.path)
+        state = checkpoint_folders.read_checkpoint(path)  # checked before any engine is touched
+        self.trainer.load_checkpoint(path / "trainer")  # all of it, or a RequestError and nothing changed
         self.gradients_pending = False  # the engines drop gradients accumulated before the load
-        self.step_count = int(state["step"])
+        self.step_count = state.step
         # The sampler must serve the restored weights; the version moves forward so that
         # results from before the load are never mistaken for results of the restored policy.
-        self.policy_version = max(self.policy_version, int(state["policy_version"])) + 1
+        self.policy_version = max(self.policy_version, state.policy_version) + 1
         self.weight_transport.sync(self.trainer, [self.sampler], self.policy_version)
         return self._status()
 
@@ -207,7 +242,7 @@ class ArcticServer:
 
     def _names(self, names: list[str] | None) -> list[str]:
         engines = self._engine_map()
-        chosen = names or [n for n, e in engines.items() if e is not None]
+        chosen = names if names is not None else [n for n, e in engines.items() if e is not None]
         missing = [n for n in chosen if engines.get(n) is None]
         if missing:
             raise RequestError(f"engine(s) {missing} not configured on this server")

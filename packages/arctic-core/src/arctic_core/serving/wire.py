@@ -96,7 +96,7 @@ def decode[M: Message](data: bytes, schema: type[M]) -> M:
     try:
         return schema.model_validate(fields)
     except ValidationError as exc:
-        raise RequestError(format_validation_error(exc, f"message ({schema.__name__})")) from None
+        raise RequestError(format_validation_error(exc, f"message ({schema.__name__})", schema)) from None
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -108,21 +108,25 @@ def _metadata(data: bytes) -> dict[str, str]:
         raise RequestError(f"not a safetensors message: header length {size} is absurd (garbage or wrong content type?)")
     if 8 + size > len(data):
         raise RequestError(f"truncated body: the safetensors header needs {size} bytes but only {len(data) - 8} follow")
-    try:
-        header = json.loads(data[8 : 8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RequestError(f"not a safetensors message: its header is not JSON ({exc})") from None
+    header = _parse_json(data[8 : 8 + size], "the safetensors header")
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict) or not isinstance(metadata.get(JSON_KEY), str):
         raise RequestError(f"not an Arctic message: the safetensors metadata has no {JSON_KEY!r} key")
     return metadata
 
 
-def _json_fields(text: str, schema: type[Message]) -> dict[str, Any]:
+def _parse_json(text: str | bytes, what: str) -> Any:
+    """``json.loads`` of a part of the body, any failure a :class:`RequestError` naming ``what``."""
     try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RequestError(f"the {JSON_KEY!r} metadata of the {schema.__name__} is not valid JSON: {exc}") from None
+        return json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"malformed body: {what} is not JSON ({exc})") from None
+    except RecursionError:  # the parser recurses once per level: a thousand "[" exceed Python's limit
+        raise RequestError(f"malformed body: {what} nests JSON arrays or objects too deeply") from None
+
+
+def _json_fields(text: str, schema: type[Message]) -> dict[str, Any]:
+    fields = _parse_json(text, f"the {JSON_KEY!r} metadata of the {schema.__name__}")
     if not isinstance(fields, dict):
         raise RequestError(f"the {JSON_KEY!r} metadata of the {schema.__name__} must be a JSON object")
     clash = sorted(set(fields) & set(_tensor_fields(schema)))

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from arctic_core.serving import wire
-from arctic_core.errors import RemoteError, remote_error
+from arctic_core.errors import ConfigError, RemoteError, remote_error
 from arctic_core.protocol import Message, Result
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
@@ -38,9 +38,11 @@ class HttpTransport:
 
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
-        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        source = TOKEN_ENV if token is None else "the token argument"
+        token = os.environ.get(TOKEN_ENV) if token is None else token
         self._headers = {"Content-Type": wire.CONTENT_TYPE, "Accept": wire.CONTENT_TYPE}
-        if token:
+        if token:  # an empty one means none
+            check_token(token, source)
             self._headers["Authorization"] = f"Bearer {token}"
         self._timeout = httpx.Timeout(timeout, connect=min(timeout, 10.0))
         self._client: httpx.Client | None = None
@@ -112,9 +114,18 @@ def wait_until_serving(base_url: str, timeout: float = 120.0, alive: Callable[[]
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            raise RemoteError(f"the Arctic server at {base_url} did not answer /health within {timeout:g} s")
+            raise RemoteError(None, "Timeout", f"the Arctic server at {base_url} did not answer /health within {timeout:g} s")
         time.sleep(0.2)
-    raise RemoteError(f"the Arctic server process for {base_url} ended before it answered /health")
+    raise RemoteError(None, "ServerExited", f"the Arctic server process for {base_url} ended before it answered /health")
+
+
+def check_token(token: str, source: str) -> None:
+    """Refuse a bearer token that an HTTP header cannot carry as is, naming where it came from
+    (``source``): clients send header values as ASCII (httpx refuses anything else), servers read
+    them back as Latin-1 and strip the spaces around them, so such a token could never match."""
+    if not (token.isascii() and token.isprintable() and token == token.strip()):
+        raise ConfigError(f"the bearer token ({source}) must be printable ASCII with no space at either end: "
+                          "an HTTP header carries it as is")
 
 
 def _result(op: str, response: httpx.Response) -> Result:

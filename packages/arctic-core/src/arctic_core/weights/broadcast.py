@@ -25,12 +25,12 @@ import datetime
 import json
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from arctic_core.config import WeightSyncConfig
+from arctic_core.config import StrictModel, WeightSyncConfig
 from arctic_core.errors import ArcticError, ConfigError
 from arctic_core.plugins.interfaces import TrainingBackend, WeightReceiver
 from arctic_core.weights.files import split_aliases
@@ -186,6 +186,11 @@ def unpack_buckets(plan: dict, flats: Sequence[torch.Tensor]) -> list[tuple[str,
 
 
 # --------------------------------------------------------------------------- between Ray actors
+class BroadcastOptions(StrictModel):
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """The process group's backend: nccl between GPU engines, gloo between CPU ones."""
+
+
 class TorchBroadcastTransport:
     """``torch-broadcast``: rank 0 of a Ray-actor trainer broadcasts to Ray-actor sampler replicas.
 
@@ -195,7 +200,7 @@ class TorchBroadcastTransport:
 
     def __init__(self, config: WeightSyncConfig | None = None) -> None:
         self.config = config or WeightSyncConfig()
-        self.backend = str(self.config.options.get("backend", "gloo"))
+        self.backend = self.config.checked_options(BroadcastOptions).backend
         self._members: list[Any] = []
 
     def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]:

@@ -27,8 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from arctic_core.config import WeightSyncConfig
-from arctic_core.errors import ArcticError, ConfigError
+from arctic_core.config import StrictModel, WeightSyncConfig
+from arctic_core.errors import ArcticError
 from arctic_core.plugins.interfaces import TrainingBackend, WeightReceiver
 
 MANIFEST = "manifest.json"
@@ -188,16 +188,19 @@ def load_weight_files(directory: str | Path, device: str = "cpu") -> tuple[int, 
 
 
 # --------------------------------------------------------------------------- the transport
+class FilesOptions(StrictModel):
+    dir: str | None = None
+    """Where the files are written (a folder every receiver can read); None: a temporary folder."""
+
+
 class SafetensorsFilesTransport:
     """Trainer -> safetensors files in ``options.dir`` (default: a temp folder per server) -> receivers."""
 
     def __init__(self, config: WeightSyncConfig | None = None) -> None:
         self.config = config or WeightSyncConfig()
-        unknown = set(self.config.options) - {"dir"}
-        if unknown:
-            raise ConfigError(f"unknown safetensors-files option(s) {sorted(unknown)}; known: ['dir']")
-        if "dir" in self.config.options:
-            self.dir = Path(self.config.options["dir"])
+        options = self.config.checked_options(FilesOptions)
+        if options.dir is not None:
+            self.dir = Path(options.dir)
         else:
             self.dir = Path(tempfile.mkdtemp(prefix="arctic-weights-"))
             weakref.finalize(self, shutil.rmtree, self.dir, True)  # ours, so ours to remove

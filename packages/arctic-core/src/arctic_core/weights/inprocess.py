@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from arctic_core.config import WeightSyncConfig
+from arctic_core.config import NoOptions, WeightSyncConfig
 from arctic_core.plugins.interfaces import TrainingBackend, WeightReceiver
 
 
@@ -13,6 +13,7 @@ class InProcessWeightSync:
 
     def __init__(self, config: WeightSyncConfig | None = None) -> None:
         self.config = config or WeightSyncConfig()
+        self.config.checked_options(NoOptions)
 
     def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]:
         start = time.perf_counter()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from arctic_core.config import WeightSyncConfig
+from arctic_core.config import NoOptions, WeightSyncConfig
 from arctic_core.errors import ConfigError
 from arctic_core.plugins.interfaces import NamedTensors, TrainingBackend, WeightReceiver
 from arctic_core.weights.broadcast import WHO, pack_bucket, parse_dtype, plan_broadcast, require_actors, unpack_buckets
@@ -81,6 +81,7 @@ class CudaIpcTransport:
 
     def __init__(self, config: WeightSyncConfig | None = None) -> None:
         self.config = config or WeightSyncConfig()
+        self.config.checked_options(NoOptions)
 
     def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]:
         from arctic_core.ray.actors import get_all, get_one

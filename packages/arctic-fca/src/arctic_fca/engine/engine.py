@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -43,6 +43,7 @@ from arctic_fca.engine.sampling import RowParams, sample, seen_tokens
 from arctic_fca.engine.scheduler import Scheduler
 from arctic_fca.engine.sequence import GenerationOutput, PromptGroup, Sequence
 from arctic_fca.engine.step_planner import StepPlanner
+from arctic_fca.fca.layout import check_block_size
 from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 
 
@@ -70,6 +71,18 @@ class EngineOptions(StrictModel):
                                 "decoder (fused kernels, same math); False: transformers' modules.")
     max_model_len: int | None = Field(None, gt=0, description="Prompt + new tokens at most; default: the model's "
                                       "max_position_embeddings.")
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, block_size: int) -> int:
+        check_block_size(block_size)
+        return block_size
+
+    @model_validator(mode="after")
+    def _a_block_at_least(self) -> EngineOptions:
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} holds no block of {self.block_size} tokens")
+        return self
 
 
 @dataclass

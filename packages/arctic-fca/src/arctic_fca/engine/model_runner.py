@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from arctic_core.errors import ConfigError
-from arctic_core.hf import copy_weights_, set_attention_implementation
+from arctic_core.hf import copy_weights_, max_positions, set_attention_implementation
 from arctic_fca.engine.attention import ATTENTION_NAME, PrefillSpan, StepMetadata
 from arctic_fca.engine.decoder import FusedDecoder
 from arctic_fca.engine.kv_cache import PagedKVCache
@@ -41,7 +41,11 @@ class ModelRunner:
         self.cache = PagedKVCache(config.num_hidden_layers, self._num_blocks(), options.block_size, self.num_kv_heads,
                                   self.head_dim, model.dtype, self.device)
         self.triton = resolve_kernel(options.kernel, self.device) == "triton"
-        self.max_model_len = options.max_model_len or getattr(config, "max_position_embeddings", None) or 1 << 16
+        positions = max_positions(model)
+        if (options.max_model_len or 0) > positions:
+            raise ConfigError(f"sampler.options.max_model_len={options.max_model_len} exceeds the model's "
+                              f"max_position_embeddings={positions}")
+        self.max_model_len = options.max_model_len or positions
         self.decoder = FusedDecoder.of(model, self.max_model_len) if options.fused_decoder else None
         self.graphs = None
         if self.device.type == "cuda" and options.cuda_graphs and options.kernel != "torch":
