@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -105,6 +106,20 @@ def test_tensors_travel_as_safetensors_and_the_rest_as_json_metadata():
     assert {"batch.prompt_ids", "batch.advantages", "batch.rewards", "batch.extras.values"} <= names
     assert all(name.startswith("batch.") for name in names)
     assert b"pickle" not in data and not data.startswith(b"\x80")  # not a pickle stream
+
+
+def test_non_finite_numbers_travel_as_strict_json():
+    result = Result(metrics={"grad_norm": float("nan"), "peak": float("inf"), "low": float("-inf"), "lr": 1e-3})
+    data = wire.encode(result)
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    fields = json.loads(header["__metadata__"][wire.JSON_KEY], parse_constant=refuse)
+    assert fields["metrics"] == {"grad_norm": "NaN", "peak": "Infinity", "low": "-Infinity", "lr": 1e-3}
+    back = wire.decode(data, Result).metrics
+    assert math.isnan(back["grad_norm"]) and back["peak"] == float("inf") and back["low"] == float("-inf")
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,9 @@ EngineName = Literal["trainer", "sampler", "reference"]
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    # NaN/inf (a skipped step's gradient norm) as the strings "NaN", "Infinity", "-Infinity": strict
+    # JSON, which every language's parser reads; validation turns them back into floats.
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, ser_json_inf_nan="strings")
 
 
 class Result(Message):

@@ -59,8 +59,7 @@ def encode(message: Message) -> bytes:
         value = getattr(message, name)
         parts = value.to_tensors() if kind == "batch" else value
         tensors.update({f"{name}.{key}": t for key, t in parts.items()})
-    plain = message.model_dump(mode="json", exclude=set(kinds))
-    metadata = {JSON_KEY: json.dumps(plain), MESSAGE_KEY: schema.__name__}
+    metadata = {JSON_KEY: message.model_dump_json(exclude=set(kinds)), MESSAGE_KEY: schema.__name__}
     return st_save(_unshared(tensors), metadata=metadata)
 
 
