@@ -198,14 +198,14 @@ def test_step_without_gradients_is_a_no_op(backend, tiny_policy):
 
 
 @pytest.mark.parametrize("backend", ["torch", "deepspeed-zero0", "deepspeed-zero2"])
-def test_a_step_over_non_finite_gradients_or_no_loss_tokens_changes_nothing(backend, tiny_policy):
+def test_a_step_over_non_finite_gradients_or_an_empty_batch_changes_nothing(backend, tiny_policy):
     config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
                                      "trainer": {**TRAINER, **BACKENDS[backend],
                                                  "scheduler": {"name": "linear", "warmup_steps": 2, "total_steps": 9}}})
     with build_client(config) as client, build_client(config) as clean:
         batch = random_grpo_batch(server_of(client).sampler.model.config.vocab_size)
         before = weights(client)
-        client.fwd_bwd(batch.replace(loss_mask=torch.zeros_like(batch.loss_mask)), LOSS)  # no loss token
+        client.fwd_bwd(batch.select([]), LOSS)  # no response: nothing ran, nothing to apply
         assert client.step().metrics["skipped"] == 1.0
         # A NaN gradient, as an overflow inside the model gives: the step is skipped (every backend,
         # every ZeRO stage) and the gradients are dropped.

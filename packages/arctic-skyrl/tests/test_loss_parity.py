@@ -10,6 +10,8 @@ arctic-skyrl's dispatch on the same padded batch, with shared prompts packed onc
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from skyrl.backends.skyrl_train.distributed.dispatch import loss_fn_outputs_to_tensor
@@ -23,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from arctic_core.adapters.settings import BackendSettings
 from arctic_core.client import ArcticClient
 from arctic_skyrl.dispatch import ArcticDispatch
-from arctic_skyrl.mapping import arctic_config
+from arctic_skyrl.mapping import arctic_config, refusals
 
 ALGO = "trainer.algorithm."
 CASES = {
@@ -165,3 +167,28 @@ def test_forward_log_probs_line_up_with_skyrl_layout(policy):
     assert torch.allclose(full[mask], expected[mask], atol=1e-5)
     assert torch.allclose(windowed[mask], expected[mask], atol=1e-5)
     assert not full[~mask].any()  # nothing outside the responses
+
+
+def test_a_step_skipped_over_a_non_finite_gradient_holds_skyrls_schedule(policy):
+    """SkyRL returns before its scheduler steps when the gradient norm is not finite; Arctic skips
+    such a step too, and the adapter's schedule must not move on."""
+    cfg = skyrl_config(policy, "regular-token-mean-k3")
+    settings = BackendSettings(config={"trainer": {"backend": "torch"}})
+    with ArcticClient.in_process(arctic_config(cfg, settings, on_gpu=False)) as arctic:
+        dispatch = ArcticDispatch(cfg, arctic, num_training_steps=10)
+        param = next(arctic.transport.server.trainer.model.parameters())
+        hook = param.register_hook(lambda grad: grad * float("nan"))
+        dispatch.forward_backward("policy", training_input(cfg, policy))
+        hook.remove()
+        assert not math.isfinite(dispatch.optim_step("policy")) and dispatch.optimizer_steps == 0
+        dispatch.forward_backward("policy", training_input(cfg, policy))
+        assert math.isfinite(dispatch.optim_step("policy")) and dispatch.optimizer_steps == 1
+
+
+def test_skyrl_settings_without_an_arctic_meaning_are_mapped_or_refused(policy):
+    cfg = SkyRLTrainConfig.from_cli_overrides([f"trainer.policy.model.path={policy}",
+                                               "trainer.policy.optimizer_config.max_grad_norm=0"])
+    settings = BackendSettings()
+    assert arctic_config(cfg, settings, on_gpu=False).trainer.optimizer.max_grad_norm is None  # SkyRL: <= 0 is off
+    cfg.trainer.policy.model_config_kwargs = {"attention_dropout": 0.1}
+    assert any(line.startswith("trainer.policy.model_config_kwargs=") for line in refusals(cfg, settings))

@@ -24,7 +24,8 @@ def test_three_grpo_steps_checkpoint_and_resume(policy, tmp_path):
     train = write_parquet(gsm8k_rows(8), tmp_path / "train.parquet")
     val = write_parquet(gsm8k_rows(4), tmp_path / "val.parquet")
     extra = ("actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.optim.lr=1e-4",
-             "trainer.save_freq=3", "trainer.test_freq=3", "data.max_prompt_length=128")
+             "trainer.save_freq=3", "trainer.test_freq=3", "data.max_prompt_length=128",
+             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
 
     first = run_main_ppo(main_ppo_args(policy, train, val, tmp_path, steps=3, extra=extra), cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
@@ -42,6 +43,7 @@ def test_three_grpo_steps_checkpoint_and_resume(policy, tmp_path):
     assert versions == [versions[0], versions[0] + 1, versions[0] + 2]
     checkpoint = tmp_path / "checkpoints" / "global_step_3"
     assert json.loads((checkpoint / "actor" / "arctic_state.json").read_text())["step"] == 3
+    assert (checkpoint / "actor" / "huggingface" / "config.json").is_file()  # where verl puts hf_model
     assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert list((tmp_path / "tensorboard_log").rglob("events.out.tfevents.*"))  # verl's TensorBoard logger
 

@@ -13,14 +13,19 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 import yaml
+from verl.utils.torch_functional import get_cosine_schedule_with_warmup
 
 from arctic_core.adapters import preflight as adapter_preflight
 from arctic_core.errors import ArcticError
 from arctic_core.ports import free_port
 from arctic_core.transports.http import wait_until_serving
 from arctic_verl import plugin
+from arctic_verl.mapping import actor_optim, arctic_config
 from arctic_verl.preflight import preflight
+from arctic_verl.settings import read_settings
+from arctic_verl.trainer import learning_rates
 from verl_run import gsm8k_rows, main_ppo_args, run_main_ppo, verl_config, write_parquet
 
 TOKEN = "t0ken-for-tests"
@@ -105,6 +110,26 @@ def test_settings_refused_by_name(policy):
     for named in ("actor_rollout_ref.actor.loss_agg_mode='seq-mean-token-sum-norm'", "actor_rollout_ref.actor.optim.optimizer",
                   "actor_rollout_ref.rollout.ignore_eos=True", "arctic.config.model.path"):
         assert named in str(refused.value)
+    config = verl_config(f"actor_rollout_ref.model.path={policy}", "+actor_rollout_ref.model.override_config.attention_dropout=0.1",
+                         "actor_rollout_ref.actor.checkpoint.save_contents=[model]")
+    with pytest.raises(ArcticError) as refused:
+        preflight(config)
+    for named in ("actor_rollout_ref.model.override_config=", "actor_rollout_ref.actor.checkpoint.load_contents="):
+        assert named in str(refused.value)
+
+
+def test_verls_deprecated_optimizer_keys_are_read_as_verl_reads_them(policy):
+    """``warmup_style`` and ``grad_clip``: verl's optimizer config copies them onto lr_scheduler_type
+    and clip_grad; the schedule and the clipping Arctic runs follow them too."""
+    config = verl_config(f"actor_rollout_ref.model.path={policy}", "actor_rollout_ref.actor.optim.lr=1e-3",
+                         "actor_rollout_ref.actor.optim.warmup_style=cosine", "+actor_rollout_ref.actor.optim.grad_clip=0.5",
+                         "actor_rollout_ref.actor.optim.lr_warmup_steps=2", "actor_rollout_ref.actor.optim.total_training_steps=10")
+    assert arctic_config(config, read_settings(config), on_gpu=False).trainer.optimizer.max_grad_norm == 0.5
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    cosine = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=10, min_lr_ratio=0.0)
+    rate = learning_rates(actor_optim(config))
+    assert [rate(n) for n in range(10)] == pytest.approx([1e-3 * cosine.lr_lambdas[0](n) for n in range(10)])
+    assert rate(5) < rate(2)  # cosine: the constant schedule would hold 1e-3
 
 
 def test_an_unsupported_verl_version_stops_runs_that_ask_for_arctic(monkeypatch, policy, capsys):

@@ -107,7 +107,8 @@ class ArcticDispatch:
         """One optimizer step at SkyRL's scheduled learning rate; the gradient norm before clipping."""
         self._check_trained(model)
         result = self.arctic.step(lr=self.schedule(self.optimizer_steps))
-        self.optimizer_steps += 1
+        # A step skipped over a non-finite gradient norm leaves SkyRL's schedule where it was, too.
+        self.optimizer_steps += 0 if result.metrics.get("skipped") else 1
         return result.metrics.get("grad_norm")
 
     def set_lr(self, model: str, learning_rate: float, model_id: str | None = None) -> None:

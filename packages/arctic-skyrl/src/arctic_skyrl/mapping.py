@@ -46,6 +46,9 @@ def refusals(cfg: SkyRLTrainConfig, settings: BackendSettings) -> list[str]:
     if trainer.critic.model.path:
         refuse("trainer.critic.model.path", trainer.critic.model.path, "a critic (value model) is not served by "
                "Arctic; use a critic-free estimator (grpo, rloo, reinforce++, maxrl)")
+    if trainer.policy.model_config_kwargs:
+        refuse("trainer.policy.model_config_kwargs", dict(trainer.policy.model_config_kwargs), "Arctic builds the "
+               "model from the config.json in trainer.policy.model.path; put the changes there")
     if algorithm.policy_loss_type not in POLICY_LOSSES:
         refuse("trainer.algorithm.policy_loss_type", algorithm.policy_loss_type, f"supported: {', '.join(POLICY_LOSSES)}")
     if algorithm.policy_loss_type == "cispo" and algorithm.cispo.cispo_anchor != "old":
@@ -180,7 +183,7 @@ def arctic_config(cfg: SkyRLTrainConfig, settings: BackendSettings, on_gpu: bool
                   "device": "cuda" if on_gpu else "cpu"},
         "trainer": {
             "optimizer": {"lr": optim.lr, "betas": list(optim.adam_betas), "weight_decay": optim.weight_decay,
-                          "max_grad_norm": optim.max_grad_norm},
+                          "max_grad_norm": optim.max_grad_norm if optim.max_grad_norm > 0 else None},  # <= 0: off
             "gradient_checkpointing": bool(cfg.trainer.gradient_checkpointing),
         },
         "reference": {} if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) else None,

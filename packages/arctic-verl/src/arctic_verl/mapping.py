@@ -37,6 +37,17 @@ def get(config: DictConfig, key: str, default: Any = None) -> Any:
     return OmegaConf.select(config, key, default=default)
 
 
+def actor_optim(config: DictConfig) -> Any:
+    """The actor's optimizer settings as verl's own config class reads them: its deprecated
+    aliases (``warmup_style``, ``grad_clip``) applied, as verl's engines see them."""
+    from verl.utils.config import omega_conf_to_dataclass  # noqa: PLC0415
+    from verl.workers.config import FSDPOptimizerConfig  # noqa: PLC0415
+
+    with warnings.catch_warnings():  # verl warns that the aliases are deprecated: its own users' news
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return omega_conf_to_dataclass(config.actor_rollout_ref.actor.optim, FSDPOptimizerConfig)
+
+
 # --------------------------------------------------------------------------- refusals
 def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
     """Every setting arctic-verl cannot honour exactly, each as ``key=value: why``."""
@@ -63,6 +74,14 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
         refuse("actor_rollout_ref.model.lora_rank", "Arctic trains full weights (no LoRA)")
     if get(config, "actor_rollout_ref.model.lora_adapter_path"):
         refuse("actor_rollout_ref.model.lora_adapter_path", "Arctic trains full weights (no LoRA)")
+    for key in ("actor_rollout_ref.model.override_config", "actor_rollout_ref.model.hf_config_path"):
+        if get(config, key):
+            refuse(key, "Arctic builds the model from the config.json in actor_rollout_ref.model.path; put the "
+                   "changes there")
+    loaded = set(get(config, f"{actor}.checkpoint.load_contents") or ())
+    if get(config, "trainer.resume_mode", "auto") != "disable" and not {"model", "optimizer", "extra"} <= loaded:
+        refuse(f"{actor}.checkpoint.load_contents", "Arctic resumes the weights, the optimizer and the schedule "
+               "together: list model, optimizer and extra (or set trainer.resume_mode=disable)")
     mode = get(config, f"{actor}.policy_loss.loss_mode", "vanilla")
     if mode not in POLICY_LOSSES:
         refuse(f"{actor}.policy_loss.loss_mode", f"supported: {', '.join(POLICY_LOSSES)}")
@@ -146,7 +165,7 @@ def arctic_config(config: DictConfig, settings: ArcticSettings, on_gpu: bool) ->
     (``arctic.config`` overrides engine choices); bf16 on a GPU, fp32 on the CPU."""
     from verl.trainer.ppo.utils import need_reference_policy  # noqa: PLC0415
 
-    optim = config.actor_rollout_ref.actor.optim
+    optim = actor_optim(config)
     base = {
         "model": {"path": str(get(config, "actor_rollout_ref.model.path")),
                   "dtype": "bfloat16" if on_gpu else "float32", "device": "cuda" if on_gpu else "cpu"},

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import shutil
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 import transfer_queue as tq
-from omegaconf import DictConfig, open_dict
+from omegaconf import open_dict
 from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 from verl.experimental.reward_loop import RewardLoopManager
@@ -26,12 +27,14 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.debug import marked_timer
 from verl.utils.debug.metrics import calculate_debug_metrics
 from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+from verl.workers.config import FSDPOptimizerConfig
 from verl.workers.utils.padding import response_to_nested
 
 from arctic_core.client import ArcticClient
+from arctic_core.serving.server import HF_EXPORT
 from arctic_verl.backend import open_backend, server_gpus
 from arctic_verl.data import to_rollout_batch
-from arctic_verl.mapping import check_supported, loss_terms
+from arctic_verl.mapping import actor_optim, check_supported, get, loss_terms
 from arctic_verl.rollout import ArcticLLMClient
 from arctic_verl.settings import read_settings
 
@@ -47,13 +50,15 @@ class ArcticActor:
 
     _dispatch_info = {"actor": [0]}  # verl's balancer reads the actor's data-parallel ranks here
 
-    def __init__(self, arctic: ArcticClient) -> None:
-        self.arctic = arctic
+    def __init__(self, arctic: ArcticClient, export_hf: bool = False) -> None:
+        self.arctic, self.export_hf = arctic, export_hf
         self.saved: list[str] = []
 
     def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
                         max_ckpt_to_keep: int | None = None) -> None:
-        self.arctic.save_checkpoint(local_path)
+        self.arctic.save_checkpoint(local_path, export_hf=self.export_hf)
+        if self.export_hf:  # where verl writes its Hugging Face copy (save_contents: hf_model)
+            (Path(local_path) / "huggingface").symlink_to(HF_EXPORT, target_is_directory=True)
         self.saved.append(local_path)
         while max_ckpt_to_keep and len(self.saved) > max_ckpt_to_keep:  # as verl's checkpoint managers do
             shutil.rmtree(self.saved.pop(0), ignore_errors=True)
@@ -72,7 +77,7 @@ def write_rows(batch: KVBatchMeta, **fields: torch.Tensor) -> None:
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(fields, batch_size=len(batch)))
 
 
-def learning_rates(optim: DictConfig):
+def learning_rates(optim: FSDPOptimizerConfig):
     """verl's learning rate after ``n`` scheduler steps: its schedule functions, chosen and set up
     as verl's engines do, on a stand-in optimizer (verl steps the schedule once per training step)."""
     stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim.lr)
@@ -134,9 +139,10 @@ class ArcticTrainer(PPOTrainer):
         self._init_tokenizer()
         self._init_dataloader()
         self._init_dump_executor()
-        self.learning_rate = learning_rates(actor.optim)  # after _init_dataloader: it sets the horizon
+        self.learning_rate = learning_rates(actor_optim(self.config))  # after _init_dataloader: it sets the horizon
         self.arctic, self.address = open_backend(self.config, self.settings)
-        self.actor_rollout_wg = ArcticActor(self.arctic)
+        saved = get(self.config, "actor_rollout_ref.actor.checkpoint.save_contents") or ()
+        self.actor_rollout_wg = ArcticActor(self.arctic, export_hf="hf_model" in saved)
         self.reward_loop_manager = RewardLoopManager(config=self.config, rm_resource_pool=None)
         self.teacher_model_manager = self.distillation_config = None
         self._load_checkpoint()
@@ -208,7 +214,8 @@ class ArcticTrainer(PPOTrainer):
                                          max_response_len=self.max_response_len)
             train.append(result.metrics)
             steps.append(self.arctic.step(lr=lr).metrics)
-        metrics.update(actor_metrics(train, steps, self.loss[0]["name"], lr))
+        # verl logs the rate its schedule holds after this step's update (it steps, then reads it).
+        metrics.update(actor_metrics(train, steps, self.loss[0]["name"], self.learning_rate(self.global_steps)))
         return batch
 
     def _mini_batches(self, num_rows: int) -> list[torch.Tensor]:

@@ -158,9 +158,10 @@ class ArcticServer:
             # Part of this call's gradient may have been added: the sum would be silently wrong.
             self._discard_gradients()
             raise
-        # A batch without loss tokens adds no gradient: the next step() stays a no-op rather than
-        # moving the weights by the optimizer's momentum and advancing the schedule.
-        self.gradients_pending |= bool(req.batch.loss_mask.any())
+        # A batch of responses whose tokens are all masked out still ran a backward (a zero gradient):
+        # the next step() applies it as every framework's loop does (AdamW's momentum and weight decay
+        # move the weights, the schedule advances). A batch of no response ran nothing.
+        self.gradients_pending |= req.batch.num_responses > 0
         metrics["tokens"] = float(req.batch.total_tokens())
         metrics["packed_tokens"] = float(req.batch.packed_tokens())  # tokens / packed_tokens: the dedup ratio
         return Result(metrics=metrics)
