@@ -142,3 +142,25 @@ def test_keep_last_prunes_arctics_step_checkpoints_and_leaves_prime_rls_files(tm
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("checkpoints/*/*"))
     assert left == ["checkpoints/step_10/arctic", "checkpoints/step_2/orchestrator", "checkpoints/step_3/arctic"]
     assert not (tmp_path / "checkpoints" / "step_1").exists()  # emptied, so removed
+
+
+def test_a_run_folder_of_an_earlier_run_is_refused_unless_resumed_or_cleaned(tmp_path):
+    run = RunFolder(tmp_path)
+    for kind in ("rollouts", "broadcasts"):
+        for step in (1, 2, 3):
+            (tmp_path / kind / f"step_{step}").mkdir(parents=True)
+    run.checkpoint(2).mkdir(parents=True)
+    with pytest.raises(ConfigError, match="holds the steps of an earlier run; set clean = true"):
+        run.prepare(resume_step=None, clean=False)  # the trainer would train on step 1's old rollouts
+    run.prepare(resume_step=2, clean=False)  # resuming: the steps after 2 would be read as new
+    assert sorted(run.steps("rollouts")) == sorted(run.steps("broadcasts")) == [1, 2]
+    run.prepare(resume_step=None, clean=True)
+    assert not any(run.steps(kind) for kind in ("rollouts", "broadcasts", "checkpoints"))
+
+
+def test_keep_interval_keeps_every_nth_checkpoint(tmp_path):
+    run = RunFolder(tmp_path)
+    for step in (5, 10, 15, 20, 25):
+        run.checkpoint(step).mkdir(parents=True)
+    run.prune_checkpoints(2, keep_interval=10)
+    assert sorted(run.steps("checkpoints")) == [10, 20, 25]

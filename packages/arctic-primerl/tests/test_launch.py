@@ -124,3 +124,36 @@ def test_preflight_names_an_unreachable_backend_and_an_exposed_front_without_tok
     monkeypatch.setenv("VLLM_API_KEY", "k3y")
     token, processes = preflight(read_run(exposed))
     assert token == "k3y" and processes[-1].name == "orchestrator"
+
+
+def test_shared_tables_reach_the_orchestrator_and_an_empty_resume_takes_the_latest_checkpoint(tmp_path, policy):
+    for step in (2, 4):
+        (tmp_path / "run" / "checkpoints" / f"step_{step}" / "arctic").mkdir(parents=True)
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", extra="""
+[ckpt]
+keep_last = 2
+keep_interval = 10
+
+[resume]
+
+[log]
+level = "debug"
+
+[tokenizer]
+chat_template = "{{ messages }}"
+""")
+    run = read_run(toml)
+    config = run.orchestrator_config()
+    assert config["ckpt"] == {"keep_last": 2, "keep_interval": 10} and config["resume"] == {}
+    assert config["log"] == {"level": "debug"} and config["tokenizer"] == {"chat_template": "{{ messages }}"}
+    assert run.resume_step == 4 and run.ckpt_keep_last == 2 and run.ckpt_keep_interval == 10
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ("[ckpt]\noutput_dir = '/elsewhere'\n", "ckpt.output_dir: not supported"),
+    ("[resume]\ndir = '/other/run/checkpoints/step_5'\n", "resume.dir: arctic-primerl resumes from this run's own"),
+    ("[resume]\n", "holds none"),
+])
+def test_checkpoint_settings_arctic_does_not_follow_are_refused(tmp_path, policy, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        read_run(write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", extra=extra))

@@ -59,7 +59,10 @@ def _run(run, processes, token) -> None:
     from arctic_primerl.launch import EXIT_WAIT_S, Watchdog
     from arctic_primerl.service import ArcticPrimeRL
 
-    service = ArcticPrimeRL(run, on_gpu=torch.cuda.is_available())
+    try:
+        service = ArcticPrimeRL(run, on_gpu=torch.cuda.is_available())
+    except ArcticError as exc:  # e.g. a run folder holding an earlier run's steps
+        exit_with(NAME, str(exc))
     try:
         url = service.start_front(token)
     except OSError as exc:

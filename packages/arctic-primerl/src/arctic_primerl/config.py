@@ -63,7 +63,10 @@ class RunSettings(StrictModel):
     """A [ckpt] table is set: save at its interval and after the last step, as PRIME-RL does."""
     ckpt_interval: int | None = None
     ckpt_keep_last: int | None = None
+    ckpt_keep_interval: int | None = None
     resume_step: int | None = None
+    clean: bool = False
+    """Remove an earlier run's steps from the run folder before starting (PRIME-RL's ``clean``)."""
     orchestrator: dict[str, Any]
     arctic: ArcticSection
 
@@ -107,17 +110,54 @@ def read_run(path: Path) -> RunSettings:
         raise ConfigError(f"trainer.optim: unknown key(s) {sorted(optim)}")
     ckpt = {**raw.get("ckpt", {}), **trainer.get("ckpt", {})}
     resume = {**raw.get("resume", {}), **trainer.get("resume", {})}
+    for key in ("output_dir", "skip_progress", "skip_scheduler", "skip_dataloader"):
+        if key in ckpt:
+            raise ConfigError(f"ckpt.{key}: not supported by arctic-primerl (checkpoints go under the run folder, whole)")
+    if "dir" in resume:
+        raise ConfigError("resume.dir: arctic-primerl resumes from this run's own checkpoints (resume.step)")
     output_dir = Path(raw.get("output_dir", "outputs"))
-    run_dir = output_dir / raw["run"]["dir"] if raw.get("run", {}).get("dir") else output_dir
+    run = raw.get("run", {})
+    run_dir = output_dir / (run.get("dir") or run.get("name") or "")  # PRIME-RL's output_dir / run.dir (run.name)
+    resume_step = resume.get("step")
+    if ("resume" in raw or "resume" in trainer) and resume_step is None:  # an empty [resume]: the latest checkpoint
+        resume_step = latest_checkpoint(run_dir)
     port = raw.get("inference", {}).get("server", {}).get("port", 8000)
     return RunSettings(
         model_name=model_name, max_steps=max_steps, seq_len=seq_len, run_dir=run_dir, port=port,
         loss=loss_terms(trainer.get("loss")), optimizer=optimizer,
         schedule=LRSchedule.from_prime_rl(trainer.get("scheduler", {}), lr, max_steps),
         checkpoints="ckpt" in raw or "ckpt" in trainer, ckpt_interval=ckpt.get("interval"),
-        ckpt_keep_last=ckpt.get("keep_last"), resume_step=resume.get("step"),
-        orchestrator=orchestrator, arctic=ArcticSection.model_validate(raw.get("arctic", {})),
+        ckpt_keep_last=ckpt.get("keep_last"), ckpt_keep_interval=ckpt.get("keep_interval"), resume_step=resume_step,
+        clean=bool(raw.get("clean", False)), orchestrator=with_shared_sections(raw, orchestrator),
+        arctic=ArcticSection.model_validate(raw.get("arctic", {})),
     )
+
+
+def latest_checkpoint(run_dir: Path) -> int:
+    steps = [int(step) for folder in (run_dir / "checkpoints").glob("step_*/arctic")
+             if (step := folder.parent.name.removeprefix("step_")).isdigit()]
+    if not steps:
+        raise ConfigError(f"[resume] without a step resumes from the latest checkpoint, but {run_dir / 'checkpoints'} "
+                          "holds none")
+    return max(steps)
+
+
+# The top-level tables PRIME-RL's rl launcher copies into the orchestrator's config (a key the
+# orchestrator's own table sets is kept): its checkpoints and resume step must match the trainer's.
+SHARED_WITH_ORCHESTRATOR = {
+    "ckpt": ("interval", "keep_last", "keep_interval"), "resume": ("step",), "log": ("level", "json_logging"),
+    "tokenizer": ("name", "trust_remote_code", "chat_template"),
+}
+
+
+def with_shared_sections(raw: dict[str, Any], orchestrator: dict[str, Any]) -> dict[str, Any]:
+    shared: dict[str, Any] = {}
+    for section, keys in SHARED_WITH_ORCHESTRATOR.items():
+        if section in raw:  # a bare [ckpt] or [resume] turns the section on for the orchestrator too
+            shared[section] = {key: raw[section][key] for key in keys if key in raw[section]}
+    if "monitors" in raw:
+        shared["monitors"] = raw["monitors"]
+    return overlay(shared, orchestrator)
 
 
 def _get(table: dict[str, Any], keys: tuple[str, ...]) -> Any:

@@ -24,6 +24,7 @@ from arctic_primerl.trainer import RolloutTrainer, RunFolder, TrainerSettings
 class ArcticPrimeRL:
     def __init__(self, run: RunSettings, on_gpu: bool) -> None:
         self.run = run
+        RunFolder(run.run_dir).prepare(run.resume_step, run.clean)  # before the engines take their time
         settings = run.arctic
         if settings.starts_backend:
             from arctic_core.serving.server import ArcticServer
@@ -39,7 +40,7 @@ class ArcticPrimeRL:
         self.trainer = RolloutTrainer(self.client, RunFolder(run.run_dir), TrainerSettings(
             max_steps=run.max_steps, loss_terms=run.loss, learning_rates=run.schedule.rates(),
             start_step=(run.resume_step or 0) + 1, checkpoints=run.checkpoints, ckpt_interval=run.ckpt_interval,
-            ckpt_keep_last=run.ckpt_keep_last,
+            ckpt_keep_last=run.ckpt_keep_last, ckpt_keep_interval=run.ckpt_keep_interval,
         ), self.metrics)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None

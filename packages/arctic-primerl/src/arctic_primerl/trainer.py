@@ -21,6 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from arctic_core.client import ArcticClient
+from arctic_core.errors import ConfigError
 from arctic_core.demo.metrics import MetricsLogger
 from arctic_primerl import samples as sample_ops
 from arctic_primerl.wire import decode
@@ -43,12 +44,32 @@ class RunFolder:
     def checkpoint(self, step: int) -> Path:
         return self.root / "checkpoints" / f"step_{step}" / "arctic"
 
-    def prune_checkpoints(self, keep: int) -> None:
-        """Keep Arctic's ``keep`` newest checkpoints; the rest of an older step's folder (the
-        orchestrator's own checkpoint) is PRIME-RL's, and the folder goes only once it is empty."""
-        steps = sorted(int(step) for folder in (self.root / "checkpoints").glob("step_*/arctic")
-                       if (step := folder.parent.name.removeprefix("step_")).isdigit())
+    def steps(self, kind: str) -> dict[int, Path]:
+        """The ``kind/step_N`` folders (rollouts, broadcasts, checkpoints) by step."""
+        return {int(step): folder for folder in (self.root / kind).glob("step_*")
+                if (step := folder.name.removeprefix("step_")).isdigit()}
+
+    def prepare(self, resume_step: int | None, clean: bool) -> None:
+        """Make the folder safe to start in, as PRIME-RL's launcher does. The trainer would read an
+        earlier run's rollout files as this run's: a folder holding an earlier run's steps is refused
+        unless this run resumes it (its steps after the resumed one are removed) or ``clean`` is set."""
+        earlier = {kind: self.steps(kind) for kind in ("rollouts", "broadcasts", "checkpoints")}
+        if resume_step is None and any(earlier.values()) and not clean:
+            raise ConfigError(f"{self.root} holds the steps of an earlier run; set clean = true to remove them, "
+                              "[resume] to continue that run, or another output_dir / run.name")
+        for kind, steps in earlier.items():
+            for step, folder in steps.items():
+                if resume_step is None or (kind != "checkpoints" and step > resume_step):
+                    shutil.rmtree(folder, ignore_errors=True)
+
+    def prune_checkpoints(self, keep: int, keep_interval: int | None = None) -> None:
+        """Keep Arctic's ``keep`` newest checkpoints and those of every ``keep_interval``-th step;
+        the rest of an older step's folder (the orchestrator's own checkpoint) is PRIME-RL's, and
+        the folder goes only once it is empty."""
+        steps = sorted(step for step in self.steps("checkpoints") if self.checkpoint(step).is_dir())
         for step in steps[:-keep]:
+            if keep_interval and step % keep_interval == 0:
+                continue
             shutil.rmtree(self.checkpoint(step), ignore_errors=True)
             with contextlib.suppress(OSError):
                 self.checkpoint(step).parent.rmdir()
@@ -73,6 +94,7 @@ class TrainerSettings:
     checkpoints: bool = False
     ckpt_interval: int | None = None
     ckpt_keep_last: int | None = None
+    ckpt_keep_interval: int | None = None
     stop: threading.Event = field(default_factory=threading.Event)
 
 
@@ -138,7 +160,7 @@ class RolloutTrainer:
             # which prunes a checkpoint's siblings, would find none: prune the step folders here.
             self.client.save_checkpoint(str(self.run.checkpoint(step)))
             if s.ckpt_keep_last:
-                self.run.prune_checkpoints(s.ckpt_keep_last)
+                self.run.prune_checkpoints(s.ckpt_keep_last, s.ckpt_keep_interval)
 
 
 def add_call_metrics(totals: dict[str, float], metrics: dict[str, float], share: float, count: int) -> None:
