@@ -10,13 +10,15 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
+from transformers import AutoModelForCausalLM
 
 from arctic_core.demo.task import CountingTask
 from arctic_core.demo.tiny_model import save_tiny_policy
 from arctic_core.config import ArcticConfig
 from arctic_trl import GRPOTrainer
-from arctic_trl.mapping import arctic_config
+from arctic_trl.mapping import arctic_config, regroup_is_exact
 from arctic_trl.trainer import group_micro_batches
+from helpers import weights
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import trl_grpo  # noqa: E402
@@ -310,6 +312,38 @@ def test_unsupported_settings_fail_clearly(policy, tmp_path):
         GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
     with pytest.raises(ValueError, match="needs a local model folder"):
         GRPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=variety_reward, args=grpo_args(tmp_path), train_dataset=DATASET)
+
+
+def test_checkpoints_hold_the_trained_policy_and_resuming_restores_the_backend(policy, tmp_path):
+    args = grpo_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+    trainer.train()
+    trained = weights(trainer.arctic)
+    checkpoint = tmp_path / "checkpoint-2"
+    # TRL's checkpoint folder loads as the trained policy (the placeholder model is never saved).
+    saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    assert saved.keys() <= trained.keys() and all(torch.equal(saved[k], trained[k]) for k in saved)
+    trainer.arctic.close()
+
+    resumed = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, max_steps=3),
+                          train_dataset=DATASET)
+    assert any(not torch.equal(v, trained[k]) for k, v in weights(resumed.arctic).items())  # the initial policy
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    # The backend continued from the checkpoint's weights, optimizer and step count (2), with TRL.
+    assert resumed.state.global_step == 3 and resumed.arctic.status().step == 3
+    resumed.arctic.close()
+
+
+def test_trl_settings_arctic_does_not_compute_are_refused_by_name(policy, tmp_path):
+    args = grpo_args(tmp_path, optim="adafactor", cast_lm_head_to_fp32=True, sync_ref_model=True, beta=0.1)
+    with pytest.raises(ValueError) as refused:
+        GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+    for named in ("optim='adafactor'", "cast_lm_head_to_fp32", "sync_ref_model"):
+        assert named in str(refused.value)
+    # Three micro-batches per generation, two per optimizer step: keeping a prompt's samples together
+    # would move rows from one step into the next, so the regrouping is off.
+    assert not regroup_is_exact(grpo_args(tmp_path, steps_per_generation=3, gradient_accumulation_steps=2))
+    assert regroup_is_exact(grpo_args(tmp_path, steps_per_generation=4, gradient_accumulation_steps=2))
 
 
 def test_no_full_model_on_the_client(policy, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import PretrainedConfig
 from trl import GRPOConfig
 
 from arctic_core.config import TrainerConfig
@@ -40,7 +41,32 @@ def unsupported(args: GRPOConfig) -> list[str]:
     unknown = sorted(set(args.generation_kwargs or {}) - set(GENERATION_KWARGS))
     if unknown:
         problems.append(f"generation_kwargs {unknown}: Arctic's samplers honour {sorted(GENERATION_KWARGS)}")
+    optim = str(getattr(args.optim, "value", args.optim))
+    if not optim.startswith("adamw_torch") or args.optim_args:
+        problems.append(f"optim={optim!r}, optim_args={args.optim_args!r}: Arctic's backends step torch's AdamW "
+                        "(optim='adamw_torch' or 'adamw_torch_fused', no optim_args)")
+    if args.load_best_model_at_end:
+        problems.append("load_best_model_at_end: resume from a checkpoint instead (resume_from_checkpoint)")
+    if args.sync_ref_model:
+        problems.append("sync_ref_model: Arctic's reference engine keeps the initial policy")
+    if args.cast_lm_head_to_fp32:
+        problems.append("cast_lm_head_to_fp32: Arctic computes the LM head in the model's dtype")
+    if args.model_init_kwargs:
+        problems.append(f"model_init_kwargs {sorted(args.model_init_kwargs)}: the backend loads the model folder as "
+                        "it is (set the dtype with arctic={'model': {'dtype': ...}})")
     return problems
+
+
+def unsupported_model(args: GRPOConfig, config: PretrainedConfig) -> list[str]:
+    """What the model's config asks of TRL that Arctic does not compute: the MoE load-balancing loss
+    TRL adds when the model returns router logits and the coefficient is not 0."""
+    text_config = config.get_text_config()
+    coef = args.router_aux_loss_coef
+    coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if hasattr(text_config, "output_router_logits") and coef:
+        return [f"router_aux_loss_coef={coef} (the model's MoE load-balancing loss): Arctic does not compute it; "
+                "set router_aux_loss_coef=0.0"]
+    return []
 
 
 def sampling_params(args: GRPOConfig, temperature: float) -> dict[str, Any]:
@@ -110,8 +136,11 @@ def _policy(args: GRPOConfig) -> dict[str, Any]:
 def regroup_is_exact(args: GRPOConfig) -> bool:
     """Whether keeping a prompt's samples in one micro-batch leaves each row's weight in the step as
     TRL's: not when a micro-batch's own statistics normalise or mask (bnpo's token count, the
-    entropy bonus's, the entropy mask's quantile)."""
-    return (args.loss_type != "bnpo" and args.entropy_coef == 0.0 and not args.use_adaptive_entropy
+    entropy bonus's, the entropy mask's quantile), nor when a generation's micro-batches do not fall
+    into whole optimizer steps (rows would move to another step)."""
+    per_generation, accumulation = args.steps_per_generation, args.gradient_accumulation_steps
+    aligned = per_generation % accumulation == 0 or accumulation % per_generation == 0
+    return (aligned and args.loss_type != "bnpo" and args.entropy_coef == 0.0 and not args.use_adaptive_entropy
             and args.top_entropy_quantile >= 1.0)
 
 

@@ -31,7 +31,9 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
-from arctic_trl.mapping import MicroBatch, arctic_config, loss_terms, regroup_is_exact, sampling_params, unsupported
+from arctic_core.serving.server import HF_EXPORT
+from arctic_trl.mapping import (MicroBatch, arctic_config, loss_terms, regroup_is_exact, sampling_params, unsupported,
+                                unsupported_model)
 
 REFERENCE = "reference"  # stands for TRL's ref_model: log-probs come from Arctic's reference engine
 
@@ -62,6 +64,9 @@ class PolicyStub(PreTrainedModel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("the policy runs in the Arctic backend; arctic_trl routed a call to the client-side stub")
+
+
+ARCTIC_CHECKPOINT = "arctic"  # the backend's checkpoint inside each of TRL's checkpoint folders
 
 
 class ArcticOptimizer(torch.optim.Optimizer):
@@ -100,9 +105,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             problems.append("peft_config: Arctic trains full weights")
         if optimizers != (None, None):
             problems.append("optimizers: the optimizer runs in the Arctic backend (configure it in GRPOConfig)")
+        path = _model_folder(model)
+        problems += unsupported_model(args, AutoConfig.from_pretrained(path))
         if problems:
             raise ValueError("arctic_trl cannot run these settings exactly:\n  - " + "\n  - ".join(problems))
-        path = _model_folder(model)
         self.arctic = _connect(arctic, path, args)
         beta = args.beta
         # TRL must not build a reference model or clip the placeholder: both are the backend's job
@@ -284,6 +290,28 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _record(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             self._metrics["train"][f"arctic/{key}"].append(float(value))
+
+    # ---- checkpoints: the weights and the optimizer live in the backend ----------------------
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """What TRL's ``save_model`` and checkpoints write as the model: the backend's checkpoint in
+        ``output_dir/arctic`` (weights, optimizer, step: what resuming loads) and the policy as a
+        Hugging Face folder, linked at ``output_dir`` itself so that ``from_pretrained`` reads it."""
+        folder = Path(output_dir or self.args.output_dir)
+        self.arctic.save_checkpoint(str(folder / ARCTIC_CHECKPOINT), export_hf=True)
+        export = folder / ARCTIC_CHECKPOINT / HF_EXPORT
+        if export.is_dir():  # not here when the backend runs on another machine (its files are there)
+            for file in export.iterdir():
+                link = folder / file.name
+                link.unlink(missing_ok=True)
+                link.symlink_to(file.relative_to(folder))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(folder)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Resuming: the backend loads its checkpoint (weights, optimizer, step) and its samplers
+        serve those weights; TRL restores its own state (step, schedule, data order) around it."""
+        self.arctic.load_checkpoint(str(Path(resume_from_checkpoint) / ARCTIC_CHECKPOINT))
 
     def _record_step(self, metrics: dict[str, float]) -> None:
         self._record({f"step/{k}": v for k, v in metrics.items()})
