@@ -23,6 +23,7 @@ from arctic_core.config import ArcticConfig, StrictModel
 from arctic_core.errors import ConfigError
 from arctic_primerl.loss import loss_terms
 from arctic_primerl.schedule import LRSchedule
+from arctic_primerl.trainer import RunFolder
 
 
 class ArcticSection(BackendSettings):
@@ -134,8 +135,7 @@ def read_run(path: Path) -> RunSettings:
 
 
 def latest_checkpoint(run_dir: Path) -> int:
-    steps = [int(step) for folder in (run_dir / "checkpoints").glob("step_*/arctic")
-             if (step := folder.parent.name.removeprefix("step_")).isdigit()]
+    steps = RunFolder(run_dir).checkpoint_steps()
     if not steps:
         raise ConfigError(f"[resume] without a step resumes from the latest checkpoint, but {run_dir / 'checkpoints'} "
                           "holds none")

@@ -49,6 +49,10 @@ class RunFolder:
         return {int(step): folder for folder in (self.root / kind).glob("step_*")
                 if (step := folder.name.removeprefix("step_")).isdigit()}
 
+    def checkpoint_steps(self) -> list[int]:
+        """The steps that have an Arctic checkpoint (``checkpoints/step_N/arctic``), in order."""
+        return sorted(step for step in self.steps("checkpoints") if self.checkpoint(step).is_dir())
+
     def prepare(self, resume_step: int | None, clean: bool) -> None:
         """Make the folder safe to start in, as PRIME-RL's launcher does. The trainer would read an
         earlier run's rollout files as this run's: a folder holding an earlier run's steps is refused
@@ -66,8 +70,7 @@ class RunFolder:
         """Keep Arctic's ``keep`` newest checkpoints and those of every ``keep_interval``-th step;
         the rest of an older step's folder (the orchestrator's own checkpoint) is PRIME-RL's, and
         the folder goes only once it is empty."""
-        steps = sorted(step for step in self.steps("checkpoints") if self.checkpoint(step).is_dir())
-        for step in steps[:-keep]:
+        for step in self.checkpoint_steps()[:-keep]:
             if keep_interval and step % keep_interval == 0:
                 continue
             shutil.rmtree(self.checkpoint(step), ignore_errors=True)
