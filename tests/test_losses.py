@@ -95,6 +95,9 @@ def test_ppo_token_mean_value_clipfrac_and_gradient() -> None:
     loss, metrics = PPOLoss(**PPO_OPTS)({"logprobs": logp}, batch, LossContext.of(batch))
     assert loss.item() == pytest.approx(0.154, abs=TOL)  # 0.77 / 5
     assert metrics["clipfrac"] == pytest.approx(0.4, abs=MTOL)  # 2 of 5 tokens
+    # ratio 1.5 with A > 0 (above 1.28) and ratio 0.5 with A < 0 (below 0.8); 0.5 with A > 0 is not clipped
+    assert metrics["clip_high_frac"] == pytest.approx(0.2, abs=MTOL)
+    assert metrics["clip_low_frac"] == pytest.approx(0.2, abs=MTOL)
     assert metrics["dual_clipfrac"] == 0.0
     # approx_kl = token-mean of 0.5 * log(ratio)^2
     logs = [math.log(r) for row in PPO_RATIOS for r in row]

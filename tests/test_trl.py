@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -193,11 +194,32 @@ def test_the_loss_matrix_equals_plain_trl(pair, level, kl, entropy_quantile, dat
                             off_policy_mask_threshold=0.05 if "masked" in data else None)
             configure(plain, **settings)
             configure(arctic, **settings)
+            logged = metric_counts(plain)
             expected, expected_grads = plain_loss_and_grads(plain, inputs)
             metrics = arctic.arctic_fwd_bwd(inputs)
             case = f"{loss_type} delta={delta}"
             assert metrics["loss"] == pytest.approx(expected, abs=1e-5), case
             assert_grads_equal(take_arctic_grads(arctic), expected_grads, case)
+            assert_trl_metrics_equal(plain, logged, arctic, metrics, loss_type, beta, case)
+
+
+def metric_counts(trainer) -> dict[str, int]:
+    return {name: len(values) for name, values in trainer._metrics["train"].items()}
+
+
+def assert_trl_metrics_equal(plain, logged: dict[str, int], arctic, metrics: dict, loss_type: str, beta: float,
+                             case: str) -> None:
+    """The loss metrics Arctic logs under TRL's names equal those plain TRL's call just logged."""
+    expected = {k: v[-1] for k, v in plain._metrics["train"].items() if len(v) > logged.get(k, 0)}
+    before = metric_counts(arctic)
+    arctic._record_as_trl(metrics)
+    ours = {k: v[-1] for k, v in arctic._metrics["train"].items() if len(v) > before.get(k, 0)}
+    named = {"cispo": {"cispo_clip_ratio"}, "vespo": {"vespo/phi_seq_mean"}}.get(loss_type, set())
+    if AGGREGATION_CLIPPED(loss_type):
+        named = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    assert named | ({"kl"} if beta else set()) <= ours.keys() <= expected.keys(), case
+    for name, value in ours.items():
+        assert value == pytest.approx(expected[name], abs=1e-5), (case, name)
 
 
 def AGGREGATION_CLIPPED(loss_type: str) -> bool:  # the loss types delta applies to
@@ -312,6 +334,35 @@ def test_unsupported_settings_fail_clearly(policy, tmp_path):
         GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
     with pytest.raises(ValueError, match="needs a local model folder"):
         GRPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=variety_reward, args=grpo_args(tmp_path), train_dataset=DATASET)
+
+
+TWO_PROCESSES = """
+import sys
+import trl
+from datasets import Dataset
+from arctic_trl import GRPOTrainer
+
+args = trl.GRPOConfig(output_dir=sys.argv[2], max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, report_to="none", use_cpu=True, bf16=False, save_strategy="no")
+try:
+    GRPOTrainer(model=sys.argv[1], reward_funcs=lambda completion_ids, **k: [0.0] * len(completion_ids), args=args,
+                train_dataset=Dataset.from_dict({"prompt": ["a"] * 8}))
+except ValueError as error:
+    print("refused:", str(error).replace("\\n", " "))
+"""
+
+
+def test_several_trl_processes_are_refused_with_what_to_run_instead(policy, tmp_path):
+    """Under torchrun every process would start a backend of its own (or step a shared one once per
+    process): each of TRL's two processes refuses before any engine starts."""
+    script = tmp_path / "two_processes.py"
+    script.write_text(TWO_PROCESSES)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), policy, str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    refusals = [line for line in run.stdout.splitlines() if line.startswith("refused:")]
+    assert run.returncode == 0 and len(refusals) == 2, run.stdout + run.stderr
+    assert all("2 processes: run TRL as one process" in line for line in refusals)
 
 
 def test_checkpoints_hold_the_trained_policy_and_resuming_restores_the_backend(policy, tmp_path):

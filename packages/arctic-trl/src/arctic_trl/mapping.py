@@ -33,6 +33,10 @@ GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
 def unsupported(args: GRPOConfig) -> list[str]:
     """The settings of ``args`` Arctic cannot reproduce exactly, each with what to do instead."""
     problems = []
+    if args.world_size > 1:  # each process would start its own backend, or step a shared one once per process
+        problems.append(f"{args.world_size} processes: run TRL as one process (python, not torchrun or accelerate "
+                        "launch); the backend spreads training over GPUs itself (arctic={'trainer': {'backend': "
+                        "'ray', 'options': {'workers': N}}})")
     if args.loss_type not in AGGREGATION:
         problems.append(f"loss_type={args.loss_type!r} (TRL 1.16's: {', '.join(AGGREGATION)})")
     if args.use_vllm:

@@ -207,6 +207,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         model.train()
         metrics = self.arctic_fwd_bwd(self._prepare_inputs(inputs))  # TRL: generation, rewards, advantages
         self._record(metrics)
+        self._record_as_trl(metrics)
         self._step += 1
         self._current_train_step_time += time.perf_counter() - begin
         if self._step % self.current_gradient_accumulation_steps == 0:
@@ -291,6 +292,17 @@ class GRPOTrainer(trl.GRPOTrainer):
         for key, value in metrics.items():
             self._metrics["train"][f"arctic/{key}"].append(float(value))
 
+    def _record_as_trl(self, metrics: dict[str, float]) -> None:
+        """The loss metrics TRL's ``_compute_loss`` logs, under its names, from the backend's."""
+        train = self._metrics["train"]
+        for ours, theirs in TRL_METRICS.items():
+            if ours in metrics:
+                train[theirs].append(float(metrics[ours]))
+        if "ppo/clip_low_frac" in metrics:  # the two sides never overlap
+            train["clip_ratio/region_mean"].append(float(metrics["ppo/clip_low_frac"] + metrics["ppo/clip_high_frac"]))
+        if self._entropy_bonus_enabled and self.accelerator.sync_gradients:
+            train["entropy_coef"].append(self.entropy_coef)
+
     # ---- checkpoints: the weights and the optimizer live in the backend ----------------------
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -323,6 +335,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         if "grad_norm" in logs and norms:
             logs["grad_norm"] = sum(norms) / len(norms)
         super().log(logs, start_time)
+
+
+# The backend's loss metrics (``{term}/{metric}``) that are TRL's under another name.
+TRL_METRICS = {"kl/kl": "kl", "entropy/entropy": "entropy", "ppo/clip_low_frac": "clip_ratio/low_mean",
+               "ppo/clip_high_frac": "clip_ratio/high_mean", "cispo/capfrac": "cispo_clip_ratio",
+               "vespo/phi_mean": "vespo/phi_seq_mean"}
 
 
 def _model_folder(model: str | PreTrainedModel) -> str:

@@ -214,10 +214,18 @@ class PPOLoss(PolicyTerm):
             cap = -adv * opts.dual_clip
             dual = (adv < 0) & (losses > cap)
             losses = torch.where(dual, cap, losses)
+        # Which side clipped a token: below 1 - clip_low with a negative advantage, above 1 + clip_high
+        # with a positive one (TRL's clip_ratio/low_mean and high_mean; the two never overlap).
+        low, high = (ratio < 1.0 - opts.clip_low) & (adv < 0), (ratio > 1.0 + opts.high) & (adv > 0)
         metrics = {"clipfrac": token_mean((clipped > unclipped).float(), mask, ctx),
                    "dual_clipfrac": token_mean(dual.float(), mask, ctx)}
-        if opts.level == "sequence":
+        if opts.level == "sequence":  # per sequence, as the ratio is
             metrics["seq_ratio_mean"] = ratio.detach()[:, 0].sum() / ctx.num_sequences
+            metrics["clip_low_frac"] = low[:, 0].float().sum() / ctx.num_sequences
+            metrics["clip_high_frac"] = high[:, 0].float().sum() / ctx.num_sequences
+        else:
+            metrics["clip_low_frac"] = token_mean(low.float(), mask, ctx)
+            metrics["clip_high_frac"] = token_mean(high.float(), mask, ctx)
         return losses, metrics
 
 
@@ -282,7 +290,7 @@ class VESPOLoss(PolicyTerm):
             k = torch.where(nonneg, opts.k_pos, opts.k_neg)
             lam = torch.where(nonneg, opts.lambda_pos, opts.lambda_neg).clamp(min=1e-4)
             phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        return -phi * adv * logp, {"phi_mean": token_mean(phi.expand_as(mask), mask, ctx)}
+        return -phi * adv * logp, {"phi_mean": phi[:, 0].sum() / ctx.num_sequences}  # one weight per sequence
 
 
 class DPPOLoss(PolicyTerm):

@@ -86,11 +86,10 @@ class KLLoss:
         if opts.gradient == "k2":
             k2 = kl_estimate(logp, ref_logp, "k2")
             kl = k2 - k2.detach() + kl.detach()
-        metrics = {"kl": token_mean(kl, mask, ctx)}
         if opts.ratio_weighted:
             old = old_logprobs(batch, "kl", logp, opts.old_logprobs)
             kl = kl * torch.exp(at_level((logp - old).masked_fill(~mask, 0.0), mask, opts.level))
-        return aggregate(kl, mask, ctx, opts.aggregation), metrics
+        return aggregate(kl, mask, ctx, opts.aggregation), {"kl": token_mean(kl, mask, ctx)}  # what is penalised
 
     def _reference(self, batch: RolloutBatch) -> torch.Tensor:
         if self.options.against == "old":
