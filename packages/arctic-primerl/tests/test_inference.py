@@ -37,7 +37,7 @@ def front(policy, tmp_path_factory):
 
         def recording_handle(op, request):
             if op == "generate":
-                calls.append((len(request.prompts), request.params.n))
+                calls.append(request)
             return handle(op, request)
 
         server.handle = recording_handle
@@ -81,15 +81,27 @@ def test_one_prompts_calls_reach_arctic_as_one_group(front, policy):
 
     answers = asyncio.run(group())
     assert all(a.status_code == 200 for a in answers)
-    assert calls == [(1, 4)]  # one prompt, four samples, one call
+    assert [(len(call.prompts), call.params.n) for call in calls] == [(1, 4)]  # one prompt, four samples, one call
 
 
-def test_no_max_tokens_means_up_to_the_context(front, policy):
-    _, http, _ = front
-    request = body(policy, temperature=1.0, stop_token_ids=[])
-    del request["sampling_params"]["max_tokens"]
-    answer = http.post("/inference/v1/generate", json=request).json()["choices"][0]
-    assert len(request["token_ids"]) + len(answer["token_ids"]) <= 64
+def test_samples_stop_at_the_context_without_max_tokens_or_past_it(front, policy):
+    """As PRIME-RL's server: no max_tokens, or more than the context leaves, samples up to the
+    context and finishes with "length"; only a prompt past the context is refused."""
+    _, http, calls = front
+    eos = AutoTokenizer.from_pretrained(policy).eos_token_id
+    for max_tokens in (None, 4096):
+        calls.clear()
+        request = body(policy, temperature=1.0, stop_token_ids=[], max_tokens=max_tokens)
+        answer = http.post("/inference/v1/generate", json=request).json()["choices"][0]
+        room = 64 - len(request["token_ids"])
+        assert [call.params.max_tokens for call in calls] == [room], max_tokens
+        if answer["finish_reason"] == "length":
+            assert len(answer["token_ids"]) == room
+        else:  # the sample drew the end-of-sequence token first
+            assert answer["finish_reason"] == "stop" and answer["token_ids"][-1] == eos
+    too_long = {**body(policy), "token_ids": body(policy)["token_ids"] * 64}
+    refused = http.post("/inference/v1/generate", json=too_long)
+    assert refused.status_code == 400 and "the model's context is 64" in refused.json()["message"]
 
 
 def test_requests_arctic_cannot_honour_are_refused_by_name(front, policy):
@@ -100,7 +112,6 @@ def test_requests_arctic_cannot_honour_are_refused_by_name(front, policy):
         "sampling_params.presence_penalty": body(policy, presence_penalty=0.5),
         "sampling_params.logprobs = 5": body(policy, logprobs=5),
         "unknown sampling_params \\['typo'\\]": body(policy, typo=1),
-        "exceed the model's context": body(policy, max_tokens=4096),
         "multimodal": {**body(policy), "features": {"image": 1}},
     }
     for message, request in cases.items():
@@ -153,6 +164,18 @@ def test_health_models_and_chat_for_evaluations(front, policy):
     chat = http.post("/v1/chat/completions", json={"model": str(policy), "messages": [{"role": "user", "content": "repeat 3"}],
                                                    "max_tokens": 6, "n": 2}).json()
     assert len(chat["choices"]) == 2 and all(isinstance(c["message"]["content"], str) for c in chat["choices"])
+    # PRIME-RL's evaluation sampling arguments: top_k and min_p come in extra_body, logprobs asked for.
+    messages = {"model": str(policy), "messages": [{"role": "user", "content": "repeat 3"}]}
+    asked = {**messages, "max_completion_tokens": 5, "temperature": 0.0, "top_k": 4, "min_p": 0.1, "logprobs": True,
+             "reasoning_effort": "low"}
+    answer = http.post("/v1/chat/completions", json=asked).json()
+    content = answer["choices"][0]["logprobs"]["content"]  # one entry per sampled token
+    assert len(content) == answer["usage"]["completion_tokens"] <= 5
+    assert all(isinstance(entry["token"], str) and entry["logprob"] <= 0.0 for entry in content)
+    # Settings Arctic cannot honour are refused by name, not dropped.
+    for key, value in {"stop": ["\n"], "presence_penalty": 0.5, "tools": [{"type": "function"}], "top_logprobs": 3}.items():
+        refused = http.post("/v1/chat/completions", json={**messages, key: value})
+        assert refused.status_code == 400 and key in refused.json()["message"], refused.text
 
 
 def test_a_token_is_required_when_prime_rls_api_key_is_set(front):

@@ -121,11 +121,9 @@ def sampling_params(body: dict[str, Any], prompt_len: int, max_model_len: int) -
     room = max_model_len - prompt_len
     if room <= 0:
         raise ApiError(400, "BadRequest", f"the prompt has {prompt_len} tokens; the model's context is {max_model_len}")
-    max_tokens = body.get("max_tokens")
-    if max_tokens is not None and max_tokens > room:
-        raise ApiError(400, "BadRequest", f"max_tokens {max_tokens} + prompt {prompt_len} tokens exceed the "
-                                          f"model's context of {max_model_len}")
-    return vllm_sampling_params(body, room)  # no max_tokens: up to the context, as vLLM's server does
+    # PRIME-RL's server refuses only a prompt past the context: a sample whose max_tokens would
+    # overrun it stops at the context, finish_reason "length" (no max_tokens: up to the context).
+    return vllm_sampling_params({**body, "max_tokens": min(body.get("max_tokens") or room, room)}, room)
 
 
 class Front:
@@ -223,18 +221,25 @@ def _add_sampling_routes(app: FastAPI, front: Front, authorised: list) -> None:
         tokenizer = front.tokenizer
         if tokenizer is None or body.stream:
             raise ApiError(400, "BadRequest", "chat completions need the model's tokenizer and are not streamed")
+        # What is left after the chat-only keys goes through the generate route's checks: a setting
+        # Arctic cannot honour (stop strings, penalties, tools...) is refused by name, not dropped.
         extra = dict(body.model_extra or {})
-        prompt = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False, **extra.pop("chat_template_kwargs", {}))
+        template = extra.pop("chat_template_kwargs", {})
+        if "reasoning_effort" in extra:  # a chat-template variable (gpt-oss's template reads it)
+            template = {"reasoning_effort": extra.pop("reasoning_effort"), **template}
+        n, with_logprobs = int(extra.pop("n", 1)), bool(extra.pop("logprobs", False))
+        if extra.pop("top_logprobs", None):
+            raise ApiError(400, "BadRequest", "top_logprobs: Arctic returns the sampled token's log-prob only")
         if "max_completion_tokens" in extra:
             extra["max_tokens"] = extra.pop("max_completion_tokens")
-        wanted = {k: v for k, v in extra.items() if k in {"temperature", "top_p", "top_k", "min_p", "max_tokens", "seed"}}
-        n = int(extra.get("n", 1))
-        params = sampling_params(wanted, len(prompt), settings.max_model_len)
+        prompt = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False, **template)
+        params = sampling_params(extra, len(prompt), settings.max_model_len)
         results = await asyncio.gather(*(front.sample(prompt, params) for _ in range(n)))
-        choices = [{"index": i, "finish_reason": finished, "logprobs": None,
+        choices = [{"index": i, "finish_reason": finished,
+                    "logprobs": _chat_logprobs(tokenizer, tokens, logprobs) if with_logprobs else None,
                     "message": {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)}}
-                   for i, (tokens, _, finished) in enumerate(results)]
+                   for i, (tokens, logprobs, finished) in enumerate(results)]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name, "choices": choices,
                 "usage": _usage(len(prompt) * n, sum(len(t) for t, _, _ in results))}
@@ -292,6 +297,12 @@ def _add_orchestrator_routes(app: FastAPI, front: Front, authorised: list) -> No
     @app.get("/metrics", dependencies=authorised)
     async def metrics() -> Response:
         return Response(front.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _chat_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[float]) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: each sampled token's text and log-prob (no alternatives)."""
+    return {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
+                        for t, lp in zip(tokens, logprobs)]}
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
