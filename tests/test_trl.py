@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -395,6 +397,19 @@ def test_trl_settings_arctic_does_not_compute_are_refused_by_name(policy, tmp_pa
     # would move rows from one step into the next, so the regrouping is off.
     assert not regroup_is_exact(grpo_args(tmp_path, steps_per_generation=3, gradient_accumulation_steps=2))
     assert regroup_is_exact(grpo_args(tmp_path, steps_per_generation=4, gradient_accumulation_steps=2))
+
+
+def test_a_model_with_dropout_needs_trls_disable_dropout(policy, tmp_path):
+    """TRL trains with the model's dropout unless disable_dropout; Arctic never applies dropout."""
+    folder = tmp_path / "with-dropout"
+    shutil.copytree(policy, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    with pytest.raises(ValueError, match=r"dropout \{'attention_dropout': 0.1\}.*set disable_dropout=True"):
+        GRPOTrainer(model=str(folder), reward_funcs=variety_reward, args=grpo_args(tmp_path), train_dataset=DATASET)
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=variety_reward, args=grpo_args(tmp_path, disable_dropout=True),
+                          train_dataset=DATASET)
+    trainer.arctic.close()
 
 
 def test_no_full_model_on_the_client(policy, tmp_path):

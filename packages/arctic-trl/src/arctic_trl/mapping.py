@@ -63,14 +63,21 @@ def unsupported(args: GRPOConfig) -> list[str]:
 
 def unsupported_model(args: GRPOConfig, config: PretrainedConfig) -> list[str]:
     """What the model's config asks of TRL that Arctic does not compute: the MoE load-balancing loss
-    TRL adds when the model returns router logits and the coefficient is not 0."""
+    TRL adds when the model returns router logits and the coefficient is not 0, and the model's
+    dropout, which TRL trains with unless ``disable_dropout``."""
+    problems = []
     text_config = config.get_text_config()
     coef = args.router_aux_loss_coef
     coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
     if hasattr(text_config, "output_router_logits") and coef:
-        return [f"router_aux_loss_coef={coef} (the model's MoE load-balancing loss): Arctic does not compute it; "
-                "set router_aux_loss_coef=0.0"]
-    return []
+        problems.append(f"router_aux_loss_coef={coef} (the model's MoE load-balancing loss): Arctic does not compute "
+                        "it; set router_aux_loss_coef=0.0")
+    dropout = {key: value for key, value in text_config.to_dict().items()
+               if ("dropout" in key or key.endswith("pdrop")) and type(value) in (int, float) and value > 0}
+    if dropout and not args.disable_dropout:
+        problems.append(f"the model's dropout {dropout}: Arctic trains without dropout (every forward gives the "
+                        "same log-probs); set disable_dropout=True")
+    return problems
 
 
 def sampling_params(args: GRPOConfig, temperature: float) -> dict[str, Any]:
