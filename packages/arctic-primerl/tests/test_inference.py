@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import shutil
 import re
 
 import httpx
@@ -176,6 +177,31 @@ def test_health_models_and_chat_for_evaluations(front, policy):
     for key, value in {"stop": ["\n"], "presence_penalty": 0.5, "tools": [{"type": "function"}], "top_logprobs": 3}.items():
         refused = http.post("/v1/chat/completions", json={**messages, key: value})
         assert refused.status_code == 400 and key in refused.json()["message"], refused.text
+
+
+def test_chat_requests_default_to_the_models_generation_config(policy, tmp_path):
+    """As vLLM's chat server: settings a request leaves out come from the model's
+    generation_config.json, whose end-of-sequence ids also stop every sample."""
+    folder = tmp_path / "policy"
+    shutil.copytree(policy, folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {**generation, "do_sample": True, "temperature": 0.25, "top_k": 3, "eos_token_id": [tokenizer.eos_token_id, 7]}))
+    with serving(tmp_path, folder, seq_len=64) as (service, url):
+        server, calls = service.client.transport.server, []
+        handle = server.handle
+        server.handle = lambda op, request: (calls.append(request) if op == "generate" else None) or handle(op, request)
+        messages = {"model": str(folder), "messages": [{"role": "user", "content": "repeat 3"}], "max_tokens": 4}
+        with httpx.Client(base_url=url, timeout=120) as http:
+            assert http.post("/v1/chat/completions", json=messages).status_code == 200
+            assert http.post("/v1/chat/completions", json={**messages, "top_k": 0, "temperature": 1.0}).status_code == 200
+            assert http.post("/inference/v1/generate", json=body(folder, stop_token_ids=[9])).status_code == 200
+    (defaults, asked, generated) = [call.params for call in calls]
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.25, 3, 1.0)
+    assert (asked.temperature, asked.top_k) == (1.0, 0)  # what a request names wins
+    assert set(defaults.stop_token_ids) == {tokenizer.eos_token_id, 7}
+    assert set(generated.stop_token_ids) == {tokenizer.eos_token_id, 7, 9}  # the request's stop ids add to them
 
 
 def test_a_token_is_required_when_prime_rls_api_key_is_set(front):

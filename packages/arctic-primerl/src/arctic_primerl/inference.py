@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
+from transformers import GenerationConfig
 
 from arctic_core.adapters.request_grouping import RequestGrouper
 from arctic_core.adapters.translation import vllm_sampling_params
@@ -44,6 +45,11 @@ IGNORED_SAMPLING = {"logprobs", "skip_special_tokens", "return_token_ids", "cach
                     "spaces_between_special_tokens", "include_stop_str_in_output", "output_kind", "extra_args"}
 
 
+# generation_config.json settings that vLLM's chat server takes as the defaults of a request naming
+# none (its max_new_tokens it does not: a sample runs up to the context).
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass
 class FrontSettings:
     model_name: str
@@ -52,6 +58,21 @@ class FrontSettings:
     token: str | None = None
     group_quiet_s: float = 0.2
     group_max_wait_s: float = 5.0
+    chat_defaults: dict[str, Any] = field(default_factory=dict)
+    """Sampling settings a chat request leaves out, from the model's generation config (as vLLM's)."""
+
+
+def model_generation_settings(model: str) -> tuple[dict[str, Any], set[int]]:
+    """The chat defaults and the end-of-sequence ids the model's ``generation_config.json`` sets
+    (none when it has no such file): vLLM samples with both."""
+    try:
+        config = GenerationConfig.from_pretrained(model)
+    except OSError:
+        return {}, set()
+    given = config.to_diff_dict()
+    defaults = {key: given[key] for key in GENERATION_DEFAULTS if given.get(key) is not None}
+    eos = config.eos_token_id
+    return defaults, set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 @dataclass
@@ -104,8 +125,11 @@ class ChatBody(BaseModel):
     stream: bool = False
 
 
-def sampling_params(body: dict[str, Any], prompt_len: int, max_model_len: int) -> SamplingParams:
-    """vLLM sampling parameters in Arctic's terms; anything Arctic would silently ignore is refused."""
+def sampling_params(body: dict[str, Any], prompt_len: int, settings: FrontSettings) -> SamplingParams:
+    """vLLM sampling parameters in Arctic's terms; anything Arctic would silently ignore is refused.
+    The model's end-of-sequence ids stop a sample besides the request's ``stop_token_ids``, as in
+    vLLM (Arctic's own rule: a request's stop ids replace them)."""
+    max_model_len = settings.max_model_len
     for key, off in UNSERVED_SAMPLING.items():
         value = body.get(key)
         if value not in (None, off) and value != [] and value != {}:
@@ -123,7 +147,9 @@ def sampling_params(body: dict[str, Any], prompt_len: int, max_model_len: int) -
         raise ApiError(400, "BadRequest", f"the prompt has {prompt_len} tokens; the model's context is {max_model_len}")
     # PRIME-RL's server refuses only a prompt past the context: a sample whose max_tokens would
     # overrun it stops at the context, finish_reason "length" (no max_tokens: up to the context).
-    return vllm_sampling_params({**body, "max_tokens": min(body.get("max_tokens") or room, room)}, room)
+    stops = sorted(set(body.get("stop_token_ids") or []) | settings.eos_token_ids)
+    return vllm_sampling_params({**body, "max_tokens": min(body.get("max_tokens") or room, room),
+                                 "stop_token_ids": stops}, room)
 
 
 class Front:
@@ -170,8 +196,7 @@ class Front:
         self.metrics.served.inc()
         tokens = batch.response(row)
         logprobs = batch.sampling_logprobs[row, : len(tokens)].tolist()
-        stops = set(params.stop_token_ids) | self.settings.eos_token_ids
-        finished = "length" if len(tokens) >= params.max_tokens and tokens[-1] not in stops else "stop"
+        finished = "length" if len(tokens) >= params.max_tokens and tokens[-1] not in params.stop_token_ids else "stop"
         return tokens, logprobs, finished
 
 
@@ -207,7 +232,7 @@ def _add_sampling_routes(app: FastAPI, front: Front, authorised: list) -> None:
             raise ApiError(400, "BadRequest", "multimodal features and streaming are not supported by Arctic's sampler")
         if not body.token_ids:
             raise ApiError(400, "BadRequest", "token_ids is empty")
-        params = sampling_params(body.sampling_params, len(body.token_ids), settings.max_model_len)
+        params = sampling_params(body.sampling_params, len(body.token_ids), settings)
         tokens, logprobs, finished = await front.sample(body.token_ids, params)
         return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_logprobs": None,
                 "choices": [{"index": 0, "token_ids": tokens, "finish_reason": finished,
@@ -232,9 +257,10 @@ def _add_sampling_routes(app: FastAPI, front: Front, authorised: list) -> None:
             raise ApiError(400, "BadRequest", "top_logprobs: Arctic returns the sampled token's log-prob only")
         if "max_completion_tokens" in extra:
             extra["max_tokens"] = extra.pop("max_completion_tokens")
+        extra = {**settings.chat_defaults, **extra}
         prompt = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True,
                                                return_dict=False, **template)
-        params = sampling_params(extra, len(prompt), settings.max_model_len)
+        params = sampling_params(extra, len(prompt), settings)
         results = await asyncio.gather(*(front.sample(prompt, params) for _ in range(n)))
         choices = [{"index": i, "finish_reason": finished,
                     "logprobs": _chat_logprobs(tokenizer, tokens, logprobs) if with_logprobs else None,

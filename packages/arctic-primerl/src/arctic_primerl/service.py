@@ -17,7 +17,7 @@ from arctic_core.client import ArcticClient, AsyncArcticClient
 from arctic_core.demo.metrics import MetricsLogger
 from arctic_core.transports.inprocess import InProcessTransport
 from arctic_primerl.config import RunSettings
-from arctic_primerl.inference import FrontSettings, create_front
+from arctic_primerl.inference import FrontSettings, create_front, model_generation_settings
 from arctic_primerl.trainer import RolloutTrainer, RunFolder, TrainerSettings
 
 
@@ -49,10 +49,12 @@ class ArcticPrimeRL:
         """Serve PRIME-RL's inference routes on ``[arctic] host`` and the run's port (0: any free
         one); returns the base URL."""
         tokenizer = AutoTokenizer.from_pretrained(self.run.model_name)
+        chat_defaults, eos = model_generation_settings(self.run.model_name)
         front = FrontSettings(
             model_name=self.run.model_name, max_model_len=self.run.arctic.max_model_len or self.run.seq_len,
-            eos_token_ids={tokenizer.eos_token_id}, token=token,
+            eos_token_ids=({tokenizer.eos_token_id} | eos) - {None}, token=token,
             group_quiet_s=self.run.arctic.group_quiet_ms / 1000, group_max_wait_s=self.run.arctic.group_max_wait_ms / 1000,
+            chat_defaults=chat_defaults,
         )
         app = create_front(self._connect, front, lambda: self.trainer.announced, tokenizer)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
