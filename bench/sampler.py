@@ -41,7 +41,6 @@ from shapes import QWEN3_1_7B
 # prompts x samples @ prompt length
 SHAPES = [(8, 8, 2048), (8, 8, 4096), (64, 8, 2048), (16, 16, 4096), (32, 8, 7680), (128, 1, 2048)]
 NEW_TOKENS = 512
-NO_STOP = [10**9]
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -106,7 +105,7 @@ def smoke(device: str) -> dict:
     engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=8192, max_num_seqs=8, max_prefill_tokens=48,
                                                  chunked_prefill=True))
     prompts = random_prompts(4, 40, len(tokenizer))
-    params = SamplingParams(n=4, temperature=0, max_tokens=32, stop_token_ids=NO_STOP)
+    params = SamplingParams(n=4, temperature=0, max_tokens=32, ignore_eos=True)
     results = {mode: run_engine(engine, mode, prompts, params) for mode in ("fca", "plain")}
     results["hf_generate"] = run_hf(reference, prompts, params)
     tokens = {name: r.pop("tokens") for name, r in results.items()}
@@ -146,8 +145,9 @@ def gpu(args) -> dict:
     results = []
     for prompts_count, samples, length in args.shapes:
         prompts = random_prompts(prompts_count, length, config.vocab_size)
-        stops = random_prompts(1, args.stop_ids, config.vocab_size, seed=9)[0] if args.stop_ids else NO_STOP
-        params = SamplingParams(n=samples, temperature=1.0, max_tokens=args.new_tokens, stop_token_ids=stops, seed=0)
+        stops = random_prompts(1, args.stop_ids, config.vocab_size, seed=9)[0] if args.stop_ids else []
+        params = SamplingParams(n=samples, temperature=1.0, max_tokens=args.new_tokens, stop_token_ids=stops,
+                                ignore_eos=True, seed=0)
         row = {"prompts": prompts_count, "samples": samples, "prompt_len": length, "new_tokens": args.new_tokens,
                "decode_floor_ms": round(1e3 * step_bytes(model, prompts_count, samples, length, args.new_tokens)
                                         / copy_rate, 2)}
@@ -211,7 +211,7 @@ class Decoders:
             self.engine.runner.graphs.clear()  # they captured the other forward
 
 
-CHECK_PROMPTS, CHECK_PARAMS = (16, 300, 2), SamplingParams(n=4, temperature=0, max_tokens=64, stop_token_ids=NO_STOP)
+CHECK_PROMPTS, CHECK_PARAMS = (16, 300, 2), SamplingParams(n=4, temperature=0, max_tokens=64, ignore_eos=True)
 
 
 def fp32_greedy(model, vocab: int) -> dict:
@@ -275,7 +275,7 @@ def graph_check(engine: EmbeddedEngine, vocab: int) -> dict:
     """Greedy tokens with CUDA graphs equal those of eager decode, per mode (same kernels); this
     also compiles the kernels and captures the graphs before any timing."""
     prompts = random_prompts(4, 300, vocab, seed=1)
-    params = SamplingParams(n=4, temperature=0, max_tokens=48, stop_token_ids=NO_STOP)
+    params = SamplingParams(n=4, temperature=0, max_tokens=48, ignore_eos=True)
     graphs, identical = engine.runner.graphs, {}
     for mode in ("fca", "plain"):
         with_graphs = run_engine(engine, mode, prompts, params)["tokens"]
@@ -293,7 +293,7 @@ def profile(engine: EmbeddedEngine, args, vocab: int) -> dict:
 
     prompts_count, samples, length = args.shapes[0]
     prompts = random_prompts(prompts_count, length, vocab)
-    params = SamplingParams(n=samples, max_tokens=24, stop_token_ids=NO_STOP, seed=0)
+    params = SamplingParams(n=samples, max_tokens=24, ignore_eos=True, seed=0)
     summary = {}
     for mode in args.modes:
         run_engine(engine, mode, prompts, params)

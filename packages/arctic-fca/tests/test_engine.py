@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from arctic_core.config import SamplingParams, validate
+from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate
 from arctic_core.demo.task import CountingTask
 from arctic_core.demo.tiny_model import build_tiny_model, build_tokenizer
 from arctic_core.errors import ConfigError, RequestError
 from arctic_fca.engine import EmbeddedEngine, EngineOptions, attention
 from arctic_fca.engine.sampling import RowParams, filtered_log_probs
+from arctic_fca.hf_sampler import HFGenerateSampler
 
-NO_STOP = [10**6]  # a stop id no model emits: every sample runs to max_tokens
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def hf_greedy(model, prompt, max_tokens):
 def test_greedy_equals_transformers_generate(tokenizer, family, mode):
     engine, reference = make_engine(tokenizer, family, fca=mode)
     prompts = random_prompts((5, 16, 23, 40, 7), len(tokenizer))
-    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=24, stop_token_ids=NO_STOP))
+    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True))
     assert [o.prompt_index for o in outputs] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     for out in outputs:
         assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 24)
@@ -60,7 +60,7 @@ def test_a_group_prefills_its_prompt_once_and_shared_prefixes_are_reused(tokeniz
     engine, reference = make_engine(tokenizer, fca="fca")
     system = random_prompts((32,), len(tokenizer), seed=5)[0]  # two full blocks shared by both prompts
     prompts = [system + tail for tail in random_prompts((9, 20), len(tokenizer), seed=6)]
-    outputs = engine.generate(prompts, SamplingParams(n=8, temperature=0, max_tokens=10, stop_token_ids=NO_STOP))
+    outputs = engine.generate(prompts, SamplingParams(n=8, temperature=0, max_tokens=10, ignore_eos=True))
     # Each prompt once (not 8 times), and the second prompt's system blocks came from the first.
     assert engine.stats.prefill_tokens == sum(map(len, prompts)) - 32
     assert engine.stats.prefix_hit_tokens == 32
@@ -76,7 +76,7 @@ def test_continuous_batching_admits_groups_as_blocks_free_up(tokenizer, max_num_
     # prompt is prefilled and forked, or a later group takes them.
     engine, reference = make_engine(tokenizer, kv_cache_tokens=20 * 16, max_num_seqs=max_num_seqs)
     prompts = random_prompts((18, 30, 12, 25, 40), len(tokenizer), seed=2)
-    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=20, stop_token_ids=NO_STOP))
+    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True))
     for out in outputs:
         assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 20)
     assert engine.stats.prefill_steps >= waves  # admitted in waves, not all at once
@@ -92,6 +92,30 @@ def test_stop_tokens_end_a_sample_and_are_kept(tokenizer):
     assert out.tokens == expected[: expected.index(stop) + 1]
 
 
+def test_the_models_eos_ends_a_sample_besides_the_requests_stop_ids_unless_ignore_eos(tokenizer, tmp_path):
+    """vLLM's rule, on the embedded engine and the transformers sampler: a request's stop ids add to
+    the model's end-of-sequence ids; ``ignore_eos`` leaves only the stop ids and max_tokens."""
+    engine, reference = make_engine(tokenizer)
+    prompt = random_prompts((12,), len(tokenizer), seed=11)[0]
+    expected = hf_greedy(reference, prompt, 16)
+    eos, stop = expected[0], expected[-1]  # greedy gives 123, 123, 144, ...: the two stop it in different places
+    assert expected.index(eos) < expected.index(stop)
+    reference.generation_config.eos_token_id = engine.model.generation_config.eos_token_id = eos
+    reference.save_pretrained(tmp_path)
+    hf = HFGenerateSampler(SamplerConfig(backend="hf-generate"), ModelConfig(path=str(tmp_path), device="cpu"), seed=0)
+
+    def through_first(ids):
+        return expected[: min(expected.index(t) for t in ids) + 1]
+
+    for ignore_eos, ends in ((False, [eos, stop]), (True, [stop])):
+        params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop], ignore_eos=ignore_eos)
+        (out,) = engine.generate([prompt], params)
+        assert out.tokens == through_first(ends), ignore_eos
+        assert hf.generate([prompt], params).response(0) == through_first(ends), ignore_eos
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].tokens == hf.generate([prompt], params).response(0) == expected
+
+
 def teacher_forced_logprobs(model, prompt, tokens, temperature):
     logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
     return (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
@@ -99,9 +123,9 @@ def teacher_forced_logprobs(model, prompt, tokens, temperature):
 
 def test_queued_steps_give_the_tokens_of_one_step_at_a_time(tokenizer):
     prompts = random_prompts((18, 30, 12, 25, 40, 9), len(tokenizer), seed=4)
-    params = [SamplingParams(n=2, temperature=0, max_tokens=16, stop_token_ids=NO_STOP),
-              SamplingParams(n=3, temperature=1.0, max_tokens=14, stop_token_ids=NO_STOP, seed=3),
-              SamplingParams(n=2, temperature=0.8, max_tokens=12, stop_token_ids=NO_STOP, seed=4,
+    params = [SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(n=3, temperature=1.0, max_tokens=14, ignore_eos=True, seed=3),
+              SamplingParams(n=2, temperature=0.8, max_tokens=12, ignore_eos=True, seed=4,
                              repetition_penalty=1.4)]
     results = {}
     for overlap in (True, False):
@@ -133,7 +157,7 @@ def test_prefill_passes_are_queued_before_the_samples_of_the_one_before_are_read
     vocab = len(tokenizer)
     system = random_prompts((20,), vocab, seed=7)[0]
     prompts = [system + tail for tail in random_prompts((9, 14), vocab, seed=8)] + random_prompts((18, 30, 12, 25), vocab)
-    params = SamplingParams(n=3, temperature=1.0, max_tokens=10, stop_token_ids=NO_STOP, seed=2)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=10, ignore_eos=True, seed=2)
     events, read = [], engine_module.TokensInFlight.read
     monkeypatch.setattr(engine_module.TokensInFlight, "read", lambda self: events.append("read") or read(self))
     results = {}
@@ -180,7 +204,7 @@ def test_prompts_prefill_in_chunks_while_running_samples_decode(tokenizer, chunk
     prompts = [system + tail for tail in random_prompts((9, 20, 3), vocab, seed=6)] + random_prompts((40, 12), vocab)
     engine, reference = make_engine(tokenizer, kv_cache_tokens=24 * 16, max_num_seqs=6, max_prefill_tokens=16,
                                     fca="fca", fused_decoder=fused_decoder, chunked_prefill=chunked)
-    greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=NO_STOP))
+    greedy = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True))
     for out in greedy:
         assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 12)
     stats = engine.stats
@@ -203,7 +227,7 @@ def test_prompts_prefill_in_chunks_while_running_samples_decode(tokenizer, chunk
 def test_sampling_log_probs_are_those_of_the_distribution_sampled_from(tokenizer):
     engine, reference = make_engine(tokenizer)
     prompts = random_prompts((10, 21), len(tokenizer), seed=3)
-    params = SamplingParams(n=3, temperature=0.7, max_tokens=12, stop_token_ids=NO_STOP, seed=11)
+    params = SamplingParams(n=3, temperature=0.7, max_tokens=12, ignore_eos=True, seed=11)
     outputs = engine.generate(prompts, params)
     for out in outputs:
         expected = teacher_forced_logprobs(reference, prompts[out.prompt_index], out.tokens, 0.7)
@@ -255,7 +279,7 @@ def test_repetition_penalty_and_min_p_filter_as_transformers_does():
 def test_greedy_with_a_repetition_penalty_equals_transformers_generate(tokenizer, penalty):
     engine, reference = make_engine(tokenizer)
     prompts = random_prompts((9, 17), len(tokenizer), seed=5)
-    params = SamplingParams(n=2, temperature=0, max_tokens=16, stop_token_ids=NO_STOP, repetition_penalty=penalty)
+    params = SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=penalty)
     for out in engine.generate(prompts, params):
         prompt = prompts[out.prompt_index]
         ids = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16,
@@ -267,7 +291,7 @@ def test_weight_update_sleep_and_wake(tokenizer):
     engine, _ = make_engine(tokenizer, seed=1)
     other = build_tiny_model(tokenizer, seed=2)
     prompts = random_prompts((14, 30), len(tokenizer))
-    params = SamplingParams(n=2, temperature=0, max_tokens=8, stop_token_ids=NO_STOP)
+    params = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True)
     engine.update_weights(other.state_dict().items(), version=7)
     outputs = engine.generate(prompts, params)
     assert {o.policy_version for o in outputs} == {7}
@@ -300,7 +324,7 @@ def test_fused_decoder_equals_transformers_modules(tokenizer, family):
     same greedy tokens and log-probs, for every family it takes, biases and query/key norms included."""
     model = build_tiny_model(tokenizer, family=family, seed=4, **FAMILIES[family])
     prompts = random_prompts((9, 30, 17), len(tokenizer), seed=3)
-    params = SamplingParams(n=3, temperature=0, max_tokens=20, stop_token_ids=NO_STOP)
+    params = SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True)
     runs = {}
     for fused in (True, False):
         engine = EmbeddedEngine(copy.deepcopy(model), EngineOptions(kv_cache_tokens=2048, fused_decoder=fused))
@@ -319,7 +343,7 @@ def test_models_the_fused_decoder_does_not_take_run_on_transformers_modules(toke
     engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=2048))
     assert engine.runner.decoder is None
     prompts = random_prompts((12,), len(tokenizer))
-    out = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=10, stop_token_ids=NO_STOP))
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True))
     assert all(o.tokens == hf_greedy(reference, prompts[0], 10) for o in out)
 
 
@@ -353,7 +377,7 @@ def test_a_failing_call_gives_every_block_back(tokenizer, monkeypatch, failing):
     # Chunks of 16 tokens: when the second one fails, the prompts' blocks are indexed but not all computed.
     engine, reference = make_engine(tokenizer, chunked_prefill=True, max_prefill_tokens=16)
     prompts = random_prompts((20, 33), len(tokenizer))
-    params = SamplingParams(n=2, temperature=0, max_tokens=8, stop_token_ids=NO_STOP)
+    params = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True)
     prefill, calls = engine.runner.prefill, []
 
     def dies(*args, **kwargs):

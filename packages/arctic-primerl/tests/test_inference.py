@@ -197,11 +197,14 @@ def test_chat_requests_default_to_the_models_generation_config(policy, tmp_path)
             assert http.post("/v1/chat/completions", json=messages).status_code == 200
             assert http.post("/v1/chat/completions", json={**messages, "top_k": 0, "temperature": 1.0}).status_code == 200
             assert http.post("/inference/v1/generate", json=body(folder, stop_token_ids=[9])).status_code == 200
-    (defaults, asked, generated) = [call.params for call in calls]
+            ignoring = body(folder, stop_token_ids=[9], ignore_eos=True)
+            assert http.post("/inference/v1/generate", json=ignoring).status_code == 200
+    (defaults, asked, generated, ignored) = [call.params for call in calls]
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.25, 3, 1.0)
     assert (asked.temperature, asked.top_k) == (1.0, 0)  # what a request names wins
     assert set(defaults.stop_token_ids) == {tokenizer.eos_token_id, 7}
     assert set(generated.stop_token_ids) == {tokenizer.eos_token_id, 7, 9}  # the request's stop ids add to them
+    assert ignored.stop_token_ids == [9] and ignored.ignore_eos
 
 
 def test_a_token_is_required_when_prime_rls_api_key_is_set(front):

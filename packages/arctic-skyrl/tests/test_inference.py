@@ -75,6 +75,15 @@ def test_a_batched_call_is_sent_grouped_and_answered_in_order(served):
     check_outputs(client, output, len(prompts))
 
 
+def test_ignore_eos_samples_run_to_max_tokens_and_end_by_length(served):
+    """vLLM's ``ignore_eos``: the end-of-sequence token no longer ends a sample (nor makes it "stop")."""
+    client, _ = served
+    sampling = {**client.default_sampling, "ignore_eos": True, "temperature": 1.0, "seed": 3}
+    output = asyncio.run(client.generate({"prompt_token_ids": PROMPTS * 4, "sampling_params": sampling}))
+    assert all(len(ids) == MAX_TOKENS for ids in output["response_ids"])
+    assert output["stop_reasons"] == ["length"] * len(PROMPTS) * 4
+
+
 def test_requests_arctic_cannot_honour_are_refused_by_name(served):
     client, _ = served
     with pytest.raises(ValueError, match="stop strings"):

@@ -196,7 +196,10 @@ class SamplingParams(StrictModel):
         "ones multiplied (transformers' rule); 1 disables it.")
     max_tokens: Annotated[int, Field(ge=1)] = Field(256, description="New tokens per sample at most.")
     stop_token_ids: list[TokenId] = Field(
-        default_factory=list, description="Tokens that end a sample (kept in it); empty: the model's eos.")
+        default_factory=list, description="Tokens that end a sample (kept in it), besides the model's "
+        "end-of-sequence ids (as in vLLM).")
+    ignore_eos: bool = Field(False, description="The model's end-of-sequence ids do not end a sample (only "
+                             "stop_token_ids and max_tokens do).")
     seed: Seed | None = Field(None, description="Same seed, same samples; None: the engine's own sequence.")
 
     @property

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import ModelConfig
+from arctic_core.config import ModelConfig, SamplingParams
 from arctic_core.errors import ConfigError, RequestError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -172,11 +172,11 @@ def copy_tokenizer_files(source: str | Path, target: Path) -> list[str]:
     return copied
 
 
-def default_stop_tokens(model: PreTrainedModel) -> list[int]:
-    """The model's end-of-sequence ids (generation config first), as a list."""
+def stop_tokens(model: PreTrainedModel, params: SamplingParams) -> set[int]:
+    """What ends a sample, as in vLLM: the request's stop ids and, unless ``ignore_eos``, the
+    model's end-of-sequence ids (generation config first)."""
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     if eos is None:
         eos = model.config.eos_token_id
-    if eos is None:
-        raise RequestError("the model has no eos_token_id; pass stop_token_ids in the sampling params")
-    return [eos] if isinstance(eos, int) else list(eos)
+    eos_ids = [] if eos is None or params.ignore_eos else [eos] if isinstance(eos, int) else list(eos)
+    return set(params.stop_token_ids) | set(eos_ids)

@@ -11,7 +11,7 @@ import torch
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate_options
 from arctic_core.errors import RequestError
-from arctic_core.hf import check_prompts, copy_weights_, default_stop_tokens, load_causal_lm, max_positions
+from arctic_core.hf import check_prompts, copy_weights_, load_causal_lm, max_positions, stop_tokens
 from arctic_core.plugins.interfaces import NamedTensors
 
 
@@ -39,7 +39,7 @@ class HFGenerateSampler:
         if self.asleep:
             raise RequestError("the sampler is asleep; call wake() first")
         check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, max_positions(self.model))
-        stops = params.stop_token_ids or default_stop_tokens(self.model)
+        stops = sorted(stop_tokens(self.model, params))
         per_chunk = max(1, self.config.max_batch_size // params.n)
         seed = params.seed if params.seed is not None else self.seed + self.calls
         self.calls += 1
@@ -75,8 +75,9 @@ class HFGenerateSampler:
             do_sample=not params.greedy,
             num_return_sequences=params.n,
             max_new_tokens=params.max_tokens,
-            eos_token_id=stops,
-            pad_token_id=stops[0],
+            # transformers falls back to the model's eos for an empty list: an id it never samples instead
+            eos_token_id=stops or [self.model.config.vocab_size],
+            pad_token_id=stops[0] if stops else 0,
             output_scores=True,
             return_dict_in_generate=True,
             **sampling,

@@ -94,6 +94,7 @@ class VllmSampler:
             n=params.n // copies, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             min_p=params.min_p, repetition_penalty=params.repetition_penalty,
             max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids or None, seed=params.seed,
+            ignore_eos=params.ignore_eos,
             logprobs=0, detokenize=False,
         )
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from transformers import GenerationConfig
 
 from arctic_core.adapters.request_grouping import RequestGrouper
-from arctic_core.adapters.translation import vllm_sampling_params
+from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, vllm_sampling_params
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import AsyncArcticClient
 from arctic_core.config import SamplingParams
@@ -36,7 +36,7 @@ from arctic_core.errors import ArcticError, error_answer
 from arctic_core.serving.http import ApiError, bearer_check, error_response
 
 # vLLM sampling keys whose values Arctic cannot honour, with the value that means "off".
-UNSERVED_SAMPLING = {"n": 1, "stop": None, "ignore_eos": False, "min_tokens": 0, "presence_penalty": 0.0,
+UNSERVED_SAMPLING = {"n": 1, "stop": None, "min_tokens": 0, "presence_penalty": 0.0,
                      "frequency_penalty": 0.0, "logit_bias": None, "prompt_logprobs": None, "bad_words": None,
                      "allowed_token_ids": None, "structured_outputs": None, "guided_decoding": None,
                      "routed_experts_prompt_start": None, "truncate_prompt_tokens": None}
@@ -127,15 +127,14 @@ class ChatBody(BaseModel):
 
 def sampling_params(body: dict[str, Any], prompt_len: int, settings: FrontSettings) -> SamplingParams:
     """vLLM sampling parameters in Arctic's terms; anything Arctic would silently ignore is refused.
-    The model's end-of-sequence ids stop a sample besides the request's ``stop_token_ids``, as in
-    vLLM (Arctic's own rule: a request's stop ids replace them)."""
+    The model's end-of-sequence ids (the tokenizer's and the generation config's) stop a sample
+    besides the request's ``stop_token_ids`` unless ``ignore_eos``, as in vLLM."""
     max_model_len = settings.max_model_len
     for key, off in UNSERVED_SAMPLING.items():
         value = body.get(key)
         if value not in (None, off) and value != [] and value != {}:
             raise ApiError(400, "BadRequest", f"sampling_params.{key} = {value!r} is not supported by Arctic's sampler")
-    known = set(UNSERVED_SAMPLING) | IGNORED_SAMPLING | {"temperature", "top_p", "top_k", "min_p",
-                                                         "repetition_penalty", "max_tokens", "seed", "stop_token_ids"}
+    known = set(UNSERVED_SAMPLING) | IGNORED_SAMPLING | VLLM_SAMPLING_KEYS
     if (body.get("logprobs") or 0) > 1:
         raise ApiError(400, "BadRequest", f"sampling_params.logprobs = {body['logprobs']}: Arctic returns the sampled "
                                           "token's log-prob only (logprobs = 1)")
@@ -147,7 +146,8 @@ def sampling_params(body: dict[str, Any], prompt_len: int, settings: FrontSettin
         raise ApiError(400, "BadRequest", f"the prompt has {prompt_len} tokens; the model's context is {max_model_len}")
     # PRIME-RL's server refuses only a prompt past the context: a sample whose max_tokens would
     # overrun it stops at the context, finish_reason "length" (no max_tokens: up to the context).
-    stops = sorted(set(body.get("stop_token_ids") or []) | settings.eos_token_ids)
+    eos = set() if body.get("ignore_eos") else settings.eos_token_ids
+    stops = sorted(set(body.get("stop_token_ids") or []) | eos)
     return vllm_sampling_params({**body, "max_tokens": min(body.get("max_tokens") or room, room),
                                  "stop_token_ids": stops}, room)
 

@@ -69,7 +69,7 @@ class ArcticInferenceClient(InferenceEngineInterface):
 
     def _output(self, samples: list[tuple[RolloutBatch, int]], params: SamplingParams,
                 want_logprobs: bool) -> InferenceEngineOutput:
-        stops = set(params.stop_token_ids) | {self.tokenizer.eos_token_id}
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.tokenizer.eos_token_id})
         ids = [batch.response(row) for batch, row in samples]
         logprobs = None
         if want_logprobs:

@@ -96,7 +96,7 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
         if get(config, f"algorithm.rollout_correction.{key}") is not None:
             refuse(f"algorithm.rollout_correction.{key}", "rollout-correction weights are not supported")
     if get(config, "actor_rollout_ref.rollout.ignore_eos"):
-        refuse("actor_rollout_ref.rollout.ignore_eos", "Arctic's samplers always stop at the end-of-sequence token")
+        refuse("actor_rollout_ref.rollout.ignore_eos", "arctic-verl's samplers stop at the end-of-sequence token")
     optim = f"{actor}.optim"
     if str(get(config, f"{optim}.optimizer", "AdamW")) != "AdamW" or str(get(config, f"{optim}.optimizer_impl", "torch.optim")) != "torch.optim":
         refuse(f"{optim}.optimizer", "Arctic's backends step torch's AdamW")

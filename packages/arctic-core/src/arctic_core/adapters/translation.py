@@ -12,7 +12,7 @@ from arctic_core.config import SamplingParams
 
 # vLLM's names that have an Arctic meaning.
 VLLM_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed",
-                      "stop_token_ids"}
+                      "stop_token_ids", "ignore_eos"}
 
 
 def overlay(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -37,4 +37,5 @@ def vllm_sampling_params(request: dict[str, Any], max_tokens: int) -> SamplingPa
         max_tokens=request.get("max_tokens") or max_tokens,
         seed=request.get("seed"),
         stop_token_ids=list(request.get("stop_token_ids") or []),
+        ignore_eos=bool(request.get("ignore_eos") or False),
     )

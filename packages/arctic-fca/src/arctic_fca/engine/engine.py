@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 
 from arctic_core.config import SamplingParams, StrictModel
 from arctic_core.errors import RequestError
-from arctic_core.hf import check_prompts, default_stop_tokens
+from arctic_core.hf import check_prompts, stop_tokens
 from arctic_core.host_copy import HostCopy
 from arctic_fca.engine.blocks import BlockPool
 from arctic_fca.engine.kv_cache import PagedKVCache
@@ -160,7 +160,7 @@ class EmbeddedEngine:
             raise RequestError("the sampler is asleep; call wake() first")
         check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, self.max_model_len)
         self.scheduler.check(prompts, params)
-        stops = set(params.stop_token_ids or default_stop_tokens(self.model))
+        stops = stop_tokens(self.model, params)
         seed = params.seed if params.seed is not None else self.seed + self.calls
         self.calls += 1
         generator = torch.Generator(device=self.runner.device).manual_seed(seed)
