@@ -14,7 +14,10 @@ FIXTURES = Path(__file__).with_name("fixtures")
 TOML = """
 max_steps = {steps}
 seq_len = {seq_len}
-output_dir = "{run_dir}"
+output_dir = "{output_dir}"
+
+[run]
+name = "{run_name}"
 
 [model]
 name = "{policy}"
@@ -46,7 +49,8 @@ model = {{device = "cpu"}}
 def write_toml(path: Path, policy: Path, run_dir: Path, steps: int = 2, seq_len: int = 256, extra: str = "",
                arctic: str = "") -> Path:
     """A run's rl.toml; ``extra`` tables are appended, ``arctic`` lines go into ``[arctic]``."""
-    path.write_text(TOML.format(steps=steps, seq_len=seq_len, run_dir=run_dir, policy=policy, arctic=arctic) + extra)
+    path.write_text(TOML.format(steps=steps, seq_len=seq_len, output_dir=run_dir.parent, run_name=run_dir.name,
+                                policy=policy, arctic=arctic) + extra)
     return path
 
 

@@ -3,8 +3,10 @@ processes configured as its own launcher configures them, bad runs stopped in se
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +159,22 @@ chat_template = "{{ messages }}"
 def test_checkpoint_settings_arctic_does_not_follow_are_refused(tmp_path, policy, extra, message):
     with pytest.raises(ConfigError, match=message):
         read_run(write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", extra=extra))
+
+
+def test_a_run_without_a_name_gets_a_new_folder_at_every_launch(tmp_path, policy):
+    """As PRIME-RL's launcher: neither run.name nor run.dir makes ``<envs>--<model>--<id>`` under
+    output_dir, a new one per launch; resuming needs the name of the run to resume."""
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", extra="""
+[[orchestrator.train.source]]
+name = "Reverse"
+
+[[orchestrator.train.source]]
+env = {taskset = {id = "math"}}
+""")
+    toml.write_text(toml.read_text().replace('[run]\nname = "run"\n', ""))
+    first, second = read_run(toml).run_dir, read_run(toml).run_dir
+    assert first.parent == second.parent == tmp_path and first != second
+    assert re.fullmatch(rf"reverse\+math--{Path(policy).name.lower()}--[0-9a-f]{{8}}", first.name), first.name
+    toml.write_text(toml.read_text() + "\n[resume]\nstep = 2\n")
+    with pytest.raises(ConfigError, match=r"\[resume\] needs run.name"):
+        read_run(toml)

@@ -12,6 +12,7 @@ no meaning here and are ignored (Arctic's are under ``[arctic.config]``).
 from __future__ import annotations
 
 import tomllib
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -116,11 +117,10 @@ def read_run(path: Path) -> RunSettings:
             raise ConfigError(f"ckpt.{key}: not supported by arctic-primerl (checkpoints go under the run folder, whole)")
     if "dir" in resume:
         raise ConfigError("resume.dir: arctic-primerl resumes from this run's own checkpoints (resume.step)")
-    output_dir = Path(raw.get("output_dir", "outputs"))
-    run = raw.get("run", {})
-    run_dir = output_dir / (run.get("dir") or run.get("name") or "")  # PRIME-RL's output_dir / run.dir (run.name)
+    resuming = "resume" in raw or "resume" in trainer
+    run_dir = run_folder(raw, model_name, orchestrator, resuming)
     resume_step = resume.get("step")
-    if ("resume" in raw or "resume" in trainer) and resume_step is None:  # an empty [resume]: the latest checkpoint
+    if resuming and resume_step is None:  # an empty [resume]: the latest checkpoint
         resume_step = latest_checkpoint(run_dir)
     port = raw.get("inference", {}).get("server", {}).get("port", 8000)
     return RunSettings(
@@ -132,6 +132,26 @@ def read_run(path: Path) -> RunSettings:
         clean=bool(raw.get("clean", False)), orchestrator=with_shared_sections(raw, orchestrator),
         arctic=ArcticSection.model_validate(raw.get("arctic", {})),
     )
+
+
+def run_folder(raw: dict[str, Any], model_name: str, orchestrator: dict[str, Any], resuming: bool) -> Path:
+    """PRIME-RL's run folder: ``output_dir / run.dir`` (default ``run.name``); with neither, a new
+    folder at every launch, named ``<envs>--<model>--<8 hex digits>`` as PRIME-RL names it."""
+    run = raw.get("run", {})
+    name = run.get("dir") or run.get("name")
+    if name is None:
+        if resuming:
+            raise ConfigError("[resume] needs run.name (or run.dir) naming the run to resume: without one every "
+                              "launch starts a new run folder")
+        sources = orchestrator.get("train", {}).get("source", [])
+        envs = "+".join(dict.fromkeys(source_name(source) for source in sources))
+        name = f"{envs or 'no-env'}--{model_name.split('/')[-1]}--{uuid.uuid4().hex[:8]}".lower()
+    return Path(raw.get("output_dir", "outputs")) / name
+
+
+def source_name(source: dict[str, Any]) -> str:
+    """An environment source's name: its own, else its taskset's id (PRIME-RL's resolved name)."""
+    return source.get("name") or source.get("env", {}).get("taskset", {}).get("id") or "env"
 
 
 def latest_checkpoint(run_dir: Path) -> int:

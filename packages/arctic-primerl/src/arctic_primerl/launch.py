@@ -22,7 +22,7 @@ from typing import Any
 from arctic_core.adapters.preflight import check_server
 from arctic_core.cli import is_loopback
 from arctic_core.errors import ArcticError
-from arctic_primerl.config import RunSettings
+from arctic_primerl.config import RunSettings, source_name
 
 EXIT_WAIT_S = 120.0
 
@@ -63,10 +63,6 @@ def env_sources(orchestrator: dict[str, Any]) -> list[tuple[str, dict[str, Any],
     base = orchestrator.get("env_server_base_port", 5000)
     return [(split, source, source.get("serve", {}).get("address") or f"tcp://127.0.0.1:{base + i}")
             for i, (split, source) in enumerate(sources)]
-
-
-def source_name(source: dict[str, Any]) -> str:
-    return source.get("name") or source.get("env", {}).get("taskset", {}).get("id") or "env"
 
 
 def prime_rl_processes(run: RunSettings) -> list[Process]:
