@@ -113,6 +113,10 @@ def test_requests_arctic_cannot_honour_are_refused_by_name(front, policy):
         "sampling_params.presence_penalty": body(policy, presence_penalty=0.5),
         "sampling_params.logprobs = 5": body(policy, logprobs=5),
         "unknown sampling_params \\['typo'\\]": body(policy, typo=1),
+        "temperature: Input should be a valid number": body(policy, temperature="hot"),
+        "max_tokens: Input should be greater than or equal to 1": body(policy, max_tokens=-1),
+        "stop_token_ids.1: Input should be a valid integer": body(policy, stop_token_ids=[2, "a"]),
+        "sampling_params.logprobs = 'x'": body(policy, logprobs="x"),
         "multimodal": {**body(policy), "features": {"image": 1}},
     }
     for message, request in cases.items():
@@ -174,9 +178,13 @@ def test_health_models_and_chat_for_evaluations(front, policy):
     assert len(content) == answer["usage"]["completion_tokens"] <= 5
     assert all(isinstance(entry["token"], str) and entry["logprob"] <= 0.0 for entry in content)
     # Settings Arctic cannot honour are refused by name, not dropped.
-    for key, value in {"stop": ["\n"], "presence_penalty": 0.5, "tools": [{"type": "function"}], "top_logprobs": 3}.items():
+    for key, value in {"stop": ["\n"], "presence_penalty": 0.5, "tools": [{"type": "function"}], "top_logprobs": 3,
+                       "temperature": -1}.items():
         refused = http.post("/v1/chat/completions", json={**messages, key: value})
         assert refused.status_code == 400 and key in refused.json()["message"], refused.text
+    for key, value in [("n", 0), ("n", 10**6), ("messages", "hi"), ("chat_template_kwargs", 5)]:  # the chat fields
+        refused = http.post("/v1/chat/completions", json={**messages, key: value})
+        assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", key], refused.text
 
 
 def test_chat_requests_default_to_the_models_generation_config(policy, tmp_path):

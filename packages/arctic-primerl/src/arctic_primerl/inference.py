@@ -18,13 +18,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from transformers import GenerationConfig
 
 from arctic_core.adapters.request_grouping import RequestGrouper
@@ -119,10 +119,17 @@ class GenerateBody(BaseModel):
 
 
 class ChatBody(BaseModel):
+    """The chat-only fields; the sampling settings stay in the extras and are checked as the
+    generate route's."""
+
     model_config = ConfigDict(extra="allow")
     model: str
     messages: list[dict[str, Any]]
     stream: bool = False
+    n: Annotated[int, Field(ge=1, le=4096)] = 1
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    chat_template_kwargs: dict[str, Any] = {}
 
 
 def sampling_params(body: dict[str, Any], prompt_len: int, settings: FrontSettings) -> SamplingParams:
@@ -135,8 +142,8 @@ def sampling_params(body: dict[str, Any], prompt_len: int, settings: FrontSettin
         if value not in (None, off) and value != [] and value != {}:
             raise ApiError(400, "BadRequest", f"sampling_params.{key} = {value!r} is not supported by Arctic's sampler")
     known = set(UNSERVED_SAMPLING) | IGNORED_SAMPLING | VLLM_SAMPLING_KEYS
-    if (body.get("logprobs") or 0) > 1:
-        raise ApiError(400, "BadRequest", f"sampling_params.logprobs = {body['logprobs']}: Arctic returns the sampled "
+    if not isinstance(body.get("logprobs"), int | None) or (body.get("logprobs") or 0) > 1:
+        raise ApiError(400, "BadRequest", f"sampling_params.logprobs = {body['logprobs']!r}: Arctic returns the sampled "
                                           "token's log-prob only (logprobs = 1)")
     unknown = sorted(set(body) - known)
     if unknown:
@@ -146,10 +153,10 @@ def sampling_params(body: dict[str, Any], prompt_len: int, settings: FrontSettin
         raise ApiError(400, "BadRequest", f"the prompt has {prompt_len} tokens; the model's context is {max_model_len}")
     # PRIME-RL's server refuses only a prompt past the context: a sample whose max_tokens would
     # overrun it stops at the context, finish_reason "length" (no max_tokens: up to the context).
-    eos = set() if body.get("ignore_eos") else settings.eos_token_ids
-    stops = sorted(set(body.get("stop_token_ids") or []) | eos)
-    return vllm_sampling_params({**body, "max_tokens": min(body.get("max_tokens") or room, room),
-                                 "stop_token_ids": stops}, room)
+    params = vllm_sampling_params(body, room)
+    eos = set() if params.ignore_eos else settings.eos_token_ids
+    return params.model_copy(update={"max_tokens": min(params.max_tokens, room),
+                                     "stop_token_ids": sorted(set(params.stop_token_ids) | eos)})
 
 
 class Front:
@@ -249,11 +256,11 @@ def _add_sampling_routes(app: FastAPI, front: Front, authorised: list) -> None:
         # What is left after the chat-only keys goes through the generate route's checks: a setting
         # Arctic cannot honour (stop strings, penalties, tools...) is refused by name, not dropped.
         extra = dict(body.model_extra or {})
-        template = extra.pop("chat_template_kwargs", {})
+        template = body.chat_template_kwargs
         if "reasoning_effort" in extra:  # a chat-template variable (gpt-oss's template reads it)
             template = {"reasoning_effort": extra.pop("reasoning_effort"), **template}
-        n, with_logprobs = int(extra.pop("n", 1)), bool(extra.pop("logprobs", False))
-        if extra.pop("top_logprobs", None):
+        n, with_logprobs = body.n, body.logprobs
+        if body.top_logprobs:
             raise ApiError(400, "BadRequest", "top_logprobs: Arctic returns the sampled token's log-prob only")
         if "max_completion_tokens" in extra:
             extra["max_tokens"] = extra.pop("max_completion_tokens")

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from arctic_core.config import SamplingParams
+from pydantic import ValidationError
+
+from arctic_core.config import SamplingParams, format_validation_error
+from arctic_core.errors import RequestError
 
 # vLLM's names that have an Arctic meaning.
 VLLM_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed",
@@ -25,17 +28,17 @@ def overlay(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def vllm_sampling_params(request: dict[str, Any], max_tokens: int) -> SamplingParams:
     """One sample (``n=1``) of a request in vLLM's names (``top_k=-1``: no top-k; ``max_tokens``
-    when the request names none)."""
+    when the request names none); a value out of range or of the wrong type is a RequestError
+    naming it."""
     top_k = request.get("top_k")
-    return SamplingParams(
-        n=1,
-        temperature=request.get("temperature", 1.0),
-        top_p=request.get("top_p", 1.0),
-        top_k=0 if top_k is None or top_k < 0 else int(top_k),
-        min_p=request.get("min_p", 0.0),
-        repetition_penalty=request.get("repetition_penalty", 1.0),
-        max_tokens=request.get("max_tokens") or max_tokens,
-        seed=request.get("seed"),
-        stop_token_ids=list(request.get("stop_token_ids") or []),
-        ignore_eos=bool(request.get("ignore_eos") or False),
-    )
+    fields = {
+        "n": 1, "temperature": request.get("temperature", 1.0), "top_p": request.get("top_p", 1.0),
+        "top_k": 0 if isinstance(top_k, int) and top_k < 0 else top_k or 0, "min_p": request.get("min_p", 0.0),
+        "repetition_penalty": request.get("repetition_penalty", 1.0),
+        "max_tokens": request.get("max_tokens") or max_tokens, "seed": request.get("seed"),
+        "stop_token_ids": request.get("stop_token_ids") or [], "ignore_eos": request.get("ignore_eos") or False,
+    }
+    try:
+        return SamplingParams.model_validate(fields)
+    except ValidationError as exc:
+        raise RequestError(format_validation_error(exc, "sampling params", SamplingParams)) from None
