@@ -103,12 +103,12 @@ def test_settings_refused_by_name(policy):
     with pytest.raises(ArcticError, match="arctic.nmu_gpus: unknown key .*did you mean 'num_gpus'"):
         preflight(verl_config(f"actor_rollout_ref.model.path={policy}", "+arctic.nmu_gpus=1"))
     config = verl_config(f"actor_rollout_ref.model.path={policy}", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
-                         "actor_rollout_ref.actor.optim.optimizer=SGD", "actor_rollout_ref.rollout.ignore_eos=True",
+                         "actor_rollout_ref.actor.optim.optimizer=SGD",
                          "+arctic.config.model.path=/elsewhere")
     with pytest.raises(ArcticError) as refused:
         preflight(config)
     for named in ("actor_rollout_ref.actor.loss_agg_mode='seq-mean-token-sum-norm'", "actor_rollout_ref.actor.optim.optimizer",
-                  "actor_rollout_ref.rollout.ignore_eos=True", "arctic.config.model.path"):
+                  "arctic.config.model.path"):
         assert named in str(refused.value)
     config = verl_config(f"actor_rollout_ref.model.path={policy}", "+actor_rollout_ref.model.override_config.attention_dropout=0.1",
                          "actor_rollout_ref.actor.checkpoint.save_contents=[model]")

@@ -95,8 +95,6 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
     for key in ("rollout_is", "rollout_rs"):
         if get(config, f"algorithm.rollout_correction.{key}") is not None:
             refuse(f"algorithm.rollout_correction.{key}", "rollout-correction weights are not supported")
-    if get(config, "actor_rollout_ref.rollout.ignore_eos"):
-        refuse("actor_rollout_ref.rollout.ignore_eos", "arctic-verl's samplers stop at the end-of-sequence token")
     optim = f"{actor}.optim"
     if str(get(config, f"{optim}.optimizer", "AdamW")) != "AdamW" or str(get(config, f"{optim}.optimizer_impl", "torch.optim")) != "torch.optim":
         refuse(f"{optim}.optimizer", "Arctic's backends step torch's AdamW")
@@ -178,6 +176,19 @@ def arctic_config(config: DictConfig, settings: ArcticSettings, on_gpu: bool) ->
         "seed": int(get(config, "actor_rollout_ref.rollout.seed", 0) or 0),
     }
     return ArcticConfig.from_dict(overlay(base, settings.config))
+
+
+def with_server_defaults(request: dict[str, Any], rollout: DictConfig, prompt_len: int) -> dict[str, Any]:
+    """What verl's vLLM server adds to an agent loop's request: the rollout's repetition penalty and
+    ``ignore_eos``, and, when the request names no length, ``response_length`` capped by what a
+    multi-turn prompt has left of ``prompt_length + response_length``."""
+    request = dict(request)
+    request.setdefault("repetition_penalty", rollout.get("repetition_penalty", 1.0))
+    request.setdefault("ignore_eos", rollout.get("ignore_eos", False))
+    if "max_tokens" not in request and "max_new_tokens" not in request:
+        budget = rollout.prompt_length + rollout.response_length - prompt_len
+        request["max_tokens"] = max(1, min(rollout.response_length, budget))
+    return request
 
 
 def to_sampling_params(request: dict[str, Any], response_length: int) -> tuple[SamplingParams, bool]:
