@@ -172,11 +172,16 @@ def copy_tokenizer_files(source: str | Path, target: Path) -> list[str]:
     return copied
 
 
+def token_id_list(value: int | Sequence[int] | None) -> list[int]:
+    """A config's token id setting (one id, a list of them, or none) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
 def stop_tokens(model: PreTrainedModel, params: SamplingParams) -> set[int]:
     """What ends a sample, as in vLLM: the request's stop ids and, unless ``ignore_eos``, the
     model's end-of-sequence ids (generation config first)."""
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     if eos is None:
         eos = model.config.eos_token_id
-    eos_ids = [] if eos is None or params.ignore_eos else [eos] if isinstance(eos, int) else list(eos)
+    eos_ids = [] if params.ignore_eos else token_id_list(eos)
     return set(params.stop_token_ids) | set(eos_ids)

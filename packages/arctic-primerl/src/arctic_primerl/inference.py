@@ -33,6 +33,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.client import AsyncArcticClient
 from arctic_core.config import SamplingParams
 from arctic_core.errors import ArcticError, error_answer
+from arctic_core.hf import token_id_list
 from arctic_core.serving.http import ApiError, bearer_check, error_response
 
 # vLLM sampling keys whose values Arctic cannot honour, with the value that means "off".
@@ -71,8 +72,7 @@ def model_generation_settings(model: str) -> tuple[dict[str, Any], set[int]]:
         return {}, set()
     given = config.to_diff_dict()
     defaults = {key: given[key] for key in GENERATION_DEFAULTS if given.get(key) is not None}
-    eos = config.eos_token_id
-    return defaults, set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return defaults, set(token_id_list(config.eos_token_id))
 
 
 @dataclass
@@ -259,7 +259,6 @@ def _add_sampling_routes(app: FastAPI, front: Front, authorised: list) -> None:
         template = body.chat_template_kwargs
         if "reasoning_effort" in extra:  # a chat-template variable (gpt-oss's template reads it)
             template = {"reasoning_effort": extra.pop("reasoning_effort"), **template}
-        n, with_logprobs = body.n, body.logprobs
         if body.top_logprobs:
             raise ApiError(400, "BadRequest", "top_logprobs: Arctic returns the sampled token's log-prob only")
         if "max_completion_tokens" in extra:
@@ -268,14 +267,14 @@ def _add_sampling_routes(app: FastAPI, front: Front, authorised: list) -> None:
         prompt = tokenizer.apply_chat_template(body.messages, add_generation_prompt=True, tokenize=True,
                                                return_dict=False, **template)
         params = sampling_params(extra, len(prompt), settings)
-        results = await asyncio.gather(*(front.sample(prompt, params) for _ in range(n)))
+        results = await asyncio.gather(*(front.sample(prompt, params) for _ in range(body.n)))
         choices = [{"index": i, "finish_reason": finished,
-                    "logprobs": _chat_logprobs(tokenizer, tokens, logprobs) if with_logprobs else None,
+                    "logprobs": _chat_logprobs(tokenizer, tokens, logprobs) if body.logprobs else None,
                     "message": {"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)}}
                    for i, (tokens, logprobs, finished) in enumerate(results)]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name, "choices": choices,
-                "usage": _usage(len(prompt) * n, sum(len(t) for t, _, _ in results))}
+                "usage": _usage(len(prompt) * body.n, sum(len(t) for t, _, _ in results))}
 
 
 def _add_orchestrator_routes(app: FastAPI, front: Front, authorised: list) -> None:
