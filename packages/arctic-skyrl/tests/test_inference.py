@@ -4,14 +4,17 @@ groups, and the outputs are in SkyRL's shape (token ids, text, stop reasons, log
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
 from skyrl.train.config.config import SamplingParams as SkyRLSampling
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 from arctic_core.adapters.settings import BackendSettings
+from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient, AsyncArcticClient
+from arctic_core.config import SamplingParams
 from arctic_core.transports.inprocess import InProcessTransport
 from arctic_skyrl.inference import ArcticInferenceClient
 
@@ -93,3 +96,18 @@ def test_requests_arctic_cannot_honour_are_refused_by_name(served):
         asyncio.run(client.generate({"prompt_token_ids": [PROMPTS[0]], "sampling_params": {"max_tokens": 4, "best_of": 2}}))
     with pytest.raises(ValueError, match="prompt_token_ids"):
         asyncio.run(client.generate({"prompts": [[{"role": "user", "content": "hi"}]]}))
+
+
+def test_the_generation_configs_end_of_sequence_ids_end_a_sample_by_stop(policy, tmp_path):
+    """A chat model's generation config lists end-of-sequence ids beside the tokenizer's (as vLLM
+    reads them, they end a sample): a full-length sample ending in one stopped, it did not run out."""
+    folder = tmp_path / "model"
+    shutil.copytree(policy, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, 7]).save_pretrained(folder)
+    client = ArcticInferenceClient(None, tokenizer, str(folder), {}, BackendSettings())
+    batch = RolloutBatch.from_lists([[3, 4]], [[5, 6, 8, 9, 10, 7], [5, 6, 8, 9, 10, 11]], [0, 0])
+    output = client._output([(batch, 0), (batch, 1)], SamplingParams(max_tokens=6), want_logprobs=False)
+    assert output["stop_reasons"] == ["stop", "length"]
+    ignoring = client._output([(batch, 0)], SamplingParams(max_tokens=6, ignore_eos=True), want_logprobs=False)
+    assert ignoring["stop_reasons"] == ["length"]

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplingParams
@@ -175,6 +175,15 @@ def copy_tokenizer_files(source: str | Path, target: Path) -> list[str]:
 def token_id_list(value: int | Sequence[int] | None) -> list[int]:
     """A config's token id setting (one id, a list of them, or none) as a list."""
     return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def generation_config(model: str) -> GenerationConfig | None:
+    """The ``generation_config.json`` of the model folder ``model`` (None without one): vLLM's
+    defaults for chat sampling, and the end-of-sequence ids that end its samples."""
+    try:
+        return GenerationConfig.from_pretrained(model)
+    except OSError:
+        return None
 
 
 def stop_tokens(model: PreTrainedModel, params: SamplingParams) -> set[int]:

@@ -25,7 +25,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
-from transformers import GenerationConfig
 
 from arctic_core.adapters.request_grouping import RequestGrouper
 from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, vllm_sampling_params
@@ -33,7 +32,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.client import AsyncArcticClient
 from arctic_core.config import SamplingParams
 from arctic_core.errors import ArcticError, error_answer
-from arctic_core.hf import token_id_list
+from arctic_core.hf import generation_config, token_id_list
 from arctic_core.serving.http import ApiError, bearer_check, error_response
 
 # vLLM sampling keys whose values Arctic cannot honour, with the value that means "off".
@@ -66,9 +65,8 @@ class FrontSettings:
 def model_generation_settings(model: str) -> tuple[dict[str, Any], set[int]]:
     """The chat defaults and the end-of-sequence ids the model's ``generation_config.json`` sets
     (none when it has no such file): vLLM samples with both."""
-    try:
-        config = GenerationConfig.from_pretrained(model)
-    except OSError:
+    config = generation_config(model)
+    if config is None:
         return {}, set()
     given = config.to_diff_dict()
     defaults = {key: given[key] for key in GENERATION_DEFAULTS if given.get(key) is not None}

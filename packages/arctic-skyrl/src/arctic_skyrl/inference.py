@@ -20,6 +20,7 @@ from arctic_core.adapters.settings import BackendSettings
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import AsyncArcticClient
 from arctic_core.config import SamplingParams
+from arctic_core.hf import generation_config, token_id_list
 from arctic_skyrl.mapping import to_sampling_params
 
 TOKEN_IN_TOKEN_OUT = ("arctic-skyrl serves token-in/token-out generation (SkyRLGymGenerator); the OpenAI-style "
@@ -32,6 +33,11 @@ class ArcticInferenceClient(InferenceEngineInterface):
     def __init__(self, connect, tokenizer, model_path: str, default_sampling: dict[str, Any],
                  settings: BackendSettings) -> None:
         self.connect, self.tokenizer, self.model_path = connect, tokenizer, model_path
+        # What ends a sample besides a request's stop ids, as in vLLM: the tokenizer's end-of-sequence
+        # id and those of the model's generation config (a chat model often lists several).
+        config = generation_config(model_path)
+        self.eos_token_ids = set(token_id_list(tokenizer.eos_token_id)) | set(
+            token_id_list(config.eos_token_id if config else None))
         self.default_sampling = default_sampling
         self.quiet_s, self.max_wait_s = settings.group_quiet_ms / 1000.0, settings.group_max_wait_ms / 1000.0
         self._grouper: RequestGrouper | None = None
@@ -69,7 +75,7 @@ class ArcticInferenceClient(InferenceEngineInterface):
 
     def _output(self, samples: list[tuple[RolloutBatch, int]], params: SamplingParams,
                 want_logprobs: bool) -> InferenceEngineOutput:
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.tokenizer.eos_token_id})
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         ids = [batch.response(row) for batch, row in samples]
         logprobs = None
         if want_logprobs:
