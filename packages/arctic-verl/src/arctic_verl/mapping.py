@@ -191,12 +191,14 @@ def with_server_defaults(request: dict[str, Any], rollout: DictConfig, prompt_le
     return request
 
 
-def to_sampling_params(request: dict[str, Any], response_length: int) -> tuple[SamplingParams, bool]:
-    """One verl sampling request (``sampling_params`` of ``generate``) as Arctic's params (n=1),
-    and whether the caller asked for the sampler's log-probs."""
+def to_sampling_params(request: dict[str, Any], rollout: DictConfig, prompt_len: int) -> tuple[SamplingParams, bool]:
+    """One verl sampling request (``sampling_params`` of ``generate``) for a prompt of
+    ``prompt_len`` tokens as Arctic's params (n=1), with what verl's server adds to it
+    (:func:`with_server_defaults`), and whether the caller asked for the sampler's log-probs."""
     unknown = sorted(set(request) - SAMPLING_KEYS)
     if unknown:
         raise ValueError(f"arctic-verl: sampling params {unknown} have no Arctic meaning "
                          f"(supported: {', '.join(sorted(SAMPLING_KEYS))})")
-    params = vllm_sampling_params(request, request.get("max_new_tokens") or response_length)
+    request = with_server_defaults(request, rollout, prompt_len)
+    params = vllm_sampling_params(request, request.get("max_new_tokens") or request.get("max_tokens"))
     return params, bool(request.get("logprobs"))

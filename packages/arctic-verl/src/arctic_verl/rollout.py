@@ -18,7 +18,7 @@ from arctic_core.adapters.request_grouping import RequestGrouper
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import SamplingParams
 from arctic_verl.backend import BackendAddress
-from arctic_verl.mapping import to_sampling_params, with_server_defaults
+from arctic_verl.mapping import to_sampling_params
 from arctic_verl.settings import ArcticSettings
 
 
@@ -31,7 +31,6 @@ class ArcticLLMClient(LLMServerClient):
         self.address, self.step_offset = address, step_offset
         self.quiet_s, self.max_wait_s = settings.group_quiet_ms / 1000.0, settings.group_max_wait_ms / 1000.0
         self.rollout = config.actor_rollout_ref.rollout
-        self.response_length = int(self.rollout.response_length)
         self._grouper: RequestGrouper | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -54,8 +53,7 @@ class ArcticLLMClient(LLMServerClient):
                        mm_processor_kwargs: Any = None, **kwargs: Any) -> TokenOutput:
         if image_data or video_data or audio_data:
             raise ValueError("arctic-verl samples text only: image, video and audio inputs are not supported")
-        request = with_server_defaults(sampling_params, self.rollout, len(prompt_ids))
-        params, want_logprobs = to_sampling_params(request, self.response_length)
+        params, want_logprobs = to_sampling_params(sampling_params, self.rollout, len(prompt_ids))
         batch, row = await self.grouper().submit(list(prompt_ids), params)
         length = int(batch.response_lens[row])
         log_probs = batch.sampling_logprobs[row, :length].tolist() if want_logprobs and batch.sampling_logprobs is not None else None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ from verl.workers.config import FSDPOptimizerConfig
 from verl.workers.utils.padding import response_to_nested
 
 from arctic_core.client import ArcticClient
+from arctic_core.losses.aggregation import add_metrics
 from arctic_core.serving.server import HF_EXPORT
 from arctic_verl.backend import open_backend, server_gpus
 from arctic_verl.data import to_rollout_batch
@@ -96,14 +96,14 @@ def learning_rates(optim: FSDPOptimizerConfig):
 
 def actor_metrics(train: list[dict[str, float]], steps: list[dict[str, float]], policy: str, lr: float) -> dict[str, float]:
     """verl's actor metric names where Arctic computes the same quantity, and every Arctic metric
-    under ``arctic/``, each the mean over the step's mini-batches (as verl reduces them)."""
+    under ``arctic/``, each the mean over the step's mini-batches (extremes: the extreme), as verl
+    reduces them."""
     means: dict[str, float] = {}
     for prefix, results in (("arctic/train/", train), ("arctic/step/", steps)):
-        sums: dict[str, float] = defaultdict(float)
+        reduced: dict[str, float] = {}
         for result in results:
-            for key, value in result.items():
-                sums[key] += value
-        means.update({prefix + key: value / len(results) for key, value in sums.items()})
+            add_metrics(reduced, result, 1.0 / len(results))
+        means.update({prefix + key: value for key, value in reduced.items()})
     verl_names = {"actor/pg_loss": f"arctic/train/{policy}/loss", "actor/pg_clipfrac": f"arctic/train/{policy}/clipfrac",
                   "actor/pg_clipfrac_lower": f"arctic/train/{policy}/dual_clipfrac",
                   "actor/kl_loss": "arctic/train/kl/loss", "actor/grad_norm": "arctic/step/grad_norm"}
