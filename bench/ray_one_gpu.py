@@ -102,21 +102,26 @@ def grpo_batch(vocab: int, groups: int, prompt: int, response: int, samples: int
     return batch.replace(advantages=torch.randn(batch.num_responses, generator=gen))
 
 
-def trainer_config(args, stage: int, workers: int, micro_batch_tokens: int | None = None) -> dict:
+def trainer_config(args, stage: int, workers: int, micro_batch_tokens: int | None = None, big: bool = False) -> dict:
+    """One DeepSpeed rank in this process, or ``workers`` Ray ranks with ``args.gpu_share`` of a GPU
+    each; the fp32 model of the checks, or (``big``) the full shape in its dtype with checkpointing."""
     deepspeed = {"zero_stage": stage}
     if workers == 1:
         trainer = {"backend": "deepspeed", "options": deepspeed}
     else:
         trainer = {"backend": "ray", "options": {"workers": workers, "gpus_per_worker": args.gpu_share,
                                                  "backend": "deepspeed", "options": deepspeed}}
-    return {"model": {"path": str(args.small_model), "dtype": "float32", "device": args.device}, "seed": 0,
+    model = {"path": str(args.big_model), "dtype": args.big_dtype} if big else {"path": str(args.small_model),
+                                                                                "dtype": "float32"}
+    return {"model": {**model, "device": args.device}, "seed": 0,
             "sampler": {"backend": "embedded", "options": {"kv_cache_tokens": 4096}},
-            "trainer": {**trainer, "optimizer": OPTIMIZER,
+            "trainer": {**trainer, "optimizer": OPTIMIZER, "gradient_checkpointing": big,
                         "micro_batch_tokens": micro_batch_tokens or args.micro_batch_tokens}}
 
 
-def train(args, stage: int, workers: int, batch: RolloutBatch, micro_batch_tokens: int | None = None) -> dict:
-    with ArcticClient.in_process(trainer_config(args, stage, workers, micro_batch_tokens)) as client:
+def train(args, stage: int, workers: int, batch: RolloutBatch, micro_batch_tokens: int | None = None,
+          big: bool = False) -> dict:
+    with ArcticClient.in_process(trainer_config(args, stage, workers, micro_batch_tokens, big)) as client:
         start_weights = {name: w.float().cpu().clone() for name, w in client.transport.server.trainer.named_weights()}
         losses, seconds = [], []
         for _ in range(args.steps):
@@ -154,15 +159,17 @@ def weight_gap(one: dict, other: dict) -> dict[str, object]:
 
 
 def training(args) -> dict:
+    """``args.workers`` ranks against one on the same batch, ZeRO-2 and ZeRO-3 (fp32)."""
     batch = grpo_batch(args.vocab, args.groups, args.prompt, args.response, args.samples)
     report = {}
     for stage in (2, 3):
-        one, two = train(args, stage, 1, batch), train(args, stage, 2, batch)
+        one, ranks = train(args, stage, 1, batch), train(args, stage, args.workers, batch)
         report[f"zero{stage}"] = {
-            "losses_one": one["losses"], "losses_two": two["losses"],
-            "loss_gap": max(abs(a - b) for a, b in zip(one["losses"], two["losses"], strict=True)),
-            "weights": weight_gap(one, two),
-            "step_s_one": statistics.median(one["seconds"][1:]), "step_s_two": statistics.median(two["seconds"][1:])}
+            "workers": args.workers, "losses_one": one["losses"], "losses_ranks": ranks["losses"],
+            "loss_gap": max(abs(a - b) for a, b in zip(one["losses"], ranks["losses"], strict=True)),
+            "weights": weight_gap(one, ranks),
+            "step_s_one": statistics.median(one["seconds"][1:]),
+            "step_s_ranks": statistics.median(ranks["seconds"][1:])}
         print(f"training ZeRO-{stage}: {json.dumps(report[f'zero{stage}'])}", flush=True)
     return report
 
@@ -184,7 +191,7 @@ def recovery(args, folder: Path) -> dict:
 
     batch = grpo_batch(args.vocab, args.groups, args.prompt, args.response, args.samples)
     long_call = grpo_batch(args.vocab, args.groups * args.long_call, args.prompt, args.response, args.samples, seed=1)
-    with ArcticClient.in_process(trainer_config(args, 2, 2)) as client:
+    with ArcticClient.in_process(trainer_config(args, 2, args.workers)) as client:
         trainer = client.transport.server.trainer
         client.fwd_bwd(batch, PPO)
         client.step()
@@ -195,7 +202,7 @@ def recovery(args, folder: Path) -> dict:
         client.fwd_bwd(long_call, PPO)
         long_s = time.perf_counter() - start  # to kill the next one a third of the way in
         client.step()
-        killer = threading.Timer(long_s / 3, ray.kill, [trainer.workers[1]])
+        killer = threading.Timer(long_s / 3, ray.kill, [trainer.workers[-1]])
         killer.start()
         try:
             client.fwd_bwd(long_call, PPO)
@@ -226,7 +233,7 @@ def colocated_config(args) -> dict:
                                     "options": {"zero_stage": 2}}},
             "sampler": {"backend": "ray", "options": {"replicas": 1, "gpus_per_replica": args.gpu_share,
                                                       "backend": args.sampler, "options": sampler_options(args)}},
-            "weight_sync": {"transport": "cuda-ipc" if args.device == "cuda" else "inprocess"},
+            "weight_sync": {"transport": args.weight_sync},
             "colocate": args.colocate}
 
 
@@ -301,6 +308,7 @@ def main() -> None:
     parser.add_argument("--colocate", action="store_true", help="the server puts engines a call does not need to sleep")
     args = parser.parse_args()
     args.device = "cpu" if args.smoke else "cuda"
+    args.workers, args.weight_sync = 2, "inprocess" if args.smoke else "cuda-ipc"
     if args.smoke:
         args.groups, args.samples, args.prompt, args.response, args.steps, args.long_call = 3, 3, 24, 8, 2, 300
         args.micro_batch_tokens, args.kv_cache_tokens, args.gpu_share = 4096, 4096, 0.0
