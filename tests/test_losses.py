@@ -648,6 +648,26 @@ def test_build_objective_weights_terms() -> None:
     assert {"ppo/loss", "ppo/clipfrac", "kl/kl", "kl/loss", "loss"} <= set(metrics)
 
 
+def test_a_term_of_weight_zero_is_reported_but_not_trained_on() -> None:
+    """An entropy of weight 0 beside the policy term: its metrics come back, the loss and the
+    gradient are the policy term's alone, and no backward reaches the entropies (even a NaN there
+    leaves the loss finite)."""
+    batch, logp = ppo_case()
+    entropy = torch.tensor([[0.9, float("nan"), 0.5], [0.2, 0.7, 0.0]], dtype=F64, requires_grad=True)
+    terms = [LossTermConfig(name="ppo"), LossTermConfig(name="entropy", weight=0.0)]
+    objective = build_objective(default_registry(), terms)
+    assert set(objective.processors) == {"logprobs", "entropy"}
+    total, metrics = objective({"logprobs": logp, "entropy": entropy}, batch, LossContext.of(batch))
+    assert total.item() == pytest.approx(0.18, abs=TOL)  # the ppo term alone (see the test above)
+    assert "entropy/entropy" in metrics and "entropy/loss" in metrics
+    total.backward()
+    assert entropy.grad is None and logp.grad is not None
+    only_zero = build_objective(default_registry(), [LossTermConfig(name="ppo", weight=0.0)])
+    total, _ = only_zero({"logprobs": logp}, batch, LossContext.of(batch))
+    (grad,) = torch.autograd.grad(total, logp)  # a zero loss that still reaches the weights
+    assert total.item() == 0.0 and not grad.any()
+
+
 def test_build_objective_unknown_loss_lists_registered_names() -> None:
     with pytest.raises(PluginNotFoundError, match="ppo") as info:
         build_objective(default_registry(), [LossTermConfig(name="nope")])

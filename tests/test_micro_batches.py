@@ -8,6 +8,7 @@ from torch.overrides import TorchFunctionMode
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LossTermConfig
+from arctic_core.losses.aggregation import add_metrics
 from arctic_core.losses.objective import build_objective
 from arctic_core.plugins.interfaces import LossContext
 from arctic_core.plugins.registry import default_registry
@@ -106,3 +107,36 @@ def test_metrics_are_read_once_after_the_last_backward_is_queued():
     assert list(metrics) == list(expected) == ["sft/loss", "sft/nll", "entropy/loss", "entropy/entropy", "loss"]
     assert all(isinstance(v, float) for v in metrics.values())
     assert metrics == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("advantages", [[1.0, -1.0, 1.0, -1.0, -1.0, 1.0], [-1.0] * 6], ids=["mixed", "negative"])
+def test_extreme_metrics_are_the_extreme_over_micro_batches_and_the_rest_their_sum(advantages):
+    """PPO's least and most clipped sequence (``_min`` / ``_max`` metrics) over micro-batches equal
+    the whole batch's in one pass, as the summed metrics do. (Here the micro-batches' most
+    high-clipped sequences (mixed) and least low-clipped ones (negative) differ, so their sum would not.)"""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 50, (length,), generator=gen).tolist() for length in (30, 20, 25)]
+    responses = [torch.randint(3, 50, (5 + i % 3,), generator=gen).tolist() for i in range(6)]
+    batch = RolloutBatch.from_lists(prompts, responses, [i // 2 for i in range(6)])
+    batch = batch.replace(advantages=torch.tensor(advantages),
+                          old_logprobs=torch.randn(batch.response_ids.shape, generator=gen) * 2.0)
+    weight = torch.tensor(0.01, requires_grad=True)
+    objective = build_objective(default_registry(), [LossTermConfig(name="ppo")])
+    ctx = LossContext.of(batch)
+
+    def forward(micro: RolloutBatch, processors) -> dict[str, torch.Tensor]:
+        return {"logprobs": -weight * micro.response_ids.float()}
+
+    assert len(plan_micro_batches(batch, token_budget=60, grouped=True)) > 1
+    metrics = micro_forward_backward(forward, lambda loss: loss.backward(), batch, objective, ctx, 1.0, 60, True,
+                                     torch.device("cpu"))
+    whole = {key: float(value) for key, value in objective(forward(batch, objective.processors), batch, ctx)[1].items()}
+    assert metrics == pytest.approx(whole, abs=1e-6)
+
+
+def test_add_metrics_sums_and_keeps_extremes_ignoring_nan():
+    totals: dict = {}
+    add_metrics(totals, {"a": 1.0, "b_min": float("nan"), "c_max": torch.tensor(0.5)}, weight=2.0)
+    add_metrics(totals, {"a": torch.tensor(3.0), "b_min": 0.25, "c_max": torch.tensor(float("nan"))}, weight=2.0)
+    add_metrics(totals, {"b_min": 0.75, "c_max": 0.1})
+    assert float(totals["a"]) == 8.0 and totals["b_min"] == 0.25 and float(totals["c_max"]) == 0.5

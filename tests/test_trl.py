@@ -109,10 +109,12 @@ def test_first_step_loss_and_gradients_equal_plain_trl(policy, tmp_path, overrid
     """Plain TRL prepares a batch and computes its loss and gradients; Arctic computes both from
     the same prepared batch in the backend."""
     plain, inputs, arctic = plain_and_arctic(policy, tmp_path, **overrides)
+    logged = metric_counts(plain)
     expected, expected_grads = plain_loss_and_grads(plain, inputs)
     metrics = arctic.arctic_fwd_bwd(inputs)
     assert metrics["loss"] == pytest.approx(expected, abs=1e-5)
     assert_grads_equal(take_arctic_grads(arctic), expected_grads, "first step")
+    assert_trl_metrics_equal(plain, logged, arctic, metrics, plain.loss_type, plain.beta, "first step")
     arctic.arctic.close()
 
 
@@ -218,8 +220,10 @@ def assert_trl_metrics_equal(plain, logged: dict[str, int], arctic, metrics: dic
     ours = {k: v[-1] for k, v in arctic._metrics["train"].items() if len(v) > before.get(k, 0)}
     named = {"cispo": {"cispo_clip_ratio"}, "vespo": {"vespo/phi_seq_mean"}}.get(loss_type, set())
     if AGGREGATION_CLIPPED(loss_type):
-        named = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
-    assert named | ({"kl"} if beta else set()) <= ours.keys() <= expected.keys(), case
+        named = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                 "clip_ratio/high_max"}
+    named |= {"entropy"} | ({"kl"} if beta else set()) | ({"policy_loss"} if plain._entropy_bonus_enabled else set())
+    assert named <= ours.keys() <= expected.keys(), case
     for name, value in ours.items():
         assert value == pytest.approx(expected[name], abs=1e-5), (case, name)
 
@@ -265,13 +269,17 @@ def test_the_adaptive_entropy_bonus_follows_trls_controller(policy, tmp_path):
                     top_entropy_quantile=0.5)
     plain, inputs, arctic = plain_and_arctic(policy, tmp_path, **settings)
     for call in range(3):
+        logged = metric_counts(plain)
         expected, expected_grads = plain_loss_and_grads(plain, inputs)
         metrics = arctic.arctic_fwd_bwd(inputs)
         assert metrics["loss"] == pytest.approx(expected, abs=1e-5), call
         assert_grads_equal(take_arctic_grads(arctic), expected_grads, call)
         assert arctic.entropy_coef == pytest.approx(plain.entropy_coef) == pytest.approx(0.05 * (call + 1))
         assert arctic._last_world_entropy == pytest.approx(plain._last_world_entropy, rel=1e-5)
-    assert "entropy/loss" in metrics  # the bonus applied from the second call on
+        assert_trl_metrics_equal(plain, logged, arctic, metrics, "grpo", 0.0, call)
+        # TRL's policy_loss leaves the bonus out: none on the first call, applied from the second on
+        bonus = metrics["loss"] - arctic._policy_loss / arctic.current_gradient_accumulation_steps
+        assert (bonus != pytest.approx(0.0, abs=1e-6)) == (call > 0), (call, bonus)
     arctic.arctic.close()
 
 

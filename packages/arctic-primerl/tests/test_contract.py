@@ -73,7 +73,7 @@ def test_loss_and_gradients_equal_prime_rls(case):
     for temperature, batch in sample_ops.by_temperature(got).items():
         rows = [s for s in got if s.temperature == temperature]
         logp = torch.stack([_row(flat, s, batch.response_ids.shape[1]) for s in rows])
-        loss, _ = objective({"logprobs": logp}, batch, LossContext.of(batch))
+        loss, _ = objective({"logprobs": logp, "entropy": torch.zeros_like(logp)}, batch, LossContext.of(batch))
         total = total + loss / count
     assert total.item() == pytest.approx(case["loss"], abs=1e-6)
     total.backward()
@@ -91,7 +91,7 @@ def test_prime_rl_loss_settings_map_or_are_refused_by_name():
     assert loss_terms(None) == loss_terms({"type": "default"})
     ipo = loss_terms({"type": "ipo", "ipo_threshold": 0.3, "kl_tau": 0.0})
     assert ipo == [{"name": "dppo", "weight": 1.0, "aggregation": "token-sum", "mask_low": 0.3, "mask_high": 0.3,
-                    "trust_region": "both-sides"}]
+                    "trust_region": "both-sides"}, {"name": "entropy", "weight": 0.0, "aggregation": "token-sum"}]
     with pytest.raises(ConfigError, match="'custom' is not supported"):
         loss_terms({"type": "custom", "import_path": "my.loss"})
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['clip'\]"):

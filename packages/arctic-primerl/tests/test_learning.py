@@ -47,6 +47,7 @@ def test_grpo_through_prime_rls_protocol_raises_the_reward(tmp_path):
     history = service.trainer.history
     assert len(history) == STEPS and all(h["trainable_tokens"] > 0 for h in history)
     assert history[0]["packed_tokens"] < history[0]["tokens"]  # each prompt packed once per group
+    assert all(0.0 < h["entropy/entropy"] < 20.0 for h in history)  # reported per step, as PRIME-RL does
     assert (run.run_dir / "broadcasts" / f"step_{STEPS}" / "STABLE").is_file()
     assert not (run.run_dir / "broadcasts" / "step_0").exists()  # old announcements are cleared
     assert (run.run_dir / "checkpoints" / f"step_{STEPS}" / "arctic" / "arctic_state.json").is_file()

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from arctic_core.adapters.settings import BackendSettings
 from arctic_core.client import ArcticClient
 from arctic_skyrl.dispatch import ArcticDispatch
-from arctic_skyrl.mapping import arctic_config, refusals
+from arctic_skyrl.mapping import arctic_config, entropy_is_exact, refusals
 
 ALGO = "trainer.algorithm."
 CASES = {
@@ -91,12 +91,13 @@ def scaled_advantages(cfg: SkyRLTrainConfig, t: dict[str, torch.Tensor]) -> torc
         algorithm.max_seq_len, prompt_boundaries=[(0, 3), (3, 5)])
 
 
-def skyrl_loss_and_grads(policy, cfg: SkyRLTrainConfig) -> tuple[float, dict[str, torch.Tensor]]:
+def skyrl_loss_and_grads(policy, cfg: SkyRLTrainConfig) -> tuple[float, dict[str, torch.Tensor], float]:
+    """The loss, gradients and ``policy_entropy`` metric (the mean of the micro-batches' entropies)."""
     algorithm = cfg.trainer.algorithm
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
     t = batch_tensors(model, algorithm.temperature)
     advantages, rows, micro = scaled_advantages(cfg, t), len(RESPONSES), cfg.trainer.micro_train_batch_size_per_gpu
-    total = torch.zeros(())
+    total, entropies = torch.zeros(()), []
     for start in range(0, rows, micro):  # the worker's micro-batches, as _forward_backward_micro adds them
         part = slice(start, start + micro)
         mask = t["loss_mask"][part]
@@ -107,11 +108,13 @@ def skyrl_loss_and_grads(policy, cfg: SkyRLTrainConfig) -> tuple[float, dict[str
             kl = ppo_utils.compute_approx_kl(t["log_probs"][part], t["ref"][part], loss_mask=mask,
                                              kl_estimator_type=algorithm.kl_estimator_type)
             regularisers = regularisers + masked_mean(kl, mask, dim=-1).mean() * algorithm.kl_loss_coef
+        entropies.append(masked_mean(t["entropy"][part], mask))
         if algorithm.use_entropy_loss:
-            regularisers = regularisers - masked_mean(t["entropy"][part], mask) * algorithm.entropy_loss_coef
+            regularisers = regularisers - entropies[-1] * algorithm.entropy_loss_coef
         total = total + policy_loss + regularisers * (mask.shape[0] / rows)
     total.backward()
-    return total.item(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return total.item(), grads, torch.stack(entropies).mean().item()
 
 
 def training_input(cfg: SkyRLTrainConfig, policy) -> TrainingInputBatch:
@@ -130,7 +133,7 @@ def training_input(cfg: SkyRLTrainConfig, policy) -> TrainingInputBatch:
 @pytest.mark.parametrize("case", CASES)
 def test_loss_and_gradients_equal_skyrl_policy_worker(policy, case):
     cfg = skyrl_config(policy, case)
-    expected, expected_grads = skyrl_loss_and_grads(policy, cfg)
+    expected, expected_grads, entropy = skyrl_loss_and_grads(policy, cfg)
 
     settings = BackendSettings(config={"trainer": {"backend": "torch"}})
     with ArcticClient.in_process(arctic_config(cfg, settings, on_gpu=False)) as arctic:
@@ -140,6 +143,8 @@ def test_loss_and_gradients_equal_skyrl_policy_worker(policy, case):
 
     assert metrics["arctic/packed_tokens"] < metrics["arctic/tokens"]  # the shared prompts packed once
     assert metrics["final_loss"] == pytest.approx(expected, abs=1e-5), case
+    if entropy_is_exact(cfg):  # micro-batches of one row, or one micro-batch
+        assert metrics["policy_entropy"] == pytest.approx(entropy, abs=1e-5), case
     if cfg.trainer.algorithm.policy_loss_type in ("regular", "dual_clip", "gspo"):
         assert metrics["loss_metrics/clip_ratio"] > 0, metrics  # the batch exercises the clip
     assert grads.keys() == expected_grads.keys()

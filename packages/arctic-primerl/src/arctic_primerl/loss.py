@@ -39,4 +39,6 @@ def loss_terms(loss: dict[str, Any] | None) -> list[dict[str, Any]]:
     if opts["kl_tau"]:  # k2 is log(ratio)^2 / 2
         terms.append({"name": "kl", "weight": 2 * opts["kl_tau"], "against": "old", "estimator": "k2",
                       "clamp": None, "aggregation": "token-sum"})
+    # PRIME-RL's trainer reports the entropy of every step: a term of weight 0, a metric only.
+    terms.append({"name": "entropy", "weight": 0.0, "aggregation": "token-sum"})
     return terms

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from arctic_core.client import ArcticClient
 from arctic_core.errors import ConfigError
+from arctic_core.losses.aggregation import add_metrics
 from arctic_core.demo.metrics import MetricsLogger
 from arctic_primerl import samples as sample_ops
 from arctic_primerl.wire import decode
@@ -129,7 +130,8 @@ class RolloutTrainer:
             self.history.append(metrics)
             if self.metrics is not None:
                 self.metrics.log("train", metrics, step)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", samples=int(metrics["samples"]))
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", entropy=f"{metrics.get('entropy/entropy', 0.0):.4f}",
+                            samples=int(metrics["samples"]))
 
     def train_step(self, payload: bytes, source: str, lr: float | None = None) -> dict[str, float]:
         """One optimizer step on one rank's micro-batches; the sampler then serves the new weights."""
@@ -169,7 +171,8 @@ class RolloutTrainer:
 def add_call_metrics(totals: dict[str, float], metrics: dict[str, float], share: float, count: int) -> None:
     """Add one fwd_bwd call's metrics into the step's: losses are token sums (divided by the step's
     ``count`` trainable tokens, PRIME-RL's normalisation), token counts add up, and every other
-    value is a token mean, weighed by the call's ``share`` of the step's tokens."""
+    value is a token mean, weighed by the call's ``share`` of the step's tokens (extremes: the
+    step's extreme)."""
     for key, value in metrics.items():
         if key in ("tokens", "packed_tokens"):
             weight = 1.0
@@ -177,4 +180,4 @@ def add_call_metrics(totals: dict[str, float], metrics: dict[str, float], share:
             weight = 1.0 / count
         else:
             weight = share
-        totals[key] = totals.get(key, 0.0) + weight * value
+        add_metrics(totals, {key: value}, weight)

@@ -96,9 +96,10 @@ class ArcticDispatch:
         """SkyRL's worker metric names where Arctic computes the same quantity, every Arctic
         metric under ``arctic/``."""
         named = {"final_loss": "loss", "policy_loss": f"{self.policy_name}/loss",
-                 "loss_metrics/clip_ratio": f"{self.policy_name}/clipfrac", "policy_kl": "kl/loss",
-                 "policy_entropy": "entropy/entropy"}
+                 "loss_metrics/clip_ratio": f"{self.policy_name}/clipfrac", "policy_kl": "kl/loss"}
         out = {name: metrics[source] for name, source in named.items() if source in metrics}
+        # The entropy term aggregates as SkyRL's micro-batch means do (its loss minimises -entropy).
+        out["policy_entropy"] = -metrics["entropy/loss"]
         out["policy_lr"] = self.schedule(self.optimizer_steps)
         out["response_length"] = float(data.metadata["response_length"])
         return out | {f"arctic/{key}": value for key, value in metrics.items()}

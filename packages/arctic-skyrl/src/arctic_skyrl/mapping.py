@@ -163,9 +163,9 @@ def loss_terms(cfg: SkyRLTrainConfig) -> list[dict[str, Any]]:
         estimator = algorithm.kl_estimator_type
         terms.append({"name": "kl", "weight": algorithm.kl_loss_coef, "estimator": estimator,
                       "clamp": K3_CLAMP if estimator == "k3" else None, "aggregation": "seq-mean-token-mean"})
-    if algorithm.use_entropy_loss:
-        terms.append({"name": "entropy", "weight": algorithm.entropy_loss_coef,
-                      "aggregation": entropy_aggregation(cfg)})
+    # SkyRL reports every micro-batch's entropy: without the bonus the term has weight 0, a metric only.
+    terms.append({"name": "entropy", "weight": algorithm.entropy_loss_coef if algorithm.use_entropy_loss else 0.0,
+                  "aggregation": entropy_aggregation(cfg)})
     return terms
 
 

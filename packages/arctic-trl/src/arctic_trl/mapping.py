@@ -122,11 +122,19 @@ def loss_terms(args: GRPOConfig, micro: MicroBatch) -> tuple[list[dict[str, Any]
         terms.append({"name": "kl", "weight": args.beta * weight, "aggregation": aggregation, "estimator": "k3",
                       "clamp": None, "ratio_weighted": args.use_bias_correction_kl,
                       "level": args.importance_sampling_level, "old_logprobs": old})
-    if micro.entropy_coef != 0.0:  # a token mean over the kept tokens of the micro-batch, scaled for accumulation
-        rescale = 1.0 if micro.kept_tokens is None else micro.local_tokens / max(micro.kept_tokens, 1)
-        terms.append({"name": "entropy", "weight": micro.entropy_coef / micro.accumulation_steps * rescale,
-                      "aggregation": "token-mean", "entropy_floor": micro.entropy_floor})
+    # The entropy bonus: a token mean over the kept tokens of the micro-batch, scaled for accumulation.
+    # Without one the term has weight 0, a metric only: TRL logs every micro-batch's entropy.
+    rescale = 1.0 if micro.kept_tokens is None else micro.local_tokens / max(micro.kept_tokens, 1)
+    terms.append({"name": "entropy", "weight": micro.entropy_coef / micro.accumulation_steps * rescale,
+                  "aggregation": "token-mean", "entropy_floor": micro.entropy_floor})
     return terms, args.max_completion_length if args.loss_type == "dr_grpo" else None
+
+
+def policy_loss(args: GRPOConfig, terms: list[dict[str, Any]], metrics: dict[str, float], accumulation_steps: int) -> float:
+    """TRL's ``policy_loss`` metric from the backend's: the loss without the entropy bonus, before
+    TRL divides it by the accumulation steps (the loss types normalised per micro-batch)."""
+    part = sum(term["weight"] * metrics[f"{term['name']}/loss"] for term in terms if term["name"] != "entropy")
+    return part if args.loss_type in WINDOW_NORMALISED else part * accumulation_steps
 
 
 def _policy(args: GRPOConfig) -> dict[str, Any]:

@@ -32,8 +32,8 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
 from arctic_core.serving.server import HF_EXPORT
-from arctic_trl.mapping import (MicroBatch, arctic_config, loss_terms, regroup_is_exact, sampling_params, unsupported,
-                                unsupported_model)
+from arctic_trl.mapping import (MicroBatch, arctic_config, loss_terms, policy_loss, regroup_is_exact, sampling_params,
+                                unsupported, unsupported_model)
 
 REFERENCE = "reference"  # stands for TRL's ref_model: log-probs come from Arctic's reference engine
 
@@ -116,6 +116,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         args.beta, args.gradient_checkpointing, args.max_grad_norm = 0.0, False, 0.0
         stub = PolicyStub.from_path(path)
         self._step_metrics: dict[str, float] = {}
+        self._policy_loss = 0.0  # TRL's policy_loss metric of the last micro-batch (with an entropy bonus)
         optimizer = ArcticOptimizer(stub, self.arctic, args.learning_rate, self._record_step)
         super().__init__(model=stub, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class or AutoTokenizer.from_pretrained(path),
@@ -241,6 +242,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                            sampled is not None)
         terms, max_len = loss_terms(self.args, micro)
         metrics = dict(self.arctic.fwd_bwd(batch, terms, temperature=self.temperature, max_response_len=max_len).metrics)
+        if self._entropy_bonus_enabled:  # TRL logs the loss without the bonus beside it
+            self._policy_loss = policy_loss(self.args, terms, metrics, micro.accumulation_steps)
         if self.use_adaptive_entropy:
             self._update_entropy_controller(window)
         return metrics
@@ -300,8 +303,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 train[theirs].append(float(metrics[ours]))
         if "ppo/clip_low_frac" in metrics:  # the two sides never overlap
             train["clip_ratio/region_mean"].append(float(metrics["ppo/clip_low_frac"] + metrics["ppo/clip_high_frac"]))
-        if self._entropy_bonus_enabled and self.accelerator.sync_gradients:
-            train["entropy_coef"].append(self.entropy_coef)
+        if self._entropy_bonus_enabled:
+            train["policy_loss"].append(self._policy_loss)
+            if self.accelerator.sync_gradients:
+                train["entropy_coef"].append(self.entropy_coef)
 
     # ---- checkpoints: the weights and the optimizer live in the backend ----------------------
 
@@ -339,7 +344,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
 # The backend's loss metrics (``{term}/{metric}``) that are TRL's under another name.
 TRL_METRICS = {"kl/kl": "kl", "entropy/entropy": "entropy", "ppo/clip_low_frac": "clip_ratio/low_mean",
-               "ppo/clip_high_frac": "clip_ratio/high_mean", "cispo/capfrac": "cispo_clip_ratio",
+               "ppo/clip_high_frac": "clip_ratio/high_mean", "ppo/clip_low_frac_seq_min": "clip_ratio/low_min",
+               "ppo/clip_high_frac_seq_max": "clip_ratio/high_max", "cispo/capfrac": "cispo_clip_ratio",
                "vespo/phi_mean": "vespo/phi_seq_mean"}
 
 

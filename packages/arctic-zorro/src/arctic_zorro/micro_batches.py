@@ -13,6 +13,7 @@ import torch
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.host_copy import HostCopy
+from arctic_core.losses.aggregation import add_metrics
 from arctic_core.plugins.interfaces import LossContext, Metrics, Objective, Processor
 
 MicroForward = Callable[[RolloutBatch, Mapping[str, Processor]], dict[str, torch.Tensor]]
@@ -152,8 +153,7 @@ def micro_forward_backward(
         if i >= len(plan):
             backward(loss * 0.0)
             continue
-        for key, value in metrics.items():  # on the device: summed without reading them
-            totals[key] = totals.get(key, 0.0) + value
+        add_metrics(totals, metrics)  # on the device: summed without reading them
         if i == len(plan) - 1:
             reading = MetricsReading(totals)
         backward(loss * scale)

@@ -12,11 +12,13 @@ Modes (``x`` per-token values, ``m`` the loss mask, ``n_i`` loss tokens of respo
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
 
-from arctic_core.plugins.interfaces import LossContext
+from arctic_core.plugins.interfaces import LossContext, Metrics
 
 Aggregation = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -41,3 +43,34 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, ctx: LossContext, mode: 
 def token_mean(values: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> torch.Tensor:
     """A detached token-mean for metrics (additive across micro-batches), left on the device."""
     return aggregate(values.detach(), mask, ctx, "token-mean")
+
+
+def sequence_extreme(per_sequence: torch.Tensor, rows: torch.Tensor, largest: bool) -> torch.Tensor:
+    """The smallest (``largest``: the largest) of ``per_sequence`` values over the sequences in
+    ``rows`` (a bool per sequence), detached and on the device; NaN when ``rows`` is empty."""
+    if per_sequence.numel() == 0:
+        return per_sequence.new_full((), math.nan)
+    fill = -math.inf if largest else math.inf
+    kept = torch.where(rows, per_sequence.detach(), fill)
+    value = kept.max() if largest else kept.min()
+    return torch.where(rows.any(), value, math.nan)
+
+
+def add_metrics(totals: Metrics, part: Mapping[str, float | torch.Tensor], weight: float = 1.0) -> None:
+    """Add one part's metrics (a micro-batch's, a rank's) into ``totals``: each times ``weight``
+    and summed, except extremes (names ending in ``_min`` / ``_max``): the smallest / largest
+    seen, NaN ignored. Device tensors stay on the device."""
+    for key, value in part.items():
+        if key.endswith(("_min", "_max")):
+            totals[key] = value if key not in totals else _extreme(totals[key], value, key.endswith("_max"))
+        else:
+            totals[key] = totals.get(key, 0.0) + weight * value
+
+
+def _extreme(a: float | torch.Tensor, b: float | torch.Tensor, largest: bool) -> float | torch.Tensor:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a, b = torch.as_tensor(a), torch.as_tensor(b)
+        return torch.fmax(a, b) if largest else torch.fmin(a, b)
+    if math.isnan(a) or math.isnan(b):
+        return b if math.isnan(a) else a
+    return max(a, b) if largest else min(a, b)

@@ -16,7 +16,11 @@ from arctic_core.plugins.registry import Registry
 
 @dataclass
 class WeightedObjective:
-    """``sum_k weight_k * term_k``; metrics come back as ``{term}/{metric}`` plus ``{term}/loss``."""
+    """``sum_k weight_k * term_k``; metrics come back as ``{term}/{metric}`` plus ``{term}/loss``.
+
+    A term of weight 0 is a metric only: computed and reported, but left out of the sum, so no
+    backward runs through it (an entropy to log costs its forward alone). A list whose weights are
+    all 0 still yields a loss (zero times the last term) whose backward reaches the weights."""
 
     terms: list[tuple[str, float, LossTerm]]
     processors: Mapping[str, Processor]
@@ -27,9 +31,10 @@ class WeightedObjective:
     ) -> tuple[torch.Tensor, Metrics]:
         total: torch.Tensor | None = None
         metrics: Metrics = {}
-        for name, weight, term in self.terms:
+        for index, (name, weight, term) in enumerate(self.terms):
             value, term_metrics = term(outputs, batch, ctx)
-            total = weight * value if total is None else total + weight * value
+            if weight != 0.0 or (total is None and index == len(self.terms) - 1):
+                total = weight * value if total is None else total + weight * value
             metrics[f"{name}/loss"] = value.detach()
             metrics.update({f"{name}/{k}": v for k, v in term_metrics.items()})
         assert total is not None  # build_objective refuses an empty list

@@ -30,7 +30,7 @@ from pydantic import Field, model_validator
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import StrictModel
 from arctic_core.errors import BatchError
-from arctic_core.losses.aggregation import Aggregation, aggregate, token_mean
+from arctic_core.losses.aggregation import Aggregation, aggregate, sequence_extreme, token_mean
 from arctic_core.losses.options import parse_options
 from arctic_core.losses.ratios import at_level, old_logprobs
 from arctic_core.plugins.interfaces import LossContext
@@ -219,13 +219,19 @@ class PPOLoss(PolicyTerm):
         low, high = (ratio < 1.0 - opts.clip_low) & (adv < 0), (ratio > 1.0 + opts.high) & (adv > 0)
         metrics = {"clipfrac": token_mean((clipped > unclipped).float(), mask, ctx),
                    "dual_clipfrac": token_mean(dual.float(), mask, ctx)}
+        tokens = mask.sum(-1)
         if opts.level == "sequence":  # per sequence, as the ratio is
             metrics["seq_ratio_mean"] = ratio.detach()[:, 0].sum() / ctx.num_sequences
             metrics["clip_low_frac"] = low[:, 0].float().sum() / ctx.num_sequences
             metrics["clip_high_frac"] = high[:, 0].float().sum() / ctx.num_sequences
+            seq_low, seq_high = low[:, 0].float(), high[:, 0].float()
         else:
             metrics["clip_low_frac"] = token_mean(low.float(), mask, ctx)
             metrics["clip_high_frac"] = token_mean(high.float(), mask, ctx)
+            seq_low, seq_high = ((side & mask).sum(-1) / tokens.clamp(min=1) for side in (low, high))
+        # The least and the most clipped sequence (TRL's clip_ratio/low_min and high_max).
+        metrics["clip_low_frac_seq_min"] = sequence_extreme(seq_low, tokens > 0, largest=False)
+        metrics["clip_high_frac_seq_max"] = sequence_extreme(seq_high, tokens > 0, largest=True)
         return losses, metrics
 
 

@@ -61,7 +61,9 @@ class Processor(Protocol):
 Metrics = dict[str, float | torch.Tensor]
 """A loss term's additive metrics: floats, or 0-dim tensors on the device, which the engine sums
 there and reads once per call, after its last backward is queued (a float read inside the term
-makes the device wait for the host between each micro-batch's forward and backward)."""
+makes the device wait for the host between each micro-batch's forward and backward). A name
+ending in ``_min`` or ``_max`` is an extreme instead: the smallest or largest over micro-batches
+and ranks (NaN, a part without a value, ignored); see ``arctic_core.losses.aggregation``."""
 
 
 @runtime_checkable

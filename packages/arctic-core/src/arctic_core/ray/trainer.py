@@ -32,6 +32,7 @@ from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, TrainerConfig, validate_options
 from arctic_core.errors import RequestError, WorkerError
+from arctic_core.losses.aggregation import add_metrics
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_core.ports import free_port
 from arctic_core.protocol import FwdBwdRequest
@@ -281,9 +282,8 @@ def split_by_groups(batch: RolloutBatch, ranks: int) -> list[list[int] | None]:
 
 def _sum_metrics(results: list[dict[str, float]]) -> dict[str, float]:
     """Per-rank metrics are parts over the global loss context (the world-size scale touches only
-    the backward), so the whole batch's are their sums."""
+    the backward), so the whole batch's are their sums (extremes: the extreme of the ranks')."""
     total: dict[str, float] = {}
     for metrics in results:
-        for key, value in metrics.items():
-            total[key] = total.get(key, 0.0) + value
+        add_metrics(total, metrics)
     return total
