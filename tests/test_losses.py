@@ -534,6 +534,65 @@ def test_cispo_sapo_vespo_against_their_formulas() -> None:
         VESPOLoss(level="sequence")
 
 
+# The sampler's log-probs of the PPO batch: exp(old - sampling) per token is 2, 0.5, 4 | 1.5, 0.25
+# (sequence products: 4 and 0.375).
+SAMPLER_WEIGHTS = [[2.0, 0.5, 4.0], [1.5, 0.25]]
+SAMPLING = [[o - math.log(w) for o, w in zip(orow, wrow)] for orow, wrow in zip(PPO_OLD, SAMPLER_WEIGHTS)]
+
+
+@pytest.mark.parametrize("mode, low, expected", [
+    ("token-truncate", 0.3, [[2.0, 0.5, 3.0], [1.5, 0.3]]),
+    ("token-mask", 0.3, [[2.0, 0.5, 0.0], [1.5, 0.0]]),
+    ("sequence-truncate", None, [[3.0] * 3, [0.375] * 2]),
+    ("sequence-mask", 0.5, [[0.0] * 3, [0.0] * 2]),
+    ("sequence-mask", None, [[0.0] * 3, [0.375] * 2]),
+])
+def test_the_sampler_correction_weighs_each_tokens_policy_loss(mode, low, expected) -> None:
+    """exp(old - sampling), per token or per sequence, clamped to [low, 3] or zero outside it,
+    multiplies each token's PPO loss (detached: the gradient is the weighted one)."""
+    batch, logp = ppo_case(sampling_logprobs=SAMPLING)
+    ctx, mask = LossContext.of(batch), batch.loss_mask.to(F64)
+    correction = {"mode": mode, "low": low, "high": 3.0}
+    loss, metrics = PPOLoss(**PPO_OPTS, sampler_correction=correction)({"logprobs": logp}, batch, ctx)
+    plain, _ = PPOLoss(**PPO_OPTS)({"logprobs": logp.detach().requires_grad_()}, batch, ctx)
+    ratio = torch.exp((logp - batch.old_logprobs) * mask)
+    adv = torch.tensor(PPO_ADV, dtype=F64)[:, None]
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
+    weights = torch.tensor(pad(expected, 3), dtype=F64)
+    want = (per_token * weights * mask).sum() / 5
+    # (the sampler's log-probs are read as float32, as the old ones are)
+    assert loss.item() == pytest.approx(want.item(), abs=MTOL) and plain.item() == pytest.approx(0.77 / 5, abs=TOL)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    assert_rows(grad.tolist(), want_grad.tolist(), MTOL)
+    diffs = [abs(math.log(w)) for row in SAMPLER_WEIGHTS for w in row]
+    assert metrics["sampler_logp_diff"] == pytest.approx(sum(diffs) / 5)
+    assert metrics["sampler_logp_diff_max"] == pytest.approx(max(diffs))
+    counted = [row[0] for row in expected] if mode.startswith("sequence") else [w for row in expected for w in row]
+    assert metrics["sampler_weight"] == pytest.approx(sum(counted) / len(counted))
+    assert (metrics["sampler_weight_min"], metrics["sampler_weight_max"]) == pytest.approx((min(counted), max(counted)))
+
+
+def test_vespo_folds_token_sampler_weights_into_its_sequence_weight() -> None:
+    """VESPO's w is the sequence's ratio times the product of its (truncated) sampler weights."""
+    batch, logp = ppo_case(sampling_logprobs=SAMPLING)
+    ctx, mask = LossContext.of(batch), batch.loss_mask.to(F64)
+    correction = {"mode": "token-truncate", "high": 3.0}
+    loss, _ = VESPOLoss(sampler_correction=correction)({"logprobs": logp}, batch, ctx)
+    adv = torch.tensor(PPO_ADV, dtype=F64)[:, None]
+    sampler = torch.tensor(pad([[2.0, 0.5, 3.0], [1.5, 0.25]], 3, 1.0), dtype=F64)
+    log_w = (((logp - batch.old_logprobs) + torch.log(sampler)) * mask).sum(-1, keepdim=True).detach()
+    k, lam = torch.where(adv >= 0, 2.0, 3.0), torch.where(adv >= 0, 3.0, 2.0)
+    want = (-torch.exp(lam + k * log_w - lam * torch.exp(log_w)) * adv * logp * mask).sum() / 5
+    assert loss.item() == pytest.approx(want.item(), abs=MTOL)
+    with pytest.raises(ConfigError, match="token-truncate or token-mask"):
+        VESPOLoss(sampler_correction={"mode": "sequence-mask"})
+    with pytest.raises(BatchError, match="sampling_logprobs"):
+        PPOLoss(sampler_correction={})({"logprobs": logp}, ppo_case()[0], ctx)
+    with pytest.raises(ConfigError, match="above high"):
+        PPOLoss(sampler_correction={"low": 4.0, "high": 3.0})
+
+
 @pytest.mark.parametrize("trust_region", ["advantage-sign", "both-sides"])
 def test_dppo_with_the_squared_log_ratio_kl_against_its_formula(trust_region: str) -> None:
     """dppo + kl(against old, k2, weight 2 tau) is DPPO-Binary TV + Kimi's KL: -A * ratio on the

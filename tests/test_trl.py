@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -195,7 +196,8 @@ def test_the_loss_matrix_equals_plain_trl(pair, level, kl, entropy_quantile, dat
             settings = dict(loss_type=loss_type, importance_sampling_level=level, beta=beta,
                             use_bias_correction_kl=corrected, delta=delta, top_entropy_quantile=entropy_quantile,
                             epsilon_high=1.2 if loss_type == "cispo" else 0.28,
-                            off_policy_mask_threshold=0.05 if "masked" in data else None)
+                            off_policy_mask_threshold=0.05 if "masked" in data else None,
+                            vllm_importance_sampling_correction=False)  # plain TRL samples without vLLM here
             configure(plain, **settings)
             configure(arctic, **settings)
             logged = metric_counts(plain)
@@ -205,6 +207,79 @@ def test_the_loss_matrix_equals_plain_trl(pair, level, kl, entropy_quantile, dat
             assert metrics["loss"] == pytest.approx(expected, abs=1e-5), case
             assert_grads_equal(take_arctic_grads(arctic), expected_grads, case)
             assert_trl_metrics_equal(plain, logged, arctic, metrics, loss_type, beta, case)
+
+
+def trl_vllm_importance_sampling(plain, inputs: dict) -> dict:
+    """``inputs`` as TRL prepares them when vLLM sampled (``_generate_and_score_completions`` with
+    ``use_vllm`` and ``vllm_importance_sampling_correction``): the trainer's old log-probs and the
+    importance-sampling ratio against the sampler's, truncated or masked as the mode says."""
+    old = inputs.get("old_per_token_logps")
+    if old is None:  # TRL computes them whenever vLLM samples
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with torch.no_grad():
+            old, _, _ = plain._get_per_token_logps_and_entropies(plain.model, ids, mask, inputs["completion_ids"].shape[1])
+    args = plain.args
+    diff = torch.nan_to_num((old - inputs["sampling_per_token_logps"]) * inputs["completion_mask"], nan=0.0)
+    if args.vllm_importance_sampling_mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if args.vllm_importance_sampling_mode.endswith("truncate"):
+        ratio = torch.clamp(ratio, min=low, max=high)
+    else:
+        ratio = ratio.masked_fill((ratio < (low if low is not None else -math.inf))
+                                  | (ratio > (high if high is not None else math.inf)), 0.0)
+    return {**inputs, "old_per_token_logps": old, "importance_sampling_ratio": ratio}
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("data", ["on-policy", "off-policy"])
+def test_the_sampler_correction_equals_trls_with_vllm(pair, mode, data):
+    """TRL's vLLM importance-sampling correction (on by default) applies to Arctic's sampler: the
+    loss and gradients equal plain TRL's when vLLM sampled, for every loss type and mode (TRL's
+    VESPO takes the token modes), and the sampling metrics are TRL's over the micro-batch."""
+    plain, inputs, arctic = pair
+    sampled = off_policy(plain, inputs, sampler=True)
+    if data == "on-policy":  # the sampler's log-probs, the weights that sampled unchanged
+        sampled = {**sampled, "old_per_token_logps": None}
+    for loss_type in LOSS_TYPES:
+        if loss_type == "vespo" and mode.startswith("sequence"):
+            continue
+        settings = dict(loss_type=loss_type, importance_sampling_level="token", beta=0.0, delta=None,
+                        top_entropy_quantile=1.0, epsilon_high=1.2 if loss_type == "cispo" else 0.28,
+                        off_policy_mask_threshold=None, vllm_importance_sampling_correction=True,
+                        vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5,
+                        vllm_importance_sampling_clip_max=1.5)
+        configure(plain, **settings)
+        configure(arctic, **settings)
+        plain.use_vllm, plain.vllm_importance_sampling_correction = True, True
+        try:
+            expected, expected_grads = plain_loss_and_grads(plain, trl_vllm_importance_sampling(plain, sampled))
+        finally:
+            plain.use_vllm = False
+        metrics = arctic.arctic_fwd_bwd(sampled)
+        case = f"{loss_type} {mode} {data}"
+        assert metrics["loss"] == pytest.approx(expected, abs=1e-5), case
+        assert_grads_equal(take_arctic_grads(arctic), expected_grads, case)
+        assert_sampling_metrics_equal(plain, trl_vllm_importance_sampling(plain, sampled), arctic, metrics, case)
+
+
+def assert_sampling_metrics_equal(plain, prepared: dict, arctic, metrics: dict, case: str) -> None:
+    """TRL's sampling/* metrics (its generation step's formulas) over this micro-batch."""
+    mask = prepared["completion_mask"].bool()
+    delta = (prepared["old_per_token_logps"] - prepared["sampling_per_token_logps"]).abs()[mask]
+    ratio = prepared["importance_sampling_ratio"]
+    ratio = ratio.flatten() if ratio.shape[1] == 1 else ratio[mask]
+    expected = {"sampling/sampling_logp_difference/mean": delta.mean(), "sampling/sampling_logp_difference/max": delta.max(),
+                "sampling/importance_sampling_ratio/min": ratio.min(), "sampling/importance_sampling_ratio/mean": ratio.mean(),
+                "sampling/importance_sampling_ratio/max": ratio.max()}
+    before = metric_counts(arctic)
+    arctic._record_as_trl(metrics)
+    ours = {k: v[-1] for k, v in arctic._metrics["train"].items() if k.startswith("sampling/") and len(v) > before.get(k, 0)}
+    assert ours.keys() == expected.keys(), case
+    for name, value in expected.items():
+        assert ours[name] == pytest.approx(float(value), abs=1e-5), (case, name)
 
 
 def metric_counts(trainer) -> dict[str, int]:

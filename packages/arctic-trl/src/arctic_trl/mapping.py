@@ -42,6 +42,10 @@ def unsupported(args: GRPOConfig) -> list[str]:
     if args.use_vllm:
         problems.append("use_vllm: Arctic samples for you (its sampler can be vLLM: arctic={'sampler': "
                         "{'backend': 'vllm'}}); drop use_vllm")
+    if sampler_correction(args, True) and args.loss_type == "vespo" and \
+            not args.vllm_importance_sampling_mode.startswith("token"):
+        problems.append(f"loss_type='vespo' with vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r}: "
+                        "VESPO takes token_truncate or token_mask (as TRL requires with vLLM)")
     unknown = sorted(set(args.generation_kwargs or {}) - set(GENERATION_KWARGS))
     if unknown:
         problems.append(f"generation_kwargs {unknown}: Arctic's samplers honour {sorted(GENERATION_KWARGS)}")
@@ -117,7 +121,8 @@ def loss_terms(args: GRPOConfig, micro: MicroBatch) -> tuple[list[dict[str, Any]
     old = "current" if micro.on_policy else "batch"
     terms = [{**_policy(args), "weight": weight, "aggregation": aggregation, "old_logprobs": old,
               "entropy_floor": micro.entropy_floor, "off_policy_threshold": args.off_policy_mask_threshold,
-              "off_policy_logprobs": "sampling" if micro.sampling_logprobs else "old"}]
+              "off_policy_logprobs": "sampling" if micro.sampling_logprobs else "old",
+              "sampler_correction": sampler_correction(args, micro.sampling_logprobs)}]
     if args.beta != 0.0:  # TRL adds beta * k3 per token before normalising: same aggregation, same weight
         terms.append({"name": "kl", "weight": args.beta * weight, "aggregation": aggregation, "estimator": "k3",
                       "clamp": None, "ratio_weighted": args.use_bias_correction_kl,
@@ -135,6 +140,16 @@ def policy_loss(args: GRPOConfig, terms: list[dict[str, Any]], metrics: dict[str
     TRL divides it by the accumulation steps (the loss types normalised per micro-batch)."""
     part = sum(term["weight"] * metrics[f"{term['name']}/loss"] for term in terms if term["name"] != "entropy")
     return part if args.loss_type in WINDOW_NORMALISED else part * accumulation_steps
+
+
+def sampler_correction(args: GRPOConfig, sampled: bool) -> dict[str, Any] | None:
+    """TRL's correction for vLLM's sampling (``vllm_importance_sampling_*``, on by default), for
+    Arctic's sampler: like vLLM an engine apart from the trainer, whose log-probs the batch carries
+    (``sampled``)."""
+    if not (args.vllm_importance_sampling_correction and sampled):
+        return None
+    return {"mode": args.vllm_importance_sampling_mode.replace("_", "-"),
+            "low": args.vllm_importance_sampling_clip_min, "high": args.vllm_importance_sampling_clip_max}
 
 
 def _policy(args: GRPOConfig) -> dict[str, Any]:

@@ -45,15 +45,15 @@ def token_mean(values: torch.Tensor, mask: torch.Tensor, ctx: LossContext) -> to
     return aggregate(values.detach(), mask, ctx, "token-mean")
 
 
-def sequence_extreme(per_sequence: torch.Tensor, rows: torch.Tensor, largest: bool) -> torch.Tensor:
-    """The smallest (``largest``: the largest) of ``per_sequence`` values over the sequences in
-    ``rows`` (a bool per sequence), detached and on the device; NaN when ``rows`` is empty."""
-    if per_sequence.numel() == 0:
-        return per_sequence.new_full((), math.nan)
+def extreme(values: torch.Tensor, where: torch.Tensor, largest: bool) -> torch.Tensor:
+    """The smallest (``largest``: the largest) of ``values`` where ``where`` is true (same shape),
+    detached and on the device (no host sync); NaN where nothing is."""
+    if values.numel() == 0:
+        return values.new_full((), math.nan)
     fill = -math.inf if largest else math.inf
-    kept = torch.where(rows, per_sequence.detach(), fill)
+    kept = torch.where(where, values.detach(), fill)
     value = kept.max() if largest else kept.min()
-    return torch.where(rows.any(), value, math.nan)
+    return torch.where(where.any(), value, math.nan)
 
 
 def add_metrics(totals: Metrics, part: Mapping[str, float | torch.Tensor], weight: float = 1.0) -> None:

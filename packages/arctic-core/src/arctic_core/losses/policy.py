@@ -12,7 +12,9 @@ is on-policy) and ``batch.advantages`` (per response or per token). What they sh
 - ``entropy_floor``: only tokens whose entropy is at least this count in the policy term (high-
   entropy "forking" tokens); the floor is usually a quantile of the batch's entropies;
 - ``off_policy_threshold``: a sequence with a negative advantage whose mean KL between the
-  data's policy and the current one exceeds this is dropped (DeepSeek-V3.2's off-policy mask).
+  data's policy and the current one exceeds this is dropped (DeepSeek-V3.2's off-policy mask);
+- ``sampler_correction``: each token's loss weighed by the importance weight between the data's
+  policy and the sampler (truncated or masked; see ``arctic_core.losses.sampler_correction``).
 
 Masks multiply the per-token losses; the aggregation keeps normalising by the loss mask, so a
 masked token counts as a zero, as in TRL.
@@ -30,9 +32,10 @@ from pydantic import Field, model_validator
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import StrictModel
 from arctic_core.errors import BatchError
-from arctic_core.losses.aggregation import Aggregation, aggregate, sequence_extreme, token_mean
+from arctic_core.losses.aggregation import Aggregation, aggregate, extreme, token_mean
 from arctic_core.losses.options import parse_options
 from arctic_core.losses.ratios import at_level, old_logprobs
+from arctic_core.losses.sampler_correction import SamplerCorrection, sampler_weights
 from arctic_core.plugins.interfaces import LossContext
 
 
@@ -54,6 +57,9 @@ class PolicyOptions(StrictModel):
     """Clamp the log importance ratio each token carries to [low, high] before the exp (None: no
     bound on that side); outside the bounds it has no gradient. verl clamps to [-20, 20] for
     stability (its GSPO to [None, 10])."""
+    sampler_correction: SamplerCorrection | None = None
+    """Weigh each token's loss by exp(old - sampling log-probs), per token or per sequence,
+    truncated or masked outside [low, high] (needs batch.sampling_logprobs); None: no correction."""
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> PolicyOptions:
@@ -126,6 +132,9 @@ class VESPOOptions(PolicyOptions):
     def _token_level(self) -> VESPOOptions:
         if self.level != "token":
             raise ValueError("VESPO computes its sequence weight itself; level must be 'token'")
+        if self.sampler_correction is not None and not self.sampler_correction.mode.startswith("token"):
+            raise ValueError("VESPO folds the sampler weights into its sequence weight token by token: "
+                             "sampler_correction.mode must be token-truncate or token-mask")
         return self
 
 
@@ -145,6 +154,9 @@ class PolicyTerm:
 
     name = "policy"
     options_model: type[PolicyOptions] = PolicyOptions
+    folds_sampler_weights = False
+    """True for a term whose surrogate takes the sampler weights into its own weights (its
+    ``surrogate`` gets ``sampler_weights=``); any other's losses are multiplied by them."""
 
     def __init__(self, **options: object) -> None:
         self.options = parse_options(self.options_model, self.name, dict(options))
@@ -167,7 +179,14 @@ class PolicyTerm:
         if opts.log_ratio_bounds is not None:
             carried = carried.clamp(*opts.log_ratio_bounds)
         ratio = torch.exp(carried)
-        losses, metrics = self.surrogate(ratio, log_ratio, logp, adv, mask, ctx)
+        weights, sampler_metrics = (None, {}) if opts.sampler_correction is None else sampler_weights(
+            opts.sampler_correction, batch, old, self.name, ctx)
+        if self.folds_sampler_weights:
+            losses, metrics = self.surrogate(ratio, log_ratio, logp, adv, mask, ctx, sampler_weights=weights)
+        else:
+            losses, metrics = self.surrogate(ratio, log_ratio, logp, adv, mask, ctx)
+            losses = losses if weights is None else losses * weights
+        metrics.update(sampler_metrics)
         keep = self._keep(outputs, batch, logp, old, adv, mask)
         if keep is not None:
             losses = losses * keep
@@ -230,8 +249,8 @@ class PPOLoss(PolicyTerm):
             metrics["clip_high_frac"] = token_mean(high.float(), mask, ctx)
             seq_low, seq_high = ((side & mask).sum(-1) / tokens.clamp(min=1) for side in (low, high))
         # The least and the most clipped sequence (TRL's clip_ratio/low_min and high_max).
-        metrics["clip_low_frac_seq_min"] = sequence_extreme(seq_low, tokens > 0, largest=False)
-        metrics["clip_high_frac_seq_max"] = sequence_extreme(seq_high, tokens > 0, largest=True)
+        metrics["clip_low_frac_seq_min"] = extreme(seq_low, tokens > 0, largest=False)
+        metrics["clip_high_frac_seq_max"] = extreme(seq_high, tokens > 0, largest=True)
         return losses, metrics
 
 
@@ -281,17 +300,22 @@ class SAPOLoss(PolicyTerm):
 class VESPOLoss(PolicyTerm):
     """VESPO: -phi(w) * A * log-prob, phi a gamma weight of the sequence's importance ratio.
 
-    ``w`` is the product of the sequence's token ratios; ``phi`` is detached and normalised so that
-    ``phi(1) = 1``."""
+    ``w`` is the product of the sequence's token ratios (times the sampler weights' with a token-level
+    ``sampler_correction``, each clamped to [1e-8, e^20]); ``phi`` is detached and normalised so
+    that ``phi(1) = 1``."""
 
     name = "vespo"
     options_model = VESPOOptions
+    folds_sampler_weights = True
 
-    def surrogate(self, ratio, log_ratio, logp, adv, mask, ctx):
+    def surrogate(self, ratio, log_ratio, logp, adv, mask, ctx, sampler_weights=None):
         with torch.no_grad():
             opts = self.options
             floor = math.log(1e-8)
-            log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(floor, 20.0)
+            log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+            if sampler_weights is not None:  # log w = log(pi / pi_old) + log(pi_old / pi_sampler)
+                log_w = log_w + (torch.log(sampler_weights).clamp(floor, 20.0) * mask).sum(-1, keepdim=True)
+            log_w = log_w.clamp(floor, 20.0)
             nonneg = adv >= 0
             k = torch.where(nonneg, opts.k_pos, opts.k_neg)
             lam = torch.where(nonneg, opts.lambda_pos, opts.lambda_neg).clamp(min=1e-4)
