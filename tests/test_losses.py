@@ -573,6 +573,26 @@ def test_the_sampler_correction_weighs_each_tokens_policy_loss(mode, low, expect
     assert (metrics["sampler_weight_min"], metrics["sampler_weight_max"]) == pytest.approx((min(counted), max(counted)))
 
 
+def test_a_sequence_ratio_with_token_gradients_is_verls_gspo() -> None:
+    """``sequence_gradient: token``: each token carries its sequence's ratio s_i, with its own
+    log-prob's gradient (verl's sg[s_i] * pi_t / sg[pi_t]): d loss / d logp_t = -A w_t s_i for a
+    token sum weighed by sampler weights w_t; through the mean, every token gets the mean of those."""
+    batch, logp = ppo_case(sampling_logprobs=SAMPLING)
+    ctx, mask = LossContext.of(batch), batch.loss_mask.to(F64)
+    options = {"clip_low": 0.99, "clip_high": 100.0, "aggregation": "token-sum",
+               "sampler_correction": {"mode": "token-truncate", "high": 100.0}}
+    adv = torch.tensor(PPO_ADV, dtype=F64)[:, None]
+    seq_ratio = torch.exp(((logp - batch.old_logprobs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True))
+    weights = torch.tensor(pad(SAMPLER_WEIGHTS, 3), dtype=F64)
+    per_token = (-adv * seq_ratio * weights * mask).detach()
+    for gradient, want in (("token", per_token),
+                           ("mean", per_token.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True) * mask)):
+        loss, _ = GSPOLoss(**options, sequence_gradient=gradient)({"logprobs": logp}, batch, ctx)
+        assert loss.item() == pytest.approx(per_token.sum().item(), abs=MTOL), gradient
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert_rows(grad.tolist(), want.tolist(), MTOL)
+
+
 def test_vespo_folds_token_sampler_weights_into_its_sequence_weight() -> None:
     """VESPO's w is the sequence's ratio times the product of its (truncated) sampler weights."""
     batch, logp = ppo_case(sampling_logprobs=SAMPLING)

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from arctic_core.adapters.settings import BackendSettings
 from arctic_core.client import ArcticClient
 from arctic_skyrl.dispatch import ArcticDispatch
-from arctic_skyrl.mapping import arctic_config, entropy_is_exact, refusals
+from arctic_skyrl.mapping import arctic_config, entropy_is_exact, refusals, sampler_correction
 
 ALGO = "trainer.algorithm."
 CASES = {
@@ -41,6 +41,12 @@ CASES = {
                                                       "kl_estimator_type=abs", "use_entropy_loss=true",
                                                       "cispo.cispo_eps_clip_high=0.2", "cispo.cispo_eps_clip_low=0.2"],
     "regular-token-mean-legacy": ["loss_reduction=token_mean_legacy", "eps_clip_high=0.28"],
+    "regular-token-tis": ["off_policy_correction.tis_ratio_type=token", "off_policy_correction.token_tis_ratio_clip_high=1.5"],
+    "gspo-sequence-tis": ["policy_loss_type=gspo", "loss_reduction=sequence_mean", "eps_clip_low=0.0003",
+                          "eps_clip_high=0.0004", "use_kl_loss=false", "off_policy_correction.tis_ratio_type=sequence",
+                          "off_policy_correction.sequence_tis_ratio_clip_high=2.0"],
+    "gspo-token-tis": ["policy_loss_type=gspo", "eps_clip_low=0.0003", "eps_clip_high=0.0004", "use_kl_loss=false",
+                       "off_policy_correction.tis_ratio_type=token", "off_policy_correction.token_tis_ratio_clip_high=1.2"],
 }
 MICRO_BATCH = {"cispo-prompt-mean-abs-entropy-one-micro-batch": 8, "regular-token-mean-legacy": 2}
 POLICY_LOSSES = {"regular": ppo_utils.ppo_policy_loss, "dual_clip": ppo_utils.ppo_policy_loss,
@@ -78,8 +84,9 @@ def batch_tensors(model, temperature: float) -> dict[str, torch.Tensor]:
     signs = torch.tensor([(-1.0) ** i * (0.5 + i / 4) for i in range(len(RESPONSES))])
     return {"sequences": sequences, "attention_mask": attention, "response_mask": response_mask,
             "loss_mask": loss_mask.float(), "log_probs": log_probs, "entropy": entropy,
-            "old": current + 0.6 * torch.randn(current.shape, generator=generator),
+            "old": (old := current + 0.6 * torch.randn(current.shape, generator=generator)),
             "ref": current + 0.4 * torch.randn(current.shape, generator=generator),
+            "rollout": old + 0.3 * torch.randn(current.shape, generator=generator),
             "advantages": signs[:, None] * response_mask}
 
 
@@ -102,7 +109,8 @@ def skyrl_loss_and_grads(policy, cfg: SkyRLTrainConfig) -> tuple[float, dict[str
         part = slice(start, start + micro)
         mask = t["loss_mask"][part]
         policy_loss, _ = POLICY_LOSSES[algorithm.policy_loss_type](
-            t["log_probs"][part], t["old"][part], advantages[part], config=algorithm, loss_mask=mask)
+            t["log_probs"][part], t["old"][part], advantages[part], config=algorithm, loss_mask=mask,
+            rollout_logprobs=t["rollout"][part])
         regularisers = torch.zeros(())
         if algorithm.use_kl_loss:
             kl = ppo_utils.compute_approx_kl(t["log_probs"][part], t["ref"][part], loss_mask=mask,
@@ -125,6 +133,7 @@ def training_input(cfg: SkyRLTrainConfig, policy) -> TrainingInputBatch:
     data = TrainingInputBatch({"sequences": t["sequences"], "attention_mask": t["attention_mask"],
                                "response_mask": t["response_mask"], "loss_mask": t["loss_mask"],
                                "action_log_probs": t["old"], "base_action_log_probs": t["ref"],
+                               "rollout_logprobs": t["rollout"],
                                "advantages": scaled_advantages(cfg, t)})
     data.metadata = {"response_length": t["response_mask"].shape[1]}
     return data
@@ -197,3 +206,12 @@ def test_skyrl_settings_without_an_arctic_meaning_are_mapped_or_refused(policy):
     assert arctic_config(cfg, settings, on_gpu=False).trainer.optimizer.max_grad_norm is None  # SkyRL: <= 0 is off
     cfg.trainer.policy.model_config_kwargs = {"attention_dropout": 0.1}
     assert any(line.startswith("trainer.policy.model_config_kwargs=") for line in refusals(cfg, settings))
+    # Off-policy correction: TIS weights are the sampler correction; the masks are refused by name.
+    correction = cfg.trainer.algorithm.off_policy_correction
+    correction.sequence_mask_metric = "product"
+    assert any(line.startswith("trainer.algorithm.off_policy_correction.sequence_mask_metric=")
+               for line in refusals(cfg, settings))
+    cfg.trainer.algorithm.use_tis, cfg.trainer.algorithm.tis_imp_ratio_cap = True, 3.0  # SkyRL's deprecated form
+    assert sampler_correction(cfg) == {"mode": "token-truncate", "high": 3.0}
+    cfg.trainer.algorithm.tis_imp_ratio_cap = -1.0
+    assert any(line.startswith("trainer.algorithm.tis_imp_ratio_cap=-1.0") for line in refusals(cfg, settings))

@@ -12,13 +12,14 @@ import pytest
 import torch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.losses import ppo_loss
 
 from arctic_core.client import ArcticClient
 from arctic_verl.data import to_rollout_batch
-from arctic_verl.mapping import arctic_config, loss_terms
+from arctic_verl.mapping import arctic_config, loss_terms, sampler_correction
 from arctic_verl.settings import ArcticSettings
 from verl_run import verl_config
 
@@ -36,7 +37,15 @@ CASES = {
     "vanilla-k3+-token-sum-norm": ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=12",
                                    "actor.use_kl_loss=True", "actor.kl_loss_type=k3+", "actor.entropy_coeff=0.02"],
     "vanilla-mse": ["actor.use_kl_loss=True", "actor.kl_loss_type=mse", "actor.kl_loss_coef=0.5"],
+    "vanilla-rollout-is-token-tis": ["rollout.calculate_log_probs=True"],
+    "cispo-rollout-is-sequence-icepop": ["actor.policy_loss.loss_mode=cispo", "rollout.calculate_log_probs=True"],
+    "gspo-rollout-is-token-icepop": ["actor.policy_loss.loss_mode=gspo", "actor.clip_ratio_low=0.0003",
+                                     "actor.clip_ratio_high=0.0004", "rollout.calculate_log_probs=True"],
 }
+# verl's rollout importance weights, computed by verl's trainer from the old and the sampler's log-probs
+CORRECTION = {"vanilla-rollout-is-token-tis": ["rollout_is=token", "rollout_is_threshold=1.5"],
+              "cispo-rollout-is-sequence-icepop": ["rollout_is=sequence", "rollout_is_threshold='0.2_5.0'"],
+              "gspo-rollout-is-token-icepop": ["rollout_is=token", "rollout_is_threshold='0.7_1.4'"]}
 PROMPTS = [[5, 9, 13, 17, 21], [7, 8]]
 RESPONSES = [[30, 31, 32, 33], [40, 41, 42, 43, 44, 45, 46], [50, 51], [60, 61, 62, 63, 64], [70, 71, 72]]
 PROMPT_OF = [0, 0, 0, 1, 1]
@@ -60,11 +69,12 @@ def plain_outputs(model, temperature: float) -> tuple[list[torch.Tensor], list[t
 
 
 def rows(policy_logp: list[torch.Tensor]) -> TensorDict:
-    """verl's rows for the batch: old and reference log-probs perturbed away from the policy's so
-    that clipping, the dual clip and the KL all act; GRPO-like advantages of both signs."""
+    """verl's rows for the batch: old, reference and sampler log-probs perturbed away from the
+    policy's so that clipping, the dual clip, the KL and the rollout weights all act; GRPO-like
+    advantages of both signs."""
     generator = torch.Generator().manual_seed(0)
-    fields: dict[str, list[torch.Tensor]] = {name: [] for name in
-                                             ("prompts", "responses", "response_mask", "old_log_probs", "ref_log_prob", "advantages")}
+    fields: dict[str, list[torch.Tensor]] = {name: [] for name in ("prompts", "responses", "response_mask", "old_log_probs",
+                                                                   "ref_log_prob", "rollout_log_probs", "advantages")}
     for index, (response, prompt) in enumerate(zip(RESPONSES, PROMPT_OF, strict=True)):
         length = len(response)
         current = policy_logp[index][len(PROMPTS[prompt]) - 1:-1].detach()
@@ -75,6 +85,7 @@ def rows(policy_logp: list[torch.Tensor]) -> TensorDict:
         fields["response_mask"].append(mask)
         fields["old_log_probs"].append(current + 0.6 * torch.randn(length, generator=generator))
         fields["ref_log_prob"].append(current + 0.4 * torch.randn(length, generator=generator))
+        fields["rollout_log_probs"].append(fields["old_log_probs"][-1] + 0.3 * torch.randn(length, generator=generator))
         fields["advantages"].append(torch.full((length,), (-1.0) ** index * (0.5 + index / 4)))
     return TensorDict({name: jagged(values) for name, values in fields.items()}, batch_size=[len(RESPONSES)])
 
@@ -85,6 +96,14 @@ def verl_loss_and_grads(policy, config, temperature: float) -> tuple[float, dict
     data = rows(log_probs)
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(data["response_mask"].values().sum()),
                          global_batch_size=len(RESPONSES))
+    correction = config.algorithm.rollout_correction
+    if correction.rollout_is is not None:  # as verl's trainer adds them to the batch
+        mask = data["response_mask"].to_padded_tensor(0)
+        weights, _, _ = compute_rollout_correction_and_rejection_mask(
+            data["old_log_probs"].to_padded_tensor(0.0), data["rollout_log_probs"].to_padded_tensor(0.0), mask,
+            rollout_is=correction.rollout_is, rollout_is_threshold=correction.rollout_is_threshold)
+        padded = weights.batch["rollout_is_weights"]
+        data["rollout_is_weights"] = jagged([padded[i, :n] for i, n in enumerate(data["response_mask"].offsets().diff())])
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     outputs = {"log_probs": jagged(log_probs)}
     if actor.entropy_coeff != 0:
@@ -97,7 +116,8 @@ def verl_loss_and_grads(policy, config, temperature: float) -> tuple[float, dict
 @pytest.mark.parametrize("case", CASES)
 def test_loss_and_gradients_equal_verl_ppo_loss(policy, case):
     config = verl_config(f"actor_rollout_ref.model.path={policy}",
-                         *(f"actor_rollout_ref.{override}" for override in CASES[case]))
+                         *(f"actor_rollout_ref.{override}" for override in CASES[case]),
+                         *(f"algorithm.rollout_correction.{override}" for override in CORRECTION.get(case, [])))
     temperature = float(config.actor_rollout_ref.rollout.temperature)
     expected, expected_grads = verl_loss_and_grads(policy, config, temperature)
 
@@ -107,7 +127,9 @@ def test_loss_and_gradients_equal_verl_ppo_loss(policy, case):
         batch = to_rollout_batch(rows(plain_outputs(model, temperature)[0]))
         assert batch.num_prompts == len(PROMPTS)  # verl's repeated prompt ids are packed once
         actor = config.actor_rollout_ref.actor
-        result = arctic.fwd_bwd(batch, loss_terms(actor), temperature=temperature,
+        terms = loss_terms(actor, sampler_correction(config))
+        assert (terms[0]["sampler_correction"] is not None) == (case in CORRECTION)
+        result = arctic.fwd_bwd(batch, terms, temperature=temperature,
                                 max_response_len=actor.loss_scale_factor)
         server = arctic.transport.server
         grads = server.trainer.full_gradients()

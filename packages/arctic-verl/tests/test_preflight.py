@@ -22,7 +22,8 @@ from arctic_core.errors import ArcticError
 from arctic_core.ports import free_port
 from arctic_core.transports.http import wait_until_serving
 from arctic_verl import plugin
-from arctic_verl.mapping import actor_optim, arctic_config
+from arctic_verl.mapping import actor_optim, arctic_config, refusals
+from arctic_verl.settings import ArcticSettings
 from arctic_verl.preflight import preflight
 from arctic_verl.settings import read_settings
 from arctic_verl.trainer import learning_rates
@@ -116,6 +117,17 @@ def test_settings_refused_by_name(policy):
         preflight(config)
     for named in ("actor_rollout_ref.model.override_config=", "actor_rollout_ref.actor.checkpoint.load_contents="):
         assert named in str(refused.value)
+    correction = "algorithm.rollout_correction."
+    config = verl_config(f"actor_rollout_ref.model.path={policy}", f"{correction}rollout_is=token",
+                         f"{correction}rollout_rs=token_k1", f"{correction}rollout_is_batch_normalize=True",
+                         "actor_rollout_ref.rollout.calculate_log_probs=False")
+    with pytest.raises(ArcticError) as refused:
+        preflight(config)
+    for named in ("rollout_correction.rollout_rs", "rollout_is_batch_normalize",
+                  "needs actor_rollout_ref.rollout.calculate_log_probs=True"):
+        assert named in str(refused.value)
+    assert refusals(verl_config(f"actor_rollout_ref.model.path={policy}", f"{correction}rollout_is=sequence",
+                                "actor_rollout_ref.rollout.calculate_log_probs=True"), ArcticSettings()) == []
 
 
 def test_verls_deprecated_optimizer_keys_are_read_as_verl_reads_them(policy):

@@ -97,14 +97,33 @@ def refusals(cfg: SkyRLTrainConfig, settings: BackendSettings) -> list[str]:
 
 
 def _refuse_off_policy_correction(cfg: SkyRLTrainConfig, refuse) -> None:
+    """SkyRL's truncated importance weights (``tis_ratio_type``) map to Arctic's sampler correction;
+    its masks, which change the loss mask and so the normalisation, do not."""
     correction = cfg.trainer.algorithm.off_policy_correction
-    for key in ("tis_ratio_type", "sequence_mask_metric", "outlier_token_is_threshold_low",
-                "outlier_token_is_threshold_high", "token_mask_is_threshold_low", "token_mask_is_threshold_high"):
+    for key in ("sequence_mask_metric", "outlier_token_is_threshold_low", "outlier_token_is_threshold_high",
+                "token_mask_is_threshold_low", "token_mask_is_threshold_high"):
         if getattr(correction, key) is not None:
             refuse(f"trainer.algorithm.off_policy_correction.{key}", getattr(correction, key),
-                   "off-policy correction weights are not supported")
-    if cfg.trainer.algorithm.use_tis:
-        refuse("trainer.algorithm.use_tis", True, "off-policy correction weights are not supported")
+                   "off-policy masks are not supported (tis_ratio_type weights are)")
+    if cfg.trainer.algorithm.use_tis and cfg.trainer.algorithm.tis_imp_ratio_cap <= 0:
+        refuse("trainer.algorithm.tis_imp_ratio_cap", cfg.trainer.algorithm.tis_imp_ratio_cap,
+               "use_tis needs a positive cap (or off_policy_correction.tis_ratio_type with its clip_high)")
+
+
+def sampler_correction(cfg: SkyRLTrainConfig) -> dict[str, Any] | None:
+    """SkyRL's TIS weights ``exp(old - rollout)`` log-probs, per token or per sequence, truncated
+    from above (the deprecated ``use_tis`` is the token kind at ``tis_imp_ratio_cap``, as SkyRL
+    reads it). (SkyRL clamps the log ratio to [-20, 20] first: the same weights unless the trainer
+    and sampler differ by more than 20 nats.)"""
+    algorithm = cfg.trainer.algorithm
+    correction = algorithm.off_policy_correction
+    if algorithm.use_tis:
+        return {"mode": "token-truncate", "high": algorithm.tis_imp_ratio_cap}
+    if correction.tis_ratio_type == "token":
+        return {"mode": "token-truncate", "high": correction.token_tis_ratio_clip_high}
+    if correction.tis_ratio_type == "sequence":
+        return {"mode": "sequence-truncate", "high": correction.sequence_tis_ratio_clip_high}
+    return None
 
 
 def _real(path: str | None) -> str:
@@ -129,7 +148,7 @@ def policy_term(cfg: SkyRLTrainConfig) -> dict[str, Any]:
         return term | ({"dual_clip": algorithm.clip_ratio_c} if mode == "dual_clip" else {})
     if mode == "gspo":
         return {"name": "gspo", "clip_low": low, "clip_high": high, "aggregation": "token-sum",
-                "log_ratio_bounds": SKYRL_GSPO_LOG_RATIO_BOUNDS}
+                "sequence_gradient": "token", "log_ratio_bounds": SKYRL_GSPO_LOG_RATIO_BOUNDS}
     if mode == "sapo":
         return {"name": "sapo", "temperature_pos": algorithm.sapo.tau_pos, "temperature_neg": algorithm.sapo.tau_neg,
                 "aggregation": "token-sum", "log_ratio_bounds": SKYRL_LOG_RATIO_BOUNDS}
@@ -158,7 +177,7 @@ def entropy_is_exact(cfg: SkyRLTrainConfig) -> bool:
 def loss_terms(cfg: SkyRLTrainConfig) -> list[dict[str, Any]]:
     """SkyRL's policy worker loss (``PolicyWorkerBase._forward_backward_micro``) as Arctic terms."""
     algorithm = cfg.trainer.algorithm
-    terms = [policy_term(cfg)]
+    terms = [{**policy_term(cfg), "sampler_correction": sampler_correction(cfg)}]
     if algorithm.use_kl_loss:
         estimator = algorithm.kl_estimator_type
         terms.append({"name": "kl", "weight": algorithm.kl_loss_coef, "estimator": estimator,

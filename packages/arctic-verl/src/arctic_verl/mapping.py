@@ -92,9 +92,7 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
     kl_type = str(get(config, f"{actor}.kl_loss_type", "low_var_kl"))
     if get(config, f"{actor}.use_kl_loss") and kl_type.removesuffix("+") not in KL_TYPES:
         refuse(f"{actor}.kl_loss_type", f"supported: {', '.join(KL_TYPES)} (each optionally with '+')")
-    for key in ("rollout_is", "rollout_rs"):
-        if get(config, f"algorithm.rollout_correction.{key}") is not None:
-            refuse(f"algorithm.rollout_correction.{key}", "rollout-correction weights are not supported")
+    _refuse_rollout_correction(config, refuse)
     optim = f"{actor}.optim"
     if str(get(config, f"{optim}.optimizer", "AdamW")) != "AdamW" or str(get(config, f"{optim}.optimizer_impl", "torch.optim")) != "torch.optim":
         refuse(f"{optim}.optimizer", "Arctic's backends step torch's AdamW")
@@ -107,6 +105,23 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
             if key in settings.config.get(section, {}):
                 found.append(f"arctic.config.{section}.{key}: set by verl's own config (actor_rollout_ref...)")
     return found
+
+
+def _refuse_rollout_correction(config: DictConfig, refuse) -> None:
+    """verl's rollout importance weights (token or sequence; TIS or IcePop) map to Arctic's sampler
+    correction; its rejection sampling, batch-normalised weights and bypass-mode weights do not."""
+    section = "algorithm.rollout_correction"
+    if get(config, f"{section}.rollout_rs") is not None:
+        refuse(f"{section}.rollout_rs", "rejection sampling is not supported (rollout_is weights are)")
+    if get(config, f"{section}.rollout_is") is None:
+        return
+    if get(config, f"{section}.rollout_is_batch_normalize"):
+        refuse(f"{section}.rollout_is_batch_normalize", "batch-normalised weights are not supported")
+    if get(config, f"{section}.bypass_mode"):
+        refuse(f"{section}.bypass_mode", "rollout_is weights in bypass mode are not supported (decoupled mode is)")
+    if not get(config, "actor_rollout_ref.rollout.calculate_log_probs"):
+        refuse(f"{section}.rollout_is", "needs actor_rollout_ref.rollout.calculate_log_probs=True (the sampler's "
+               "log-probs the weights compare with; verl would skip the correction silently)")
 
 
 def check_supported(config: DictConfig, settings: ArcticSettings) -> None:
@@ -126,7 +141,7 @@ def policy_term(actor: DictConfig) -> dict[str, Any]:
                 "aggregation": aggregation, "log_ratio_bounds": VERL_LOG_RATIO_BOUNDS}
     if mode == "gspo":
         return {"name": "gspo", "clip_low": low, "clip_high": high, "aggregation": aggregation,
-                "log_ratio_bounds": VERL_GSPO_LOG_RATIO_BOUNDS}
+                "sequence_gradient": "token", "log_ratio_bounds": VERL_GSPO_LOG_RATIO_BOUNDS}
     if mode == "sapo":  # verl's SAPO always averages per sequence first
         return {"name": "sapo", "temperature_pos": actor.tau_pos, "temperature_neg": actor.tau_neg,
                 "aggregation": "seq-mean-token-mean", "log_ratio_bounds": VERL_LOG_RATIO_BOUNDS}
@@ -147,9 +162,24 @@ def kl_term(actor: DictConfig) -> dict[str, Any]:
             "gradient": "k2" if straight_through else "estimator", "aggregation": actor.loss_agg_mode}
 
 
-def loss_terms(actor: DictConfig) -> list[dict[str, Any]]:
-    """verl's actor loss (``verl.workers.utils.losses.ppo_loss``) as Arctic loss terms."""
-    terms = [policy_term(actor)]
+def sampler_correction(config: DictConfig) -> dict[str, Any] | None:
+    """verl's ``rollout_is`` weights, ``exp(old - rollout)`` log-probs per token or per sequence:
+    a single threshold truncates them from above (TIS), ``"lower_upper"`` zeroes them outside the
+    band (IcePop). (verl clamps the log ratio to [-20, 20] first: the same weights unless the
+    trainer and sampler differ by more than 20 nats.)"""
+    level = get(config, "algorithm.rollout_correction.rollout_is")
+    if level is None:
+        return None
+    threshold = get(config, "algorithm.rollout_correction.rollout_is_threshold", 2.0)
+    low, _, high = str(threshold).strip().rpartition("_")
+    return {"mode": f"{level}-{'mask' if low else 'truncate'}", "low": float(low) if low else None,
+            "high": float(high)}
+
+
+def loss_terms(actor: DictConfig, correction: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """verl's actor loss (``verl.workers.utils.losses.ppo_loss``) as Arctic loss terms; verl's
+    rollout importance weights multiply the policy term's per-token losses (``correction``)."""
+    terms = [{**policy_term(actor), "sampler_correction": correction}]
     if actor.entropy_coeff != 0:
         terms.append({"name": "entropy", "weight": actor.entropy_coeff, "aggregation": actor.loss_agg_mode})
     if actor.use_kl_loss:

@@ -34,7 +34,7 @@ from arctic_core.losses.aggregation import add_metrics
 from arctic_core.serving.server import HF_EXPORT
 from arctic_verl.backend import open_backend, server_gpus
 from arctic_verl.data import to_rollout_batch
-from arctic_verl.mapping import actor_optim, check_supported, get, loss_terms
+from arctic_verl.mapping import actor_optim, check_supported, get, loss_terms, sampler_correction
 from arctic_verl.rollout import ArcticLLMClient
 from arctic_verl.settings import read_settings
 
@@ -133,7 +133,7 @@ class ArcticTrainer(PPOTrainer):
             # which sends them to Arctic as one batch (the server runs one call at a time).
             self.config.actor_rollout_ref.rollout.agent.num_workers = 1
         actor = self.config.actor_rollout_ref.actor
-        self.loss = loss_terms(actor)
+        self.loss = loss_terms(actor, sampler_correction(self.config))
         self.temperature = float(self.config.actor_rollout_ref.rollout.temperature)
         self.max_response_len = actor.loss_scale_factor  # verl's constant for seq-mean-token-sum-norm
         self._init_tokenizer()
@@ -206,6 +206,7 @@ class ArcticTrainer(PPOTrainer):
         actor = self.config.actor_rollout_ref.actor
         fields = ["prompts", "responses", "response_mask", "old_log_probs", "advantages"]
         fields += ["ref_log_prob"] if actor.use_kl_loss else []
+        fields += ["rollout_log_probs"] if self.loss[0]["sampler_correction"] else []
         rollout = to_rollout_batch(read_rows(batch, fields))
         lr = self.learning_rate(self.global_steps - 1)  # verl's schedule has stepped once per earlier step
         train, steps = [], []

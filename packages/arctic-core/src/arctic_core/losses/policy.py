@@ -47,6 +47,10 @@ class PolicyOptions(StrictModel):
         "these weights), so the current log-probs, detached, serve (ratio 1, policy-gradient direction).")
     level: Literal["token", "sequence"] = "token"
     """One importance ratio per token, or one per sequence (the exp of its mean log ratio; GSPO)."""
+    sequence_gradient: Literal["mean", "token"] = "mean"
+    """With level sequence, where the ratio's gradient goes: through the sequence's mean log ratio
+    (the GSPO paper, TRL), or through each token's own log-prob at the sequence ratio's value
+    (verl's GSPO). They differ when tokens weigh differently (sampler weights, masks)."""
     entropy_floor: float | None = None
     """Only tokens whose entropy is at least this count in the policy term (needs the entropy processor)."""
     off_policy_threshold: float | None = None
@@ -175,7 +179,7 @@ class PolicyTerm:
         adv = batch.token_advantages().to(logp)
         old = old_logprobs(batch, self.name, logp, opts.old_logprobs)
         log_ratio = (logp - old).masked_fill(~mask, 0.0)
-        carried = at_level(log_ratio, mask, opts.level)
+        carried = at_level(log_ratio, mask, opts.level, opts.sequence_gradient)
         if opts.log_ratio_bounds is not None:
             carried = carried.clamp(*opts.log_ratio_bounds)
         ratio = torch.exp(carried)

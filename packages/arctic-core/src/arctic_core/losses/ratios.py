@@ -18,11 +18,16 @@ def old_logprobs(batch: RolloutBatch, term: str, logp: torch.Tensor, source: str
     return batch.old_logprobs.float()
 
 
-def at_level(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+def at_level(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, gradient: str = "mean") -> torch.Tensor:
     """The log ratio each token carries: its own (``token``), or its sequence's mean over the loss
-    mask (``sequence``), whose gradient then reaches every token of the sequence."""
+    mask (``sequence``), whose gradient then reaches every token of the sequence (``gradient:
+    mean``) or, with ``gradient: token``, the mean's value with the token's own gradient
+    (``sg[mean] + log_ratio - sg[log_ratio]``, verl's GSPO). Summed over a sequence's tokens of
+    equal weight the two give the same gradient; they differ once tokens weigh differently."""
     if level == "token":
         return log_ratio
     fmask = mask.to(log_ratio.dtype)
     seq = (log_ratio * fmask).sum(-1, keepdim=True) / fmask.sum(-1, keepdim=True).clamp(min=1)
+    if gradient == "token":
+        return seq.detach() + log_ratio - log_ratio.detach()
     return seq.expand_as(log_ratio)
