@@ -24,14 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
-from pathlib import Path
 
 import torch
 
 from arctic_core.ray.trainer import split_by_groups
-from ray_one_gpu import colocation, grpo_batch, recovery, train, training, weight_gap
-from shapes import QWEN3_1_7B, SMOKE_SHAPE, make_model
+from ray_one_gpu import (add_shared_arguments, colocation, grpo_batch, recovery, run_parts, shrink_for_smoke, train,
+                         training, weight_gap)
 
 
 def speed(args) -> dict:
@@ -57,54 +55,27 @@ def speed(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model")
+    add_shared_arguments(parser, steps=4, micro_batch_tokens=16384, kv_cache_tokens=262144, vllm_memory=0.85)
     parser.add_argument("--gpus", type=int, default=None, help="data-parallel ranks (default: every visible GPU)")
     parser.add_argument("--parts", nargs="+", default=["training", "speed", "grpo", "recovery"])
-    parser.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-1.7B shape for the fp32 checks")
-    parser.add_argument("--groups", type=int, default=4, help="prompts of the fp32 checks and the GRPO steps")
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=1024)
-    parser.add_argument("--response", type=int, default=256)
     parser.add_argument("--speed-groups", type=int, default=16)
     parser.add_argument("--speed-prompt", type=int, default=2048)
     parser.add_argument("--speed-response", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--long-call", type=int, default=4, help="the killed call's batch, in training batches")
-    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
-    parser.add_argument("--kv-cache-tokens", type=int, default=262144)
-    parser.add_argument("--sampler", choices=["embedded", "vllm"], default="embedded", help="the replica's engine")
-    parser.add_argument("--vllm-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
     args = parser.parse_args()
     args.device, args.colocate = ("cpu" if args.smoke else "cuda"), False
     if args.smoke:
         args.gpus = args.gpus or 2
-        args.groups, args.samples, args.prompt, args.response, args.steps, args.long_call = 3, 3, 24, 8, 2, 300
+        shrink_for_smoke(args)
         args.speed_groups, args.speed_prompt, args.speed_response = 4, 32, 8
-        args.micro_batch_tokens, args.kv_cache_tokens, args.gpu_share = 4096, 4096, 0.0
     else:
         args.gpus = args.gpus or torch.cuda.device_count()
         if args.gpus < 2:
             raise SystemExit(f"{args.gpus} GPU(s) visible: this needs two or more (bench/ray_one_gpu.py shares one)")
         args.gpu_share = 1.0  # a GPU per rank and per replica: NCCL between them
     args.workers, args.weight_sync = args.gpus, "torch-broadcast"
-    shape = SMOKE_SHAPE if args.smoke else QWEN3_1_7B
-    args.vocab = shape["vocab_size"] if args.smoke else 1000
-    args.big_dtype = "float32" if args.smoke else "bfloat16"
-    report = {"gpus": args.gpus}
-    with tempfile.TemporaryDirectory() as tmp:
-        args.small_model, args.big_model = Path(tmp, "small"), Path(tmp, "big")
-        make_model(str(args.small_model), {**shape, "num_hidden_layers": 2 if args.smoke else args.layers},
-                   dtype=torch.float32)
-        make_model(str(args.big_model), shape, dtype=torch.float32 if args.smoke else torch.bfloat16)
-        parts = {"training": lambda: training(args), "speed": lambda: speed(args),
-                 "grpo": lambda: colocation(args), "recovery": lambda: recovery(args, Path(tmp))}
-        for name in args.parts:
-            try:
-                report[name] = parts[name]()
-            except Exception as exc:  # noqa: BLE001 - one part's failure is reported, the others still run
-                report[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-                print(f"{name} failed: {report[name]['error']}", flush=True)
-    print(json.dumps(report))
+    parts = {"training": lambda tmp: training(args), "speed": lambda tmp: speed(args),
+             "grpo": lambda tmp: colocation(args), "recovery": lambda tmp: recovery(args, tmp)}
+    print(json.dumps(run_parts(args, parts, {"gpus": args.gpus})))
 
 
 if __name__ == "__main__":

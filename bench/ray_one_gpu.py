@@ -289,10 +289,9 @@ def colocation(args) -> dict:
     return {"steps": steps}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shared_arguments(parser: argparse.ArgumentParser, **defaults: object) -> None:
+    """The arguments this script and ``multi_gpu.py`` share (``defaults`` by destination name)."""
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model")
-    parser.add_argument("--parts", nargs="+", default=["collectives", "training", "noise", "recovery", "colocation"])
     parser.add_argument("--layers", type=int, default=4, help="layers of the Qwen3-1.7B shape for the fp32 checks")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--samples", type=int, default=8)
@@ -302,37 +301,54 @@ def main() -> None:
     parser.add_argument("--long-call", type=int, default=4, help="the killed call's batch, in training batches")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--kv-cache-tokens", type=int, default=65536)
-    parser.add_argument("--gpu-share", type=float, default=0.5)
-    parser.add_argument("--sampler", choices=["embedded", "vllm"], default="embedded", help="the colocated replica's engine")
+    parser.add_argument("--sampler", choices=["embedded", "vllm"], default="embedded", help="the replica's engine")
     parser.add_argument("--vllm-memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization")
-    parser.add_argument("--colocate", action="store_true", help="the server puts engines a call does not need to sleep")
-    args = parser.parse_args()
-    args.device = "cpu" if args.smoke else "cuda"
-    args.workers, args.weight_sync = 2, "inprocess" if args.smoke else "cuda-ipc"
-    if args.smoke:
-        args.groups, args.samples, args.prompt, args.response, args.steps, args.long_call = 3, 3, 24, 8, 2, 300
-        args.micro_batch_tokens, args.kv_cache_tokens, args.gpu_share = 4096, 4096, 0.0
-    elif not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --smoke on the CPU")
+    parser.set_defaults(**defaults)
+
+
+def shrink_for_smoke(args) -> None:
+    """A CPU run's sizes: a tiny model and batch, Ray ranks on gloo (no GPU share)."""
+    args.groups, args.samples, args.prompt, args.response, args.steps, args.long_call = 3, 3, 24, 8, 2, 300
+    args.micro_batch_tokens, args.kv_cache_tokens, args.gpu_share = 4096, 4096, 0.0
+
+
+def run_parts(args, parts: dict, report: dict) -> dict:
+    """Build the fp32 check model and the full-shape model, then run ``args.parts`` of ``parts``
+    (name -> function of the temporary folder); one part's failure is reported, the others run."""
     shape = SMOKE_SHAPE if args.smoke else QWEN3_1_7B
-    args.vocab = 1000 if not args.smoke else shape["vocab_size"]
+    args.vocab = shape["vocab_size"] if args.smoke else 1000
     args.big_dtype = "float32" if args.smoke else "bfloat16"
-    report = {}
     with tempfile.TemporaryDirectory() as tmp:
         args.small_model, args.big_model = Path(tmp, "small"), Path(tmp, "big")
         make_model(str(args.small_model), {**shape, "num_hidden_layers": 2 if args.smoke else args.layers},
                    dtype=torch.float32)
         make_model(str(args.big_model), shape, dtype=torch.float32 if args.smoke else torch.bfloat16)
-        parts = {"collectives": lambda: collectives(args.device), "training": lambda: training(args),
-                 "noise": lambda: noise_floor(args),
-                 "recovery": lambda: recovery(args, Path(tmp)), "colocation": lambda: colocation(args)}
         for name in args.parts:
             try:
-                report[name] = parts[name]()
+                report[name] = parts[name](Path(tmp))
             except Exception as exc:  # noqa: BLE001 - one part's failure is reported, the others still run
                 report[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
                 print(f"{name} failed: {report[name]['error']}", flush=True)
-    print(json.dumps(report))
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shared_arguments(parser)
+    parser.add_argument("--parts", nargs="+", default=["collectives", "training", "noise", "recovery", "colocation"])
+    parser.add_argument("--gpu-share", type=float, default=0.5)
+    parser.add_argument("--colocate", action="store_true", help="the server puts engines a call does not need to sleep")
+    args = parser.parse_args()
+    args.device = "cpu" if args.smoke else "cuda"
+    args.workers, args.weight_sync = 2, "inprocess" if args.smoke else "cuda-ipc"
+    if args.smoke:
+        shrink_for_smoke(args)
+    elif not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --smoke on the CPU")
+    parts = {"collectives": lambda tmp: collectives(args.device), "training": lambda tmp: training(args),
+             "noise": lambda tmp: noise_floor(args), "recovery": lambda tmp: recovery(args, tmp),
+             "colocation": lambda tmp: colocation(args)}
+    print(json.dumps(run_parts(args, parts, {})))
 
 
 if __name__ == "__main__":
