@@ -11,6 +11,7 @@ Arctic's own business: the server puts engines to sleep and pushes weights itsel
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from skyrl.backends.skyrl_train.inference_servers.base import InferenceEngineInput, InferenceEngineInterface, InferenceEngineOutput
@@ -33,11 +34,6 @@ class ArcticInferenceClient(InferenceEngineInterface):
     def __init__(self, connect, tokenizer, model_path: str, default_sampling: dict[str, Any],
                  settings: BackendSettings) -> None:
         self.connect, self.tokenizer, self.model_path = connect, tokenizer, model_path
-        # What ends a sample besides a request's stop ids, as in vLLM: the tokenizer's end-of-sequence
-        # id and those of the model's generation config (a chat model often lists several).
-        config = generation_config(model_path)
-        self.eos_token_ids = set(token_id_list(tokenizer.eos_token_id)) | set(
-            token_id_list(config.eos_token_id if config else None))
         self.default_sampling = default_sampling
         self.quiet_s, self.max_wait_s = settings.group_quiet_ms / 1000.0, settings.group_max_wait_ms / 1000.0
         self._grouper: RequestGrouper | None = None
@@ -48,6 +44,13 @@ class ArcticInferenceClient(InferenceEngineInterface):
     @property
     def model_name(self) -> str:
         return self.model_path
+
+    @functools.cached_property
+    def eos_token_ids(self) -> set[int]:
+        """What ends a sample besides a request's stop ids, as in vLLM: the tokenizer's end-of-sequence
+        id and those of the model's generation config (a chat model often lists several)."""
+        config = generation_config(self.model_path)
+        return set(token_id_list(self.tokenizer.eos_token_id)) | set(token_id_list(config.eos_token_id if config else None))
 
     def client(self) -> AsyncArcticClient:
         loop = asyncio.get_running_loop()
