@@ -100,34 +100,34 @@ def test_the_server_checks(server, policy, tmp_path):
         preflight(served_config(policy, server, f"+arctic.token={TOKEN}", "actor_rollout_ref.actor.use_kl_loss=True"))
 
 
+def assert_refused_naming(config, *names: str) -> None:
+    """preflight refuses ``config`` with one message naming each of ``names``."""
+    with pytest.raises(ArcticError) as refused:
+        preflight(config)
+    for named in names:
+        assert named in str(refused.value)
+
+
 def test_settings_refused_by_name(policy):
     with pytest.raises(ArcticError, match="arctic.nmu_gpus: unknown key .*did you mean 'num_gpus'"):
         preflight(verl_config(f"actor_rollout_ref.model.path={policy}", "+arctic.nmu_gpus=1"))
-    config = verl_config(f"actor_rollout_ref.model.path={policy}", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
-                         "actor_rollout_ref.actor.optim.optimizer=SGD",
-                         "+arctic.config.model.path=/elsewhere")
-    with pytest.raises(ArcticError) as refused:
-        preflight(config)
-    for named in ("actor_rollout_ref.actor.loss_agg_mode='seq-mean-token-sum-norm'", "actor_rollout_ref.actor.optim.optimizer",
-                  "arctic.config.model.path"):
-        assert named in str(refused.value)
-    config = verl_config(f"actor_rollout_ref.model.path={policy}", "+actor_rollout_ref.model.override_config.attention_dropout=0.1",
-                         "actor_rollout_ref.actor.checkpoint.save_contents=[model]")
-    with pytest.raises(ArcticError) as refused:
-        preflight(config)
-    for named in ("actor_rollout_ref.model.override_config=", "actor_rollout_ref.actor.checkpoint.load_contents="):
-        assert named in str(refused.value)
+    model = f"actor_rollout_ref.model.path={policy}"
+    assert_refused_naming(
+        verl_config(model, "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+                    "actor_rollout_ref.actor.optim.optimizer=SGD", "+arctic.config.model.path=/elsewhere"),
+        "actor_rollout_ref.actor.loss_agg_mode='seq-mean-token-sum-norm'", "actor_rollout_ref.actor.optim.optimizer",
+        "arctic.config.model.path")
+    assert_refused_naming(
+        verl_config(model, "+actor_rollout_ref.model.override_config.attention_dropout=0.1",
+                    "actor_rollout_ref.actor.checkpoint.save_contents=[model]"),
+        "actor_rollout_ref.model.override_config=", "actor_rollout_ref.actor.checkpoint.load_contents=")
     correction = "algorithm.rollout_correction."
-    config = verl_config(f"actor_rollout_ref.model.path={policy}", f"{correction}rollout_is=token",
-                         f"{correction}rollout_rs=token_k1", f"{correction}rollout_is_batch_normalize=True",
-                         "actor_rollout_ref.rollout.calculate_log_probs=False")
-    with pytest.raises(ArcticError) as refused:
-        preflight(config)
-    for named in ("rollout_correction.rollout_rs", "rollout_is_batch_normalize",
-                  "needs actor_rollout_ref.rollout.calculate_log_probs=True"):
-        assert named in str(refused.value)
-    assert refusals(verl_config(f"actor_rollout_ref.model.path={policy}", f"{correction}rollout_is=sequence",
-                                "actor_rollout_ref.rollout.calculate_log_probs=True"), ArcticSettings()) == []
+    assert_refused_naming(
+        verl_config(model, f"{correction}rollout_is=token", f"{correction}rollout_rs=token_k1",
+                    f"{correction}rollout_is_batch_normalize=True", "actor_rollout_ref.rollout.calculate_log_probs=False"),
+        "rollout_correction.rollout_rs", "rollout_is_batch_normalize", "needs actor_rollout_ref.rollout.calculate_log_probs=True")
+    assert refusals(verl_config(model, f"{correction}rollout_is=sequence", "actor_rollout_ref.rollout.calculate_log_probs=True"),
+                    ArcticSettings()) == []
 
 
 def test_verls_deprecated_optimizer_keys_are_read_as_verl_reads_them(policy):

@@ -346,13 +346,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().log(logs, start_time)
 
 
-# The backend's loss metrics (``{term}/{metric}``) that are TRL's under another name.
 # The sampler correction's metrics (TRL logs vLLM's per generation; these come per micro-batch)
 SAMPLING_METRICS = {"sampler_logp_diff": "sampling/sampling_logp_difference/mean",
                     "sampler_logp_diff_max": "sampling/sampling_logp_difference/max",
                     "sampler_weight_min": "sampling/importance_sampling_ratio/min",
                     "sampler_weight": "sampling/importance_sampling_ratio/mean",
                     "sampler_weight_max": "sampling/importance_sampling_ratio/max"}
+# The backend's loss metrics (``{term}/{metric}``) that are TRL's under another name.
 TRL_METRICS = {"kl/kl": "kl", "entropy/entropy": "entropy", "ppo/clip_low_frac": "clip_ratio/low_mean",
                "ppo/clip_high_frac": "clip_ratio/high_mean", "ppo/clip_low_frac_seq_min": "clip_ratio/low_min",
                "ppo/clip_high_frac_seq_max": "clip_ratio/high_max", "cispo/capfrac": "cispo_clip_ratio",
