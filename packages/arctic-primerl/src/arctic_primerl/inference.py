@@ -27,7 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from arctic_core.adapters.request_grouping import RequestGrouper
-from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, vllm_sampling_params
+from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, finish_reason, vllm_sampling_params
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import AsyncArcticClient
 from arctic_core.config import SamplingParams
@@ -201,7 +201,7 @@ class Front:
         self.metrics.served.inc()
         tokens = batch.response(row)
         logprobs = batch.sampling_logprobs[row, : len(tokens)].tolist()
-        finished = "length" if len(tokens) >= params.max_tokens and tokens[-1] not in params.stop_token_ids else "stop"
+        finished = finish_reason(tokens, params.max_tokens, params.stop_token_ids)
         return tokens, logprobs, finished
 
 

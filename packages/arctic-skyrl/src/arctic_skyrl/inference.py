@@ -18,6 +18,7 @@ from skyrl.backends.skyrl_train.inference_servers.base import InferenceEngineInp
 
 from arctic_core.adapters.request_grouping import RequestGrouper
 from arctic_core.adapters.settings import BackendSettings
+from arctic_core.adapters.translation import finish_reason
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import AsyncArcticClient
 from arctic_core.config import SamplingParams
@@ -86,7 +87,7 @@ class ArcticInferenceClient(InferenceEngineInterface):
         return InferenceEngineOutput(
             responses=self.tokenizer.batch_decode(ids, skip_special_tokens=True),
             response_ids=ids,
-            stop_reasons=["length" if len(t) >= params.max_tokens and t[-1] not in stops else "stop" for t in ids],
+            stop_reasons=[finish_reason(t, params.max_tokens, stops) for t in ids],
             response_logprobs=logprobs, prompt_logprobs=None, rollout_expert_indices=None,
             rollout_sample_support=None)
 

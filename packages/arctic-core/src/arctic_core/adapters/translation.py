@@ -42,3 +42,9 @@ def vllm_sampling_params(request: dict[str, Any], max_tokens: int) -> SamplingPa
         return SamplingParams.model_validate(fields)
     except ValidationError as exc:
         raise RequestError(format_validation_error(exc, "sampling params", SamplingParams)) from None
+
+
+def finish_reason(tokens: list[int], max_tokens: int, stops: set[int] | list[int]) -> str:
+    """vLLM's finish reason for a sample: "length" when it used ``max_tokens`` without ending in
+    one of ``stops`` (the ids that end a sample), "stop" otherwise."""
+    return "length" if len(tokens) >= max_tokens and tokens[-1] not in stops else "stop"
