@@ -12,6 +12,7 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     DEVICE_PROFILE_STEP=4 P=4096 STEPS=4 python3 bench/trl_step.py  # where the 4th step's device waits
     SYNC_DEBUG_STEP=4 P=4096 STEPS=4 python3 bench/trl_step.py  # where the 4th step's host waits for the device
     ZERO_STAGE=2 P=4096 STEPS=5 python3 bench/trl_step.py  # DeepSpeed ZeRO stage 2 (the adapter's choice here: 1)
+    SAMPLER_CORRECTION=0 P=4096 STEPS=7 python3 bench/trl_step.py  # without TRL's importance sampling correction
     FLEX=any-length P=4096 STEPS=7 python3 bench/trl_step.py  # FlexAttention unpadded, compiled for any length
     BF16_ACCUMULATION=deepspeed P=4096 STEPS=7 python3 bench/trl_step.py  # stage 1: DeepSpeed's own gradient sums
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
@@ -225,7 +226,8 @@ def main() -> None:
                       gradient_accumulation_steps=prompts * samples // 8, num_generations=samples,
                       max_completion_length=new_tokens, bf16=not smoke, use_cpu=smoke, gradient_checkpointing=True, learning_rate=1e-6,
                       logging_steps=1, max_steps=int(os.environ.get("STEPS", 2 if smoke else 4)), report_to=[], temperature=1.0,
-                      beta=0.0, save_strategy="no")
+                      beta=0.0, save_strategy="no",
+                      vllm_importance_sampling_correction=os.environ.get("SAMPLER_CORRECTION", "1") != "0")
     timer = StepTimer()
     sampler = {"options": {"gpu_memory_utilization": float(os.environ.get("SAMPLER_MEMORY", 0.35))}}
     if os.environ.get("SAMPLER", "embedded") == "vllm":  # the same switch a user flips: arctic={"sampler": ...}

@@ -573,6 +573,35 @@ def test_the_sampler_correction_weighs_each_tokens_policy_loss(mode, low, expect
     assert (metrics["sampler_weight_min"], metrics["sampler_weight_max"]) == pytest.approx((min(counted), max(counted)))
 
 
+@pytest.mark.parametrize("correction, expected", [
+    ({"reject_tokens": {"low": 0.3, "high": 3.0}}, [[1.0, 1.0, 0.0], [1.0, 0.0]]),
+    ({"reject_sequences_with_token": {"high": 3.0}}, [[0.0] * 3, [1.0] * 2]),
+    ({"reject_sequences": {"low": 0.3, "high": 3.0}}, [[0.0] * 3, [1.0] * 2]),  # products 4 and 0.375
+    ({"reject_sequences": {"low": 0.7, "statistic": "geometric"}}, [[1.0] * 3, [0.0] * 2]),  # 1.59 and 0.61
+    # the sequence weight and the geometric mean count only the tokens the token rule keeps: 1 and 1.5
+    ({"mode": "sequence-truncate", "reject_tokens": {"low": 0.3, "high": 3.0},
+      "reject_sequences": {"high": 1.6, "statistic": "geometric"}}, [[1.0, 1.0, 0.0], [1.5, 0.0]]),
+])
+def test_sampler_rejections_drop_tokens_and_sequences_from_the_policy_term(correction, expected) -> None:
+    """Rejected tokens weigh 0 and still count in the normaliser (SkyRL's masks); the sampler
+    weights per token are 2, 0.5, 4 | 1.5, 0.25."""
+    batch, logp = ppo_case(sampling_logprobs=SAMPLING)
+    ctx, mask = LossContext.of(batch), batch.loss_mask.to(F64)
+    correction = {"mode": "none", **correction}
+    loss, metrics = PPOLoss(**PPO_OPTS, sampler_correction=correction)({"logprobs": logp}, batch, ctx)
+    ratio = torch.exp((logp - batch.old_logprobs) * mask)
+    adv = torch.tensor(PPO_ADV, dtype=F64)[:, None]
+    per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
+    want = (per_token * torch.tensor(pad(expected, 3), dtype=F64) * mask).sum() / 5
+    assert loss.item() == pytest.approx(want.item(), abs=MTOL)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    assert_rows(grad.tolist(), want_grad.tolist(), MTOL)
+    assert metrics["sampler_rejected"] == pytest.approx(sum(w == 0.0 for row in expected for w in row) / 5)
+    with pytest.raises(ConfigError, match="without rejections"):
+        VESPOLoss(sampler_correction=correction)
+
+
 def test_a_sequence_ratio_with_token_gradients_is_verls_gspo() -> None:
     """``sequence_gradient: token``: each token carries its sequence's ratio s_i, with its own
     log-prob's gradient (verl's sg[s_i] * pi_t / sg[pi_t]): d loss / d logp_t = -A w_t s_i for a

@@ -47,6 +47,20 @@ CASES = {
                           "off_policy_correction.sequence_tis_ratio_clip_high=2.0"],
     "gspo-token-tis": ["policy_loss_type=gspo", "eps_clip_low=0.0003", "eps_clip_high=0.0004", "use_kl_loss=false",
                        "off_policy_correction.tis_ratio_type=token", "off_policy_correction.token_tis_ratio_clip_high=1.2"],
+    # SkyRL's masks: a rejected token or sequence weighs 0 and stays in the loss reduction
+    "regular-token-tis-outlier-and-token-masks": ["off_policy_correction.tis_ratio_type=token",
+                                                  "off_policy_correction.outlier_token_is_threshold_high=2.0",
+                                                  "off_policy_correction.token_mask_is_threshold_low=0.8",
+                                                  "off_policy_correction.token_mask_is_threshold_high=1.25"],
+    "gspo-sequence-tis-geometric-mask": ["policy_loss_type=gspo", "loss_reduction=sequence_mean",
+                                         "eps_clip_low=0.0003", "eps_clip_high=0.0004", "use_kl_loss=false",
+                                         "off_policy_correction.tis_ratio_type=sequence",
+                                         "off_policy_correction.token_mask_is_threshold_low=0.7",
+                                         "off_policy_correction.token_mask_is_threshold_high=1.4",
+                                         "off_policy_correction.sequence_mask_metric=geometric",
+                                         "off_policy_correction.geo_mask_low=0.95", "off_policy_correction.geo_mask_high=1.05"],
+    "cispo-product-mask": ["policy_loss_type=cispo", "off_policy_correction.sequence_mask_metric=product",
+                           "off_policy_correction.product_mask_low=0.5", "off_policy_correction.product_mask_high=2.0"],
 }
 MICRO_BATCH = {"cispo-prompt-mean-abs-entropy-one-micro-batch": 8, "regular-token-mean-legacy": 2}
 POLICY_LOSSES = {"regular": ppo_utils.ppo_policy_loss, "dual_clip": ppo_utils.ppo_policy_loss,
@@ -156,6 +170,9 @@ def test_loss_and_gradients_equal_skyrl_policy_worker(policy, case):
         assert metrics["policy_entropy"] == pytest.approx(entropy, abs=1e-5), case
     if cfg.trainer.algorithm.policy_loss_type in ("regular", "dual_clip", "gspo"):
         assert metrics["loss_metrics/clip_ratio"] > 0, metrics  # the batch exercises the clip
+    if "mask" in case:  # the masks reject some of the batch's tokens, not all
+        rejected = next(value for key, value in metrics.items() if key.endswith("/sampler_rejected"))
+        assert 0 < rejected < 1, (case, rejected)
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
         assert (grad - expected_grads[name]).norm() <= 1e-4 * expected_grads[name].norm() + 1e-9, (case, name)
@@ -206,11 +223,12 @@ def test_skyrl_settings_without_an_arctic_meaning_are_mapped_or_refused(policy):
     assert arctic_config(cfg, settings, on_gpu=False).trainer.optimizer.max_grad_norm is None  # SkyRL: <= 0 is off
     cfg.trainer.policy.model_config_kwargs = {"attention_dropout": 0.1}
     assert any(line.startswith("trainer.policy.model_config_kwargs=") for line in refusals(cfg, settings))
-    # Off-policy correction: TIS weights are the sampler correction; the masks are refused by name.
+    # Off-policy correction: TIS weights and masks are the sampler correction (a token mask needs both
+    # bounds in SkyRL, else it does nothing).
     correction = cfg.trainer.algorithm.off_policy_correction
-    correction.sequence_mask_metric = "product"
-    assert any(line.startswith("trainer.algorithm.off_policy_correction.sequence_mask_metric=")
-               for line in refusals(cfg, settings))
+    correction.sequence_mask_metric, correction.token_mask_is_threshold_high = "product", 2.0
+    assert sampler_correction(cfg) == {"mode": "none", "reject_sequences": {"low": 0.5, "high": 2.0}}
+    correction.sequence_mask_metric = None
     cfg.trainer.algorithm.use_tis, cfg.trainer.algorithm.tis_imp_ratio_cap = True, 3.0  # SkyRL's deprecated form
     assert sampler_correction(cfg) == {"mode": "token-truncate", "high": 3.0}
     cfg.trainer.algorithm.tis_imp_ratio_cap = -1.0

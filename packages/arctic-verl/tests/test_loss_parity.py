@@ -12,10 +12,12 @@ import pytest
 import torch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+from verl.protocol import DataProto
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import response_to_nested
 
 from arctic_core.client import ArcticClient
 from arctic_verl.data import to_rollout_batch
@@ -41,11 +43,24 @@ CASES = {
     "cispo-rollout-is-sequence-icepop": ["actor.policy_loss.loss_mode=cispo", "rollout.calculate_log_probs=True"],
     "gspo-rollout-is-token-icepop": ["actor.policy_loss.loss_mode=gspo", "actor.clip_ratio_low=0.0003",
                                      "actor.clip_ratio_high=0.0004", "rollout.calculate_log_probs=True"],
+    "vanilla-rollout-rs-token-k1": ["rollout.calculate_log_probs=True"],
+    "gspo-seq-mean-rollout-is-sequence-rs-seq-mean-k3": ["actor.policy_loss.loss_mode=gspo", "actor.clip_ratio_low=0.0003",
+                                                         "actor.clip_ratio_high=0.0004", "rollout.calculate_log_probs=True",
+                                                         "actor.loss_agg_mode=seq-mean-token-mean"],
+    "cispo-rollout-is-token-rs-token-k2-seq-max-k3": ["actor.policy_loss.loss_mode=cispo",
+                                                      "rollout.calculate_log_probs=True"],
 }
-# verl's rollout importance weights, computed by verl's trainer from the old and the sampler's log-probs
+# verl's rollout correction, computed by verl's trainer from the old and the sampler's log-probs:
+# importance weights (rollout_is) and rejection out of the response mask (rollout_rs)
 CORRECTION = {"vanilla-rollout-is-token-tis": ["rollout_is=token", "rollout_is_threshold=1.5"],
               "cispo-rollout-is-sequence-icepop": ["rollout_is=sequence", "rollout_is_threshold='0.2_5.0'"],
-              "gspo-rollout-is-token-icepop": ["rollout_is=token", "rollout_is_threshold='0.7_1.4'"]}
+              "gspo-rollout-is-token-icepop": ["rollout_is=token", "rollout_is_threshold='0.7_1.4'"],
+              "vanilla-rollout-rs-token-k1": ["rollout_is=null", "rollout_rs=token_k1", "rollout_rs_threshold='0.8_1.25'"],
+              "gspo-seq-mean-rollout-is-sequence-rs-seq-mean-k3": ["rollout_is=sequence", "rollout_rs=seq_mean_k3",
+                                                                   "rollout_rs_threshold=0.05"],
+              "cispo-rollout-is-token-rs-token-k2-seq-max-k3": ["rollout_is=token", "rollout_is_threshold=1.5",
+                                                                "rollout_rs='token_k2,seq_max_k3'",
+                                                                "rollout_rs_threshold='0.08,0.4'"]}
 PROMPTS = [[5, 9, 13, 17, 21], [7, 8]]
 RESPONSES = [[30, 31, 32, 33], [40, 41, 42, 43, 44, 45, 46], [50, 51], [60, 61, 62, 63, 64], [70, 71, 72]]
 PROMPT_OF = [0, 0, 0, 1, 1]
@@ -90,20 +105,28 @@ def rows(policy_logp: list[torch.Tensor]) -> TensorDict:
     return TensorDict({name: jagged(values) for name, values in fields.items()}, batch_size=[len(RESPONSES)])
 
 
+def corrected_by_verls_trainer(config, data: TensorDict) -> TensorDict:
+    """The rows after verl's trainer applied its rollout correction (``_compute_advantage``):
+    rejected tokens out of ``response_mask``, the importance weights beside it."""
+    correction = config.algorithm.rollout_correction
+    if correction.rollout_is is None and correction.rollout_rs is None:
+        return data
+    nested_mask = data["response_mask"]
+    padded = {name: data[name].to_padded_tensor(0) for name in ("old_log_probs", "rollout_log_probs", "response_mask")}
+    corrected, _ = compute_rollout_correction_and_add_to_batch(DataProto(batch=TensorDict(padded, batch_size=len(data))),
+                                                               correction)
+    data["response_mask"] = response_to_nested(corrected.batch["response_mask"], nested_mask)
+    if "rollout_is_weights" in corrected.batch.keys():
+        data["rollout_is_weights"] = response_to_nested(corrected.batch["rollout_is_weights"], nested_mask)
+    return data
+
+
 def verl_loss_and_grads(policy, config, temperature: float) -> tuple[float, dict[str, torch.Tensor]]:
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
     log_probs, entropies = plain_outputs(model, temperature)
-    data = rows(log_probs)
+    data = corrected_by_verls_trainer(config, rows(log_probs))
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(data["response_mask"].values().sum()),
                          global_batch_size=len(RESPONSES))
-    correction = config.algorithm.rollout_correction
-    if correction.rollout_is is not None:  # as verl's trainer adds them to the batch
-        mask = data["response_mask"].to_padded_tensor(0)
-        weights, _, _ = compute_rollout_correction_and_rejection_mask(
-            data["old_log_probs"].to_padded_tensor(0.0), data["rollout_log_probs"].to_padded_tensor(0.0), mask,
-            rollout_is=correction.rollout_is, rollout_is_threshold=correction.rollout_is_threshold)
-        padded = weights.batch["rollout_is_weights"]
-        data["rollout_is_weights"] = jagged([padded[i, :n] for i, n in enumerate(data["response_mask"].offsets().diff())])
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     outputs = {"log_probs": jagged(log_probs)}
     if actor.entropy_coeff != 0:
@@ -124,17 +147,20 @@ def test_loss_and_gradients_equal_verl_ppo_loss(policy, case):
     settings = ArcticSettings(config={"trainer": {"backend": "torch"}, "reference": None})
     with ArcticClient.in_process(arctic_config(config, settings, on_gpu=False)) as arctic:
         model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
-        batch = to_rollout_batch(rows(plain_outputs(model, temperature)[0]))
+        data = corrected_by_verls_trainer(config, rows(plain_outputs(model, temperature)[0]))
+        batch = to_rollout_batch(data)
         assert batch.num_prompts == len(PROMPTS)  # verl's repeated prompt ids are packed once
         actor = config.actor_rollout_ref.actor
         terms = loss_terms(actor, sampler_correction(config))
-        assert (terms[0]["sampler_correction"] is not None) == (case in CORRECTION)
+        assert (terms[0]["sampler_correction"] is not None) == (config.algorithm.rollout_correction.rollout_is is not None)
         result = arctic.fwd_bwd(batch, terms, temperature=temperature,
                                 max_response_len=actor.loss_scale_factor)
         server = arctic.transport.server
         grads = server.trainer.full_gradients()
 
     assert result.metrics["loss"] == pytest.approx(expected, abs=1e-5), case
+    if "rollout-rs" in case:  # verl's rejection leaves some of the batch's tokens, not all
+        assert 0 < batch.loss_mask.sum() < rows(plain_outputs(model, temperature)[0])["response_mask"].values().sum()
     # The batch exercises the clips (and the dual clip where the case sets a low clip_ratio_c).
     clipped = [value for key, value in result.metrics.items() if key.endswith("/clipfrac")
                or ("dual-clip" in case and key.endswith("/dual_clipfrac"))]

@@ -26,7 +26,9 @@ def test_three_grpo_steps_checkpoint_and_resume(policy, tmp_path):
     extra = ("actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.optim.lr=1e-4",
              "trainer.save_freq=3", "trainer.test_freq=3", "data.max_prompt_length=128",
              "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-             "algorithm.rollout_correction.rollout_is=token")  # weights from the sampler's log-probs
+             # weights from the sampler's log-probs; verl's rejection applied to the mask Arctic trains on
+             "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
+             "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'")
 
     first = run_main_ppo(main_ppo_args(policy, train, val, tmp_path, steps=3, extra=extra), cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
@@ -40,7 +42,7 @@ def test_three_grpo_steps_checkpoint_and_resume(policy, tmp_path):
         assert metrics["arctic/step/step"] == step  # one optimizer step per training step (one mini-batch)
         assert metrics["arctic/train/tokens"] > 0 and metrics["arctic/step/grad_norm"] >= 0
         # verl's own rollout-correction metrics beside the weights the loss applied
-        assert metrics["arctic/train/ppo/sampler_weight"] > 0 and any(key.startswith("rollout_corr/") for key in metrics)
+        assert metrics["arctic/train/ppo/sampler_weight"] > 0 and "rollout_corr/rollout_rs_masked_fraction" in metrics
     # sync_weights once per step: each step's samples come from the weights of the step before.
     versions = [steps[step]["arctic/policy_version"] for step in (1, 2, 3)]
     assert versions == [versions[0], versions[0] + 1, versions[0] + 2]

@@ -123,11 +123,20 @@ def test_settings_refused_by_name(policy):
         "actor_rollout_ref.model.override_config=", "actor_rollout_ref.actor.checkpoint.load_contents=")
     correction = "algorithm.rollout_correction."
     assert_refused_naming(
-        verl_config(model, f"{correction}rollout_is=token", f"{correction}rollout_rs=token_k1",
-                    f"{correction}rollout_is_batch_normalize=True", "actor_rollout_ref.rollout.calculate_log_probs=False"),
-        "rollout_correction.rollout_rs", "rollout_is_batch_normalize", "needs actor_rollout_ref.rollout.calculate_log_probs=True")
-    assert refusals(verl_config(model, f"{correction}rollout_is=sequence", "actor_rollout_ref.rollout.calculate_log_probs=True"),
-                    ArcticSettings()) == []
+        verl_config(model, f"{correction}rollout_is=token", f"{correction}rollout_is_batch_normalize=True",
+                    f"{correction}bypass_mode=True", "actor_rollout_ref.rollout.calculate_log_probs=False"),
+        "rollout_is_batch_normalize", "bypass_mode", "needs actor_rollout_ref.rollout.calculate_log_probs=True")
+    assert_refused_naming(
+        verl_config(model, f"{correction}rollout_is=sequence", f"{correction}rollout_rs='seq_mean_k1,token_k2'",
+                    f"{correction}rollout_rs_threshold='0.5_2.0,1.0'", "actor_rollout_ref.rollout.calculate_log_probs=True"),
+        "rollout_correction.rollout_rs", "(token_k2) with rollout_is=sequence")
+    assert_refused_naming(verl_config(model, f"{correction}rollout_is=null", f"{correction}rollout_rs=token_k1",
+                                      "actor_rollout_ref.rollout.calculate_log_probs=False"),
+                          "rollout_correction.rollout_rs='token_k1': needs actor_rollout_ref.rollout.calculate_log_probs=True")
+    for mapped in ([f"{correction}rollout_is=sequence", f"{correction}rollout_rs=seq_mean_k1"],
+                   [f"{correction}rollout_is=token", f"{correction}rollout_rs='token_k1,seq_max_k2'"]):
+        assert refusals(verl_config(model, *mapped, "actor_rollout_ref.rollout.calculate_log_probs=True"),
+                        ArcticSettings()) == [], mapped
 
 
 def test_verls_deprecated_optimizer_keys_are_read_as_verl_reads_them(policy):

@@ -97,33 +97,47 @@ def refusals(cfg: SkyRLTrainConfig, settings: BackendSettings) -> list[str]:
 
 
 def _refuse_off_policy_correction(cfg: SkyRLTrainConfig, refuse) -> None:
-    """SkyRL's truncated importance weights (``tis_ratio_type``) map to Arctic's sampler correction;
-    its masks, which change the loss mask and so the normalisation, do not."""
-    correction = cfg.trainer.algorithm.off_policy_correction
-    for key in ("sequence_mask_metric", "outlier_token_is_threshold_low", "outlier_token_is_threshold_high",
-                "token_mask_is_threshold_low", "token_mask_is_threshold_high"):
-        if getattr(correction, key) is not None:
-            refuse(f"trainer.algorithm.off_policy_correction.{key}", getattr(correction, key),
-                   "off-policy masks are not supported (tis_ratio_type weights are)")
+    """Every SkyRL off-policy correction maps to Arctic's sampler correction; a zero cap does not."""
     if cfg.trainer.algorithm.use_tis and cfg.trainer.algorithm.tis_imp_ratio_cap <= 0:
         refuse("trainer.algorithm.tis_imp_ratio_cap", cfg.trainer.algorithm.tis_imp_ratio_cap,
                "use_tis needs a positive cap (or off_policy_correction.tis_ratio_type with its clip_high)")
 
 
 def sampler_correction(cfg: SkyRLTrainConfig) -> dict[str, Any] | None:
-    """SkyRL's TIS weights ``exp(old - rollout)`` log-probs, per token or per sequence, truncated
-    from above (the deprecated ``use_tis`` is the token kind at ``tis_imp_ratio_cap``, as SkyRL
-    reads it). (SkyRL clamps the log ratio to [-20, 20] first: the same weights unless the trainer
-    and sampler differ by more than 20 nats.)"""
+    """SkyRL's off-policy correction as Arctic's sampler correction: its TIS weights ``exp(old -
+    rollout)`` log-probs, per token or per sequence, truncated from above (the deprecated
+    ``use_tis`` is the token kind at ``tis_imp_ratio_cap``, as SkyRL reads it), and its masks as
+    rejections (a rejected token weighs 0 and still counts in SkyRL's loss reduction, which its
+    trainer folded into the advantages). (SkyRL clamps the log ratio to [-20, 20] first: the same
+    weights unless the trainer and sampler differ by more than 20 nats.)"""
     algorithm = cfg.trainer.algorithm
     correction = algorithm.off_policy_correction
+    weights: dict[str, Any] = {"mode": "none"}
     if algorithm.use_tis:
-        return {"mode": "token-truncate", "high": algorithm.tis_imp_ratio_cap}
-    if correction.tis_ratio_type == "token":
-        return {"mode": "token-truncate", "high": correction.token_tis_ratio_clip_high}
-    if correction.tis_ratio_type == "sequence":
-        return {"mode": "sequence-truncate", "high": correction.sequence_tis_ratio_clip_high}
-    return None
+        weights = {"mode": "token-truncate", "high": algorithm.tis_imp_ratio_cap}
+    elif correction.tis_ratio_type == "token":
+        weights = {"mode": "token-truncate", "high": correction.token_tis_ratio_clip_high}
+    elif correction.tis_ratio_type == "sequence":
+        weights = {"mode": "sequence-truncate", "high": correction.sequence_tis_ratio_clip_high}
+    rejections = _rejections(correction)
+    return None if weights["mode"] == "none" and not rejections else weights | rejections
+
+
+def _rejections(correction: Any) -> dict[str, Any]:
+    """SkyRL's outlier, token and sequence masks, each where SkyRL applies it."""
+    rules: dict[str, Any] = {}
+    low, high = correction.outlier_token_is_threshold_low, correction.outlier_token_is_threshold_high
+    if low is not None or high is not None:
+        rules["reject_sequences_with_token"] = {"low": low, "high": high}
+    low, high = correction.token_mask_is_threshold_low, correction.token_mask_is_threshold_high
+    if low is not None and high is not None:  # SkyRL applies its token mask with both bounds only
+        rules["reject_tokens"] = {"low": low, "high": high}
+    if correction.sequence_mask_metric == "geometric":
+        rules["reject_sequences"] = {"low": correction.geo_mask_low, "high": correction.geo_mask_high,
+                                     "statistic": "geometric"}
+    elif correction.sequence_mask_metric == "product":
+        rules["reject_sequences"] = {"low": correction.product_mask_low, "high": correction.product_mask_high}
+    return rules
 
 
 def _real(path: str | None) -> str:

@@ -108,20 +108,27 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
 
 
 def _refuse_rollout_correction(config: DictConfig, refuse) -> None:
-    """verl's rollout importance weights (token or sequence; TIS or IcePop) map to Arctic's sampler
-    correction; its rejection sampling, batch-normalised weights and bypass-mode weights do not."""
+    """verl's rollout correction in decoupled mode: its trainer computes the rejection (``rollout_rs``)
+    into the response mask and Arctic trains on that mask; its importance weights (token or sequence;
+    TIS or IcePop) map to Arctic's sampler correction. Batch-normalised weights, bypass mode, and
+    sequence weights beside a token-level rejection (verl weighs a sequence by all its tokens,
+    Arctic by the tokens kept) do not map."""
     section = "algorithm.rollout_correction"
-    if get(config, f"{section}.rollout_rs") is not None:
-        refuse(f"{section}.rollout_rs", "rejection sampling is not supported (rollout_is weights are)")
-    if get(config, f"{section}.rollout_is") is None:
+    level, rejection = get(config, f"{section}.rollout_is"), get(config, f"{section}.rollout_rs")
+    if level is None and rejection is None:
         return
-    if get(config, f"{section}.rollout_is_batch_normalize"):
+    if level is not None and get(config, f"{section}.rollout_is_batch_normalize"):
         refuse(f"{section}.rollout_is_batch_normalize", "batch-normalised weights are not supported")
     if get(config, f"{section}.bypass_mode"):
-        refuse(f"{section}.bypass_mode", "rollout_is weights in bypass mode are not supported (decoupled mode is)")
+        refuse(f"{section}.bypass_mode", "rollout correction in bypass mode is not supported (decoupled mode is)")
+    token_rules = [rule for rule in str(rejection or "").split(",") if rule.strip().startswith("token_")]
+    if level == "sequence" and token_rules:
+        refuse(f"{section}.rollout_rs", f"token-level rejection ({', '.join(token_rules)}) with rollout_is=sequence "
+               "is not supported (token or sequence-level rejection with rollout_is=token is)")
     if not get(config, "actor_rollout_ref.rollout.calculate_log_probs"):
-        refuse(f"{section}.rollout_is", "needs actor_rollout_ref.rollout.calculate_log_probs=True (the sampler's "
-               "log-probs the weights compare with; verl would skip the correction silently)")
+        refuse(f"{section}.rollout_{'is' if level is not None else 'rs'}", "needs actor_rollout_ref.rollout."
+               "calculate_log_probs=True (the sampler's log-probs the correction compares with; verl would skip it "
+               "silently)")
 
 
 def check_supported(config: DictConfig, settings: ArcticSettings) -> None:

@@ -136,9 +136,10 @@ class VESPOOptions(PolicyOptions):
     def _token_level(self) -> VESPOOptions:
         if self.level != "token":
             raise ValueError("VESPO computes its sequence weight itself; level must be 'token'")
-        if self.sampler_correction is not None and not self.sampler_correction.mode.startswith("token"):
+        correction = self.sampler_correction
+        if correction is not None and (not correction.mode.startswith("token") or correction.rejects):
             raise ValueError("VESPO folds the sampler weights into its sequence weight token by token: "
-                             "sampler_correction.mode must be token-truncate or token-mask")
+                             "sampler_correction.mode must be token-truncate or token-mask, without rejections")
         return self
 
 
