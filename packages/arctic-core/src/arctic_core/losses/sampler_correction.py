@@ -5,7 +5,8 @@ A sampler is another engine than the trainer (vLLM's kernels, another dtype, a s
 its probabilities differ a little from the trainer's for the same weights; weighing each token's
 policy loss by ``exp(old - sampling)``, truncated (TIS) or masked outside a band (MIS), corrects the
 gradient for that mismatch (TRL's ``vllm_importance_sampling_correction``, verl's ``rollout_is``,
-SkyRL's ``off_policy_correction``).
+SkyRL's ``off_policy_correction``). Rejections go further: a token, or a whole sequence, whose
+weights leave a band drops out of the policy term (SkyRL's outlier, token and sequence masks).
 """
 
 from __future__ import annotations
