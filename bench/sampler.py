@@ -151,10 +151,15 @@ def gpu(args) -> dict:
         row = {"prompts": prompts_count, "samples": samples, "prompt_len": length, "new_tokens": args.new_tokens,
                "decode_floor_ms": round(1e3 * step_bytes(model, prompts_count, samples, length, args.new_tokens)
                                         / copy_rate, 2)}
+        first_tokens = None
         for tuning in args.tunings:  # FCA kernel settings to compare ({}: the defaults)
             use_tuning(engine, tuning_of(tuning))
             suffix = f" {json.dumps(tuning)}" if tuning else ""
-            row.update({key + suffix: value for key, value in time_decoders(engine, decoders, prompts, params, args).items()})
+            timed, tokens = time_decoders(engine, decoders, prompts, params, args)
+            row.update({key + suffix: value for key, value in timed.items()})
+            first_tokens = first_tokens or tokens
+            if len(args.tunings) > 1:  # one seeded rollout: settings that only launch differently keep its tokens
+                row["tokens_as_first_tuning" + suffix] = tokens == first_tokens
         if hf_model is not None:
             row["hf_generate"] = run_hf_batches(hf_model, prompts, params, args.hf_prompts_per_batch, args.hf_batches)
         print(json.dumps(row), flush=True)
@@ -162,9 +167,11 @@ def gpu(args) -> dict:
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
 
 
-def time_decoders(engine: EmbeddedEngine, decoders: Decoders, prompts, params: SamplingParams, args) -> dict:
-    """One rollout per decoder and mode (and one with each engine option of --compare-flipped flipped)."""
-    row = {}
+def time_decoders(engine: EmbeddedEngine, decoders: Decoders, prompts, params: SamplingParams,
+                  args) -> tuple[dict, dict]:
+    """One rollout per decoder and mode (and one with each engine option of --compare-flipped
+    flipped): the timings, and each rollout's tokens."""
+    row, tokens = {}, {}
     for name in args.decoders:
         decoders.use(name)
         for mode in args.modes:
@@ -177,11 +184,12 @@ def time_decoders(engine: EmbeddedEngine, decoders: Decoders, prompts, params: S
                 if option is not None:
                     setattr(engine.options, option, not setting)
                 result = run_engine(engine, mode, prompts, params)
-                result.pop("tokens")
-                row[f"{name}/{mode}" + (f"/{option}={'off' if setting else 'on'}" if option else "")] = result
+                key = f"{name}/{mode}" + (f"/{option}={'off' if setting else 'on'}" if option else "")
+                tokens[key] = result.pop("tokens")
+                row[key] = result
                 if option is not None:
                     setattr(engine.options, option, setting)
-    return row
+    return row, tokens
 
 
 def use_tuning(engine: EmbeddedEngine, tuning: Tuning) -> None:
