@@ -52,13 +52,13 @@ class SequenceBand(Band):
     """product: the product of the sequence's token weights; geometric: their geometric mean."""
 
 
-class SamplerCorrection(StrictModel):
+class SamplerCorrection(Band):
+    """The weights' own band is ``[low, high]`` (by default no lower end, 3 above)."""
+
     mode: Literal["token-truncate", "token-mask", "sequence-truncate", "sequence-mask", "none"] = "sequence-mask"
     """token: a weight per token, ``exp(old - sampling)``; sequence: one per sequence, the product
     of its tokens' (every token carries it). truncate: clamped to [low, high]; mask: 0 outside it;
     none: no weight (only the rejections below)."""
-    low: Annotated[float, Field(ge=0)] | None = None
-    """The band's lower end (None: none)."""
     high: Annotated[float, Field(gt=0)] | None = 3.0
     """The band's upper end (None: none)."""
     reject_sequences_with_token: Band | None = None
@@ -68,15 +68,6 @@ class SamplerCorrection(StrictModel):
     reject_sequences: SequenceBand | None = None
     """A sequence whose weight (product or geometric mean over the tokens the rules above keep) is
     outside this band leaves the policy term (SkyRL's sequence mask)."""
-
-    @model_validator(mode="after")
-    def _band_in_order(self) -> SamplerCorrection:
-        Band(low=self.low, high=self.high)  # raises where low > high
-        return self
-
-    @property
-    def band(self) -> Band:
-        return Band(low=self.low, high=self.high)
 
     @property
     def rejects(self) -> bool:
@@ -99,12 +90,13 @@ def sampler_weights(correction: SamplerCorrection, batch: RolloutBatch, old: tor
     mask = batch.loss_mask
     # A token the sampler could not score (NaN) gets no correction: a log difference of 0.
     diff = torch.nan_to_num((old.detach() - batch.sampling_logprobs.float()) * mask, nan=0.0)
-    keep = _kept(correction, diff, mask)
+    token_weight = torch.exp(diff)
+    keep = _kept(correction, token_weight, mask)
     kept_diff = diff * keep
     metrics = {"sampler_logp_diff": token_mean(diff.abs(), mask, ctx),
                "sampler_logp_diff_max": extreme(diff.abs(), mask, largest=True)}
     if correction.mode != "none":
-        weight, weight_metrics = _importance_weights(correction, diff, kept_diff, mask, ctx)
+        weight, weight_metrics = _importance_weights(correction, token_weight, kept_diff, mask, ctx)
         metrics.update(weight_metrics)
     else:
         weight = torch.ones_like(diff[:, :1])
@@ -115,14 +107,14 @@ def sampler_weights(correction: SamplerCorrection, batch: RolloutBatch, old: tor
     return weight, metrics
 
 
-def _kept(correction: SamplerCorrection, diff: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _kept(correction: SamplerCorrection, token_weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The loss tokens the token rules keep (bool ``[B, Lr]``)."""
     keep = mask
     if correction.reject_sequences_with_token is not None:
-        outlier = correction.reject_sequences_with_token.outside(torch.exp(diff)) & mask
+        outlier = correction.reject_sequences_with_token.outside(token_weight) & mask
         keep = keep & ~outlier.any(-1, keepdim=True)
     if correction.reject_tokens is not None:
-        keep = keep & ~correction.reject_tokens.outside(torch.exp(diff))
+        keep = keep & ~correction.reject_tokens.outside(token_weight)
     return keep
 
 
@@ -136,15 +128,14 @@ def _rejected_sequences(rule: SequenceBand | None, kept_diff: torch.Tensor, keep
     return rule.outside(torch.exp(log_weight))
 
 
-def _importance_weights(correction: SamplerCorrection, diff: torch.Tensor, kept_diff: torch.Tensor,
+def _importance_weights(correction: SamplerCorrection, token_weight: torch.Tensor, kept_diff: torch.Tensor,
                         mask: torch.Tensor, ctx: LossContext) -> tuple[torch.Tensor, Metrics]:
     per_sequence = correction.mode.startswith("sequence")
-    weight = torch.exp(kept_diff.sum(-1, keepdim=True) if per_sequence else diff)
-    band = correction.band
+    weight = torch.exp(kept_diff.sum(-1, keepdim=True)) if per_sequence else token_weight
     if correction.mode.endswith("truncate"):
-        weight = weight.clamp(*band.bounds)
+        weight = weight.clamp(*correction.bounds)
     else:
-        weight = weight.masked_fill(band.outside(weight), 0.0)
+        weight = weight.masked_fill(correction.outside(weight), 0.0)
     counted = torch.ones_like(weight, dtype=torch.bool) if per_sequence else mask
     mean = weight[:, 0].sum() / ctx.num_sequences if per_sequence else token_mean(weight, mask, ctx)
     return weight, {"sampler_weight": mean, "sampler_weight_min": extreme(weight, counted, largest=False),
