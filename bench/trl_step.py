@@ -15,6 +15,8 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     SAMPLER_CORRECTION=0 P=4096 STEPS=7 python3 bench/trl_step.py  # without TRL's importance sampling correction
     FLEX=any-length P=4096 STEPS=7 python3 bench/trl_step.py  # FlexAttention unpadded, compiled for any length
     BF16_ACCUMULATION=deepspeed P=4096 STEPS=7 python3 bench/trl_step.py  # stage 1: DeepSpeed's own gradient sums
+    PROCESSORS=compiled P=4096 STEPS=7 python3 bench/trl_step.py  # log-probs and entropy compiled, not the kernels
+    HEAD_RECOMPUTE=1 P=4096 STEPS=7 python3 bench/trl_step.py  # LM-head chunks recomputed in the backward even where memory holds their logits
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
 The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
@@ -203,6 +205,16 @@ def flex_for_any_length() -> None:
     forest_attention.flex_kernels, forest_attention.padded_length = (lambda: kernels), (lambda n: n)
 
 
+def compiled_processors() -> None:
+    """The log-prob and entropy processors as torch.compile'd expressions (before their Triton kernels)."""
+    from arctic_core.compiling import compiled
+    from arctic_core.losses import processors as p
+
+    p.LogProbs.__call__ = lambda self, logits, targets: {
+        "logprobs": compiled(p.log_probs_at)(logits, targets, self.temperature)}
+    p.Entropy.__call__ = lambda self, logits, targets: {"entropy": compiled(p.entropy_of)(logits, self.temperature)}
+
+
 def main() -> None:
     smoke = "--smoke" in sys.argv  # a tiny model on the CPU: checks the harness end to end in seconds
     if not smoke and not torch.cuda.is_available():
@@ -253,6 +265,12 @@ def main() -> None:
     print("backend ready", round(time.time() - started, 1), "s", flush=True)
     if os.environ.get("FLEX") == "any-length":
         flex_for_any_length()
+    if os.environ.get("PROCESSORS") == "compiled":
+        compiled_processors()
+    if os.environ.get("HEAD_RECOMPUTE") == "1":
+        from arctic_zorro import packed_forward
+
+        packed_forward.logits_fit = lambda hidden, vocab, chunk_tokens: False
     if os.environ.get("BF16_ACCUMULATION") == "deepspeed":
         from arctic_zorro import deepspeed_engine
 

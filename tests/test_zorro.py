@@ -206,6 +206,36 @@ def test_packed_forward_is_exact(tokenizer, family, make):
         assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm(), f"{family} {name}"
 
 
+def test_the_head_keeps_its_logits_for_the_backward_only_where_the_free_memory_holds_them(tokenizer, monkeypatch):
+    """Kept or recomputed in the backward, the LM head's chunks give the same outputs and gradients;
+    which one runs follows the free memory: every chunk's logits plus one chunk's backward."""
+    from arctic_zorro import packed_forward
+    from arctic_zorro.memory_budget import HEAD_BYTES_PER_LOGIT
+
+    batch = forest_batch()
+    _, packed = models(tokenizer, "qwen3")
+    processors = {"logprobs": LogProbs(0.8), "entropy": Entropy(0.8)}
+    head = packed.get_output_embeddings()
+    tokens, vocab, chunk = int(batch.response_lens.sum()), head.out_features, 5
+    fits = tokens * vocab * 4 + chunk * vocab * HEAD_BYTES_PER_LOGIT  # fp32 logits of every token, one chunk's backward
+    runs = []
+    for budget in (fits, fits - 1):
+        monkeypatch.setattr(packed_forward, "activation_budget", lambda device, b=budget: b)
+        calls = []
+        handle = head.register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
+        packed.zero_grad(set_to_none=True)
+        outputs = select_forward(packed, ZorroOptions(head_chunk_tokens=chunk))(packed, batch, processors)
+        logprob_loss(outputs, batch).backward()
+        handle.remove()
+        runs.append((outputs, {n: p.grad.clone() for n, p in packed.named_parameters()}, sum(calls)))
+    (kept, kept_grads, kept_rows), (recomputed, recomputed_grads, recomputed_rows) = runs
+    assert (kept_rows, recomputed_rows) == (tokens, 2 * tokens)  # the head ran again over every chunk
+    for name in ("logprobs", "entropy"):
+        torch.testing.assert_close(kept[name], recomputed[name], atol=0, rtol=0)
+    for name, grad in kept_grads.items():
+        torch.testing.assert_close(grad, recomputed_grads[name], atol=1e-7, rtol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_norms_activations_and_rotary_are_exact_for_every_family(tokenizer, family):
     """``compile_elementwise`` (RMSNorms, SiLU x up and the rotary embedding compiled) under the

@@ -25,16 +25,12 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.config import TrainerConfig
 from arctic_core.hf import checkpoint_first_layers, decoder_layers
 from arctic_core.plugins.interfaces import Processor
+from arctic_zorro.memory_budget import HEAD_BYTES_PER_LOGIT, activation_budget
 from arctic_zorro.micro_batches import MicroForward as Forward
 from arctic_zorro.micro_batches import micro_batch_tokens
 from arctic_zorro.packed_forward import ZorroOptions
 
 log = logging.getLogger(__name__)
-
-RESERVE_FRACTION = 0.1
-"""Device memory never planned for activations: allocator fragmentation, ZeRO-3 gathers, kernels' scratch."""
-HEAD_BYTES_PER_LOGIT = 12
-"""fp32 logits, their softmax and their gradient, per token and vocabulary entry of one head chunk."""
 
 
 def fixed_layers(config: TrainerConfig) -> int | None:
@@ -63,15 +59,6 @@ def layers_to_checkpoint(num_layers: int, tokens: int, kept_bytes: int, input_by
         if tokens * (kept * kept_bytes + checkpointed * input_bytes + kept_bytes) <= budget:
             return checkpointed
     return num_layers
-
-
-def activation_budget(device: torch.device) -> int | None:
-    """Bytes free for activations on ``device`` now (None off CUDA: no budget to plan against)."""
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return free + cached - int(RESERVE_FRACTION * total)
 
 
 class AutoCheckpointing:

@@ -25,6 +25,7 @@ from arctic_core.plugins.interfaces import Processor
 from arctic_zorro.forest import build_forest, response_gather_index
 from arctic_zorro.forest_attention import ATTENTION_NAME, ForestAttentionMeta
 from arctic_zorro.forward import response_outputs, run_processors, scatter_values
+from arctic_zorro.memory_budget import HEAD_BYTES_PER_LOGIT, activation_budget
 
 _INEXACT_CONFIG = {
     "attn_logit_softcapping": "attention logit soft-capping",
@@ -43,8 +44,9 @@ class ZorroOptions(StrictModel):
     enable: bool = True
     """Pack each distinct prompt once per micro-batch (exact); false: one padded row per response."""
     head_chunk_tokens: int = Field(HEAD_CHUNK_TOKENS, gt=0, description=(
-        "Response tokens per LM-head chunk: one chunk's full-vocabulary logits (and their gradient) "
-        "live at a time, so smaller chunks lower the peak memory at some launch cost."))
+        "Response tokens per LM-head chunk: where the free device memory cannot hold every chunk's "
+        "full-vocabulary logits until the backward, one chunk's logits (and their gradient) live at a "
+        "time, so smaller chunks lower the peak memory at some launch cost."))
 
 
 def check_supported(model: PreTrainedModel) -> None:
@@ -90,10 +92,11 @@ def head_outputs(
     head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, processors: Mapping[str, Processor],
     chunk_tokens: int = HEAD_CHUNK_TOKENS,
 ) -> dict[str, torch.Tensor]:
-    """LM head + processors in chunks of response tokens, each recomputed in backward.
+    """LM head + processors in chunks of response tokens.
 
-    A full-vocabulary logits tensor for every response token (tokens x 150k x fp32, several GB)
-    never exists at once: only one chunk's logits live at a time, in forward and in backward.
+    A full-vocabulary logits tensor for every response token (tokens x 150k, several GB) exists at
+    once only where the free device memory holds it: then each chunk's logits stay alive for the
+    backward; else each chunk is recomputed in the backward, and one chunk's logits live at a time.
     """
     names: list[str] = []
 
@@ -102,13 +105,27 @@ def head_outputs(
         names[:] = list(values)
         return tuple(values.values())
 
+    recompute = torch.is_grad_enabled() and not logits_fit(hidden, getattr(head, "out_features", 0), chunk_tokens)
     parts = [
-        checkpoint(chunk_values, h, t, use_reentrant=False) if torch.is_grad_enabled() else chunk_values(h, t)
+        checkpoint(chunk_values, h, t, use_reentrant=False) if recompute else chunk_values(h, t)
         for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
     ]
     if not parts:  # no response tokens at all
         return {o: hidden.new_zeros(0, dtype=torch.float32) for p in processors.values() for o in p.outputs}
     return {name: torch.cat([p[i] for p in parts]) for i, name in enumerate(names)}
+
+
+def logits_fit(hidden: torch.Tensor, vocab: int, chunk_tokens: int) -> bool:
+    """Whether the logits of every row of ``hidden`` can stay alive until the backward, beside one
+    chunk's backward (its gradient and the processors' work), in the device memory free now: kept,
+    the backward does not run the chunks' LM-head product and processors again. Off CUDA there is
+    no budget to check, and the chunks are recomputed."""
+    budget = activation_budget(hidden.device)
+    if budget is None or not vocab:
+        return False
+    rows = hidden.shape[0]
+    kept = rows * vocab * hidden.element_size()
+    return kept + min(rows, chunk_tokens) * vocab * HEAD_BYTES_PER_LOGIT <= budget
 
 
 Forward = Callable[[PreTrainedModel, RolloutBatch, Mapping[str, Processor]], dict[str, torch.Tensor]]
