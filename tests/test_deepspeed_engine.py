@@ -245,7 +245,7 @@ def test_auto_checkpointing_keeps_the_layers_free_memory_holds(config_of, batch,
                                                               recomputed):
     # One micro-batch per call. "One layer's worth" is the budget in which exactly the last of the two
     # layers keeps its activations; "plenty" holds both; off CUDA there is no budget: all are recomputed.
-    from arctic_zorro import checkpoint_policy
+    from arctic_zorro import checkpoint_policy, packed_forward
     from arctic_zorro.packed_forward import HEAD_CHUNK_TOKENS
 
     options = deepspeed_trainer(3) if backend == "deepspeed3" else REFERENCE
@@ -259,13 +259,19 @@ def test_auto_checkpointing_keeps_the_layers_free_memory_holds(config_of, batch,
         budget = {"one layer's worth": tokens * (2 * kept + model.config.hidden_size * 4) + head,
                   "plenty": 1 << 40, "none (CPU)": None}[free]
         monkeypatch.setattr(checkpoint_policy, "activation_budget", lambda device: budget)
+        # The LM head keeps its logits for the backward where the same budget holds them ("plenty").
+        monkeypatch.setattr(packed_forward, "activation_budget", lambda device: budget)
         layers = model.model.layers
         calls = [0] * len(layers)
         for index, layer in enumerate(layers):
             layer.mlp.forward = counting(layer.mlp.forward, calls, index)
+        head_rows = []
+        model.get_output_embeddings().register_forward_hook(lambda module, args, out: head_rows.append(out.shape[0]))
         client.fwd_bwd(batch, LOSS)
         grads = engine.full_gradients()
     assert calls == [1 + recomputed[0], 1 + recomputed[1]]
+    if free != "one layer's worth":  # the head's chunks: run once where kept, again in the backward where not
+        assert sum(head_rows) == int(batch.response_lens.sum()) * (1 if free == "plenty" else 2)
     assert max_relative_error(grads, reference["full_grads"]) < 1e-4
 
 
