@@ -430,6 +430,11 @@ for dtype, grad_rtol in ((torch.float32, 1e-4), (torch.bfloat16, 8e-3)):  # bf16
                 if rows:
                     error = (logits.grad.double() - reference.grad).abs().max() / reference.grad.abs().max()
                     assert error <= grad_rtol, (dtype, temperature, rows, vocab, used, float(error))
+try:
+    token_stats(torch.zeros(2, 5), torch.zeros(3, dtype=torch.long), 1.0)
+    raise AssertionError("targets of another length were taken")
+except ValueError as error:
+    assert "logits [N, V] and targets [N], got (2, 5) and (3,)" in str(error), error
 print("ok")
 """
 

@@ -21,8 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 BLOCK = 4096  # vocabulary entries a program reads per step
 
 
@@ -32,7 +30,8 @@ def _forward_kernel(logits_ptr, targets_ptr, logprobs_ptr, entropy_ptr, lse_ptr,
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
     cols = tl.arange(0, BLOCK)
-    # Running statistics in base 2 (z2 = z * log2 e): m2, s = sum 2^(z2 - m2), u2 = sum 2^(z2 - m2) (z2 - m2).
+    # Running statistics in base 2 (z2 = z * log2 e): m2, s = sum 2^(z2 - m2), u2 = sum 2^(z2 - m2) (z2 - m2);
+    # natural units at the end (times ln 2).
     m2 = float("-inf")
     s = 0.0
     u2 = 0.0
@@ -86,9 +85,10 @@ def _backward_kernel(logits_ptr, targets_ptr, lse_ptr, mean_ptr, grad_logprobs_p
     tl.store(grad_ptr + row * stride_grad + index, grad.to(grad_ptr.dtype.element_ty), mask=ok)
 
 
-def _rows(logits: torch.Tensor) -> torch.Tensor:
-    if logits.dim() != 2:
-        raise ValueError(f"token_stats takes logits [N, V], got {tuple(logits.shape)}")
+def _rows(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if logits.dim() != 2 or tuple(targets.shape) != (logits.shape[0],):
+        raise ValueError(f"token_stats takes logits [N, V] and targets [N], got {tuple(logits.shape)} and "
+                         f"{tuple(targets.shape)}")
     return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
@@ -98,7 +98,7 @@ class TokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-        logits = _rows(logits)
+        logits = _rows(logits, targets)
         rows, vocab = logits.shape
         targets = targets.to(device=logits.device, dtype=torch.int64).contiguous()
         logprobs, entropy, lse, mean = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(4))
