@@ -230,6 +230,10 @@ def test_the_head_keeps_its_logits_for_the_backward_only_where_the_free_memory_h
         runs.append((outputs, {n: p.grad.clone() for n, p in packed.named_parameters()}, sum(calls)))
     (kept, kept_grads, kept_rows), (recomputed, recomputed_grads, recomputed_rows) = runs
     assert (kept_rows, recomputed_rows) == (tokens, 2 * tokens)  # the head ran again over every chunk
+    monkeypatch.setattr(packed_forward, "activation_budget", lambda device: 1 << 40)
+    assert packed_forward.logits_fit(torch.zeros(tokens, 8), vocab, chunk)
+    monkeypatch.setattr(packed_forward, "several_ranks", lambda: True)  # ranks must run the same gathers
+    assert not packed_forward.logits_fit(torch.zeros(tokens, 8), vocab, chunk)
     for name in ("logprobs", "entropy"):
         torch.testing.assert_close(kept[name], recomputed[name], atol=0, rtol=0)
     for name, grad in kept_grads.items():

@@ -119,13 +119,21 @@ def logits_fit(hidden: torch.Tensor, vocab: int, chunk_tokens: int) -> bool:
     """Whether the logits of every row of ``hidden`` can stay alive until the backward, beside one
     chunk's backward (its gradient and the processors' work), in the device memory free now: kept,
     the backward does not run the chunks' LM-head product and processors again. Off CUDA there is
-    no budget to check, and the chunks are recomputed."""
+    no budget to check, and with several ranks each could decide otherwise (under ZeRO-3 a
+    recomputed chunk gathers the head's weight again, a collective every rank must join): there
+    the chunks are recomputed."""
     budget = activation_budget(hidden.device)
-    if budget is None or not vocab:
+    if budget is None or not vocab or several_ranks():
         return False
     rows = hidden.shape[0]
     kept = rows * vocab * hidden.element_size()
     return kept + min(rows, chunk_tokens) * vocab * HEAD_BYTES_PER_LOGIT <= budget
+
+
+def several_ranks() -> bool:
+    """Whether this process trains as one of several ranks (a process group of more than one)."""
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
 
 
 Forward = Callable[[PreTrainedModel, RolloutBatch, Mapping[str, Processor]], dict[str, torch.Tensor]]
