@@ -28,7 +28,7 @@ from arctic_core.plugins.interfaces import Processor
 from arctic_zorro.memory_budget import HEAD_BYTES_PER_LOGIT, activation_budget
 from arctic_zorro.micro_batches import MicroForward as Forward
 from arctic_zorro.micro_batches import micro_batch_tokens
-from arctic_zorro.packed_forward import ZorroOptions
+from arctic_zorro.packed_forward import ZorroOptions, several_ranks
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +120,7 @@ def training_forward(forward: Forward, config: TrainerConfig, model: PreTrainedM
 
 
 def _most_over_ranks(value: int, device: torch.device) -> int:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return value
-    if torch.distributed.get_world_size() == 1:
+    if not several_ranks():
         return value
     counts = torch.tensor([value], device=device)
     torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
