@@ -449,6 +449,58 @@ def test_the_processor_kernels_equal_the_expressions_in_fp64() -> None:
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
 
 
+SHARED_KERNEL_CHECK = """
+import torch
+from arctic_core.losses import processors, token_stats
+from arctic_zorro.forward import run_processors
+
+processors.runs_on_kernel = lambda logits: True  # the GPU's dispatch, with the kernels interpreted on the CPU
+launches = {"forward": 0, "backward": 0}
+for name in launches:
+    kernel = getattr(token_stats, f"_{name}_kernel")
+    class Counted:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+        def __getitem__(self, grid):
+            launches[self.name] += 1
+            return self.kernel[grid]
+    setattr(token_stats, f"_{name}_kernel", Counted(kernel, name))
+
+gen = torch.Generator().manual_seed(0)
+wide = 3 * torch.randn(6, 5000, generator=gen)
+targets = torch.randint(0, 5000, (6,), generator=gen)
+weights = torch.randn(2, 6, generator=gen)
+both = {"logprobs": processors.LogProbs(0.7), "entropy": processors.Entropy(0.7)}
+logits = wide.clone().requires_grad_()
+out = run_processors(logits, targets, both)
+assert launches == {"forward": 1, "backward": 0}, launches
+(out["logprobs"] @ weights[0] + out["entropy"] @ weights[1]).backward()
+assert launches == {"forward": 1, "backward": 1}, launches
+reference = wide.double().requires_grad_()  # the expressions in fp64
+z = reference / 0.7
+lse = torch.logsumexp(z, -1)
+expected = (z.gather(-1, targets[:, None])[:, 0] - lse, lse - (torch.softmax(z, -1) * z).sum(-1))
+(expected[0] @ weights[0].double() + expected[1] @ weights[1].double()).backward()
+torch.testing.assert_close(out["logprobs"].double(), expected[0], atol=1e-5, rtol=0)
+torch.testing.assert_close(out["entropy"].double(), expected[1], atol=1e-5, rtol=0)
+torch.testing.assert_close(logits.grad.double(), reference.grad, atol=1e-6, rtol=1e-4)
+# outside the processor loop, and once it has returned, nothing is remembered
+both["logprobs"](logits, targets), both["entropy"](logits, targets)
+run_processors(logits, targets, both)
+assert launches["forward"] == 4, launches
+print("ok")
+"""
+
+
+def test_log_probs_and_entropy_share_one_kernel_launch_each_way() -> None:
+    """A loss reading both outputs (TRL's default, an entropy bonus) gets them from one forward
+    launch and one backward launch on the same logits, with the values and gradients of the
+    expressions; the sharing ends with the engine's processor loop."""
+    run = subprocess.run([sys.executable, "-c", SHARED_KERNEL_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
 def test_a_temperature_of_zero_is_refused_when_the_processor_is_built() -> None:
     with pytest.raises(RequestError, match="processor temperature must be > 0, got 0"):
         LogProbs(temperature=0)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from arctic_core.batch import RolloutBatch, to_device
+from arctic_core.losses.processors import sharing
 from arctic_core.plugins.interfaces import Processor
 
 
@@ -55,8 +56,9 @@ def scatter_outputs(
 def run_processors(logits: torch.Tensor, targets: torch.Tensor, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
     """Every processor once (one may produce several outputs) -> ``{output: [N]}``."""
     out: dict[str, torch.Tensor] = {}
-    for processor in dict.fromkeys(processors.values()):
-        out.update(processor(logits, targets))
+    with sharing():  # log-probs and entropy from one kernel launch each way on a GPU
+        for processor in dict.fromkeys(processors.values()):
+            out.update(processor(logits, targets))
     return out
 
 
