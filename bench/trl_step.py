@@ -17,6 +17,7 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     BF16_ACCUMULATION=deepspeed P=4096 STEPS=7 python3 bench/trl_step.py  # stage 1: DeepSpeed's own gradient sums
     PROCESSORS=compiled P=4096 STEPS=7 python3 bench/trl_step.py  # log-probs and entropy compiled, not the kernels
     HEAD_RECOMPUTE=1 P=4096 STEPS=7 python3 bench/trl_step.py  # LM-head chunks recomputed in the backward even where memory holds their logits
+    SAMPLER_MEMORY=0.35 P=4096 STEPS=7 python3 bench/trl_step.py  # the sampler's KV cache a share of the card, not the rollout's size
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
 The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
@@ -125,7 +126,7 @@ class StepTimer(TrainerCallback):
 
     def _engine_stats(self) -> dict[str, float]:
         stats = vars(self.engine.stats) if self.engine is not None else {}
-        out = {k: stats[k] for k in ("prefill_seconds", "decode_seconds", "decode_steps") if k in stats}
+        out = {k: stats[k] for k in ("prefill_seconds", "decode_seconds", "decode_steps", "calls_in_waves") if k in stats}
         if torch.cuda.is_available():  # the caching allocator's trips to the driver (each may synchronise)
             memory = torch.cuda.memory_stats()
             out.update({k: memory.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")})
@@ -205,6 +206,15 @@ def flex_for_any_length() -> None:
     forest_attention.flex_kernels, forest_attention.padded_length = (lambda: kernels), (lambda n: n)
 
 
+def rollout_kv_tokens(tokenizer, texts: list[str], prompts: int, samples: int, new_tokens: int) -> int:
+    """The embedded sampler's KV cache sized to run a rollout's groups at once (each prompt once, each
+    sample's own tokens, block rounding), whatever the card: the trainer beside it gets the rest. A
+    share of the card (SAMPLER_MEMORY) leaves the cache short on 80 GB cards, and the groups then
+    decode in waves, each to its end."""
+    longest = max(len(tokenizer(text)["input_ids"]) for text in texts)
+    return prompts * (longest + 16 + samples * (new_tokens + 32))
+
+
 def compiled_processors() -> None:
     """The log-prob and entropy processors as torch.compile'd expressions (before their Triton kernels)."""
     from arctic_core.compiling import compiled
@@ -241,9 +251,13 @@ def main() -> None:
                       beta=0.0, save_strategy="no",
                       vllm_importance_sampling_correction=os.environ.get("SAMPLER_CORRECTION", "1") != "0")
     timer = StepTimer()
-    sampler = {"options": {"gpu_memory_utilization": float(os.environ.get("SAMPLER_MEMORY", 0.35))}}
+    memory = os.environ.get("SAMPLER_MEMORY")  # a share of the card instead
     if os.environ.get("SAMPLER", "embedded") == "vllm":  # the same switch a user flips: arctic={"sampler": ...}
-        sampler = {"backend": "vllm", "options": {**sampler["options"], "fca": True}}
+        sampler = {"backend": "vllm", "options": {"gpu_memory_utilization": float(memory or 0.35), "fca": True}}
+    elif memory:
+        sampler = {"options": {"gpu_memory_utilization": float(memory)}}
+    else:
+        sampler = {"options": {"kv_cache_tokens": rollout_kv_tokens(tokenizer, texts, prompts, samples, new_tokens)}}
     arctic = {"sampler": sampler}
     trainer_options = {}
     layers = os.environ.get("CHECKPOINT_LAYERS")  # the adapter's default is auto

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -70,17 +71,29 @@ def test_a_group_prefills_its_prompt_once_and_shared_prefixes_are_reused(tokeniz
 
 
 @pytest.mark.parametrize("max_num_seqs, waves", [(4, 3), (64, 2)])
-def test_continuous_batching_admits_groups_as_blocks_free_up(tokenizer, max_num_seqs, waves):
+def test_continuous_batching_admits_groups_as_blocks_free_up(tokenizer, max_num_seqs, waves, caplog):
     # 20 blocks hold about two groups at a time: the rest wait and run as earlier ones finish. With
     # no limit on sequences (64), an admitted group must keep room for its samples' blocks until its
     # prompt is prefilled and forked, or a later group takes them.
     engine, reference = make_engine(tokenizer, kv_cache_tokens=20 * 16, max_num_seqs=max_num_seqs)
     prompts = random_prompts((18, 30, 12, 25, 40), len(tokenizer), seed=2)
-    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True))
+    params = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True)
+    with caplog.at_level(logging.WARNING, logger="arctic_fca.engine.engine"):
+        outputs = engine.generate(prompts, params)
     for out in outputs:
         assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 20)
     assert engine.stats.prefill_steps >= waves  # admitted in waves, not all at once
     assert engine.pool.num_free == engine.pool.capacity and engine.scheduler.reserved == 0
+    # The waves are said once, with the setting that would avoid them, then counted.
+    # Blocks per group: its prompt's plus 2 samples' own (2+4, 2+6, 1+4, 2+4, 3+4) = 32; the pool
+    # lends 19 of its 20 (block 0 is the scratch block padding rows write).
+    why = "10 samples exceed max_num_seqs=4" if max_num_seqs == 4 else \
+        "they need 512 KV cache tokens and the cache holds 304 (raise gpu_memory_utilization or kv_cache_tokens)"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the 5 prompt groups of this call cannot all run at once: {why}; they run in waves, each decoding to its end"]
+    engine.generate(prompts, params)
+    engine.generate(prompts[:1], params)  # fits: not counted
+    assert engine.stats.calls_in_waves == 2 and len(caplog.records) == 1
 
 
 def test_stop_tokens_end_a_sample_and_are_kept(tokenizer):

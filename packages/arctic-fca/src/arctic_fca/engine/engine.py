@@ -20,6 +20,7 @@ groups.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections import deque
@@ -45,6 +46,8 @@ from arctic_fca.engine.sequence import GenerationOutput, PromptGroup, Sequence
 from arctic_fca.engine.step_planner import StepPlanner
 from arctic_fca.fca.layout import check_block_size
 from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
+
+log = logging.getLogger(__name__)
 
 
 class EngineOptions(StrictModel):
@@ -97,6 +100,7 @@ class EngineStats:
     prefill_seconds: float = 0.0  # wall clock, mixed steps included (each ends in a host read of its tokens)
     decode_seconds: float = 0.0
     decode_prepare_seconds: float = 0.0  # host side of decode steps: tables, FCA plan, work items
+    calls_in_waves: int = 0  # generate calls whose groups could not all run at once
 
 
 class EmbeddedEngine:
@@ -160,6 +164,7 @@ class EmbeddedEngine:
             raise RequestError("the sampler is asleep; call wake() first")
         check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, self.max_model_len)
         self.scheduler.check(prompts, params)
+        self._warn_of_waves(prompts, params)
         stops = stop_tokens(self.model, params)
         seed = params.seed if params.seed is not None else self.seed + self.calls
         self.calls += 1
@@ -178,6 +183,18 @@ class EmbeddedEngine:
             bar.close()
         return [GenerationOutput(i, s.tokens[len(p):], s.logprobs, self.policy_version)
                 for i, p in enumerate(prompts) for s in sorted(finished[i], key=lambda s: s.seq_id)]
+
+    def _warn_of_waves(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Say (once per engine, then in ``stats``) when a call's groups must run in waves: each wave
+        decodes to its end, so such a rollout takes about as many times the steps, which a colocated
+        trainer's memory share can silently cause."""
+        why = self.scheduler.shortfall(prompts, params)
+        if why is None:
+            return
+        if not self.stats.calls_in_waves:
+            log.warning("the %d prompt groups of this call cannot all run at once: %s; they run in waves, "
+                        "each decoding to its end", len(prompts), why)
+        self.stats.calls_in_waves += 1
 
     def _run(self, waiting: deque[PromptGroup], params: SamplingParams, generator: torch.Generator, stops: set[int],
              bar: tqdm) -> dict[int, list[Sequence]]:

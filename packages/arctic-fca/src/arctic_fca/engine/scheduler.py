@@ -43,6 +43,19 @@ class Scheduler:
                 raise RequestError(f"prompts[{i}] with n={params.n} and max_tokens={params.max_tokens} needs {needed} KV "
                                    f"blocks; the cache has {self.pool.capacity} (raise kv_cache_tokens)")
 
+    def shortfall(self, prompts: list[list[int]], params: SamplingParams) -> str | None:
+        """Why the request's groups cannot all run at once (they then run in waves, each decoding to
+        its end: a rollout that takes several times its steps), or None. Worst case: no prompt
+        blocks found cached."""
+        seqs, blocks = len(prompts) * params.n, sum(self.group_blocks(len(p), 0, params) for p in prompts)
+        if seqs > self.max_num_seqs:
+            return f"{seqs} samples exceed max_num_seqs={self.max_num_seqs}"
+        if blocks > self.pool.capacity:
+            bs = self.block_size
+            return (f"they need {blocks * bs} KV cache tokens and the cache holds {self.pool.capacity * bs} "
+                    "(raise gpu_memory_utilization or kv_cache_tokens)")
+        return None
+
     def own_blocks(self, prompt_len: int, params: SamplingParams) -> int:
         """Blocks one sample writes beyond the prompt's full blocks (the last sampled token is never cached)."""
         bs = self.block_size
