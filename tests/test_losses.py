@@ -488,6 +488,30 @@ torch.testing.assert_close(logits.grad.double(), reference.grad, atol=1e-6, rtol
 both["logprobs"](logits, targets), both["entropy"](logits, targets)
 run_processors(logits, targets, both)
 assert launches["forward"] == 4, launches
+
+# Through the LM head in chunks of 5 rows (3 chunks), its logits kept or each chunk recomputed in the
+# backward: one forward launch per chunk (two when recomputed), one backward launch per chunk.
+from arctic_zorro import packed_forward
+head = torch.nn.Linear(16, 5000, bias=False)
+hidden, head_targets = torch.randn(12, 16, generator=gen), torch.randint(0, 5000, (12,), generator=gen)
+w = torch.randn(2, 12, generator=gen, dtype=torch.float64)
+h64, weight64 = hidden.double().requires_grad_(), head.weight.detach().double().requires_grad_()
+z = (h64 @ weight64.T) / 0.7
+lse = torch.logsumexp(z, -1)
+expected = (z.gather(-1, head_targets[:, None])[:, 0] - lse, lse - (torch.softmax(z, -1) * z).sum(-1))
+(expected[0] @ w[0] + expected[1] @ w[1]).backward()
+for keep in (True, False):
+    packed_forward.logits_fit = lambda *args, keep=keep: keep
+    launches.update(forward=0, backward=0)
+    head.zero_grad(set_to_none=True)
+    h = hidden.clone().requires_grad_()
+    out = packed_forward.head_outputs(head, h, head_targets, both, 5)
+    (out["logprobs"].double() @ w[0] + out["entropy"].double() @ w[1]).backward()
+    assert launches == {"forward": 3 if keep else 6, "backward": 3}, (keep, launches)
+    torch.testing.assert_close(out["logprobs"].double(), expected[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["entropy"].double(), expected[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(h.grad.double(), h64.grad, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(head.weight.grad.double(), weight64.grad, atol=1e-6, rtol=1e-4)
 print("ok")
 """
 
@@ -495,7 +519,8 @@ print("ok")
 def test_log_probs_and_entropy_share_one_kernel_launch_each_way() -> None:
     """A loss reading both outputs (TRL's default, an entropy bonus) gets them from one forward
     launch and one backward launch on the same logits, with the values and gradients of the
-    expressions; the sharing ends with the engine's processor loop."""
+    expressions in fp64; the sharing ends with the engine's processor loop. The same through the
+    LM head's chunks, kept or recomputed in the backward."""
     run = subprocess.run([sys.executable, "-c", SHARED_KERNEL_CHECK], env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
