@@ -488,6 +488,15 @@ torch.testing.assert_close(logits.grad.double(), reference.grad, atol=1e-6, rtol
 both["logprobs"](logits, targets), both["entropy"](logits, targets)
 run_processors(logits, targets, both)
 assert launches["forward"] == 4, launches
+# logits written in place between two processors get statistics of their own
+scaled = wide.clone()
+with processors.sharing():
+    both["logprobs"](scaled, targets)
+    scaled.mul_(2)
+    twice = both["entropy"](scaled, targets)["entropy"]
+assert launches["forward"] == 6, launches
+z2 = 2 * wide.double() / 0.7
+torch.testing.assert_close(twice.double(), torch.logsumexp(z2, -1) - (torch.softmax(z2, -1) * z2).sum(-1), atol=1e-5, rtol=0)
 
 # Through the LM head in chunks of 5 rows (3 chunks), its logits kept or each chunk recomputed in the
 # backward: one forward launch per chunk (two when recomputed), one backward launch per chunk.

@@ -40,7 +40,7 @@ def entropy_of(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.logsumexp(z, dim=-1) - (probs * z).sum(-1)
 
 
-_KernelKey = tuple[int, int, float]
+_KernelKey = tuple[int, int, int, int, float]
 _shared_results: ContextVar[dict[_KernelKey, tuple] | None] = ContextVar("arctic_shared_token_stats", default=None)
 
 
@@ -65,7 +65,8 @@ def on_kernel(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -
     from arctic_core.losses.token_stats import token_stats
 
     shared = _shared_results.get()
-    key = (id(logits), id(targets), temperature)
+    # The tensors' versions too: a processor that wrote into the logits in place gets fresh statistics.
+    key = (id(logits), logits._version, id(targets), targets._version, temperature)
     if shared is not None and key in shared:
         return shared[key][2]
     stats = token_stats(logits, targets, temperature)
