@@ -399,8 +399,17 @@ def test_logprobs_processor(temperature: float, target: int, expected: float) ->
     assert out["logprobs"].item() == pytest.approx(expected, abs=1e-6)
 
 
-TOKEN_STATS_CHECK = """
+FP64_STATS = """
 import torch
+
+def fp64_stats(z, targets):
+    \"\"\"The processors' expressions in fp64 on scaled logits ``z``: (log-probs of ``targets``, entropy).\"\"\"
+    lse = torch.logsumexp(z, -1)
+    return z.gather(-1, targets[:, None])[:, 0] - lse, lse - (torch.softmax(z, -1) * z).sum(-1)
+"""
+
+
+TOKEN_STATS_CHECK = FP64_STATS + """
 from arctic_core.losses.token_stats import token_stats
 
 gen = torch.Generator().manual_seed(0)
@@ -410,16 +419,12 @@ for dtype, grad_rtol in ((torch.float32, 1e-4), (torch.bfloat16, 8e-3)):  # bf16
         for rows, vocab, width in ((7, 1000, 1000), (5, 9000, 9000), (3, 5000, 5003), (0, 100, 100)):
             wide = (3 * torch.randn(rows, width, generator=gen)).to(dtype)
             targets = torch.randint(0, vocab, (rows,), generator=gen)
-            z = wide[:, :vocab].double() / temperature  # the expressions in fp64
-            lse = torch.logsumexp(z, -1)
-            expected = (z.gather(-1, targets[:, None])[:, 0] - lse, lse - (torch.softmax(z, -1) * z).sum(-1))
+            expected = fp64_stats(wide[:, :vocab].double() / temperature, targets)
             weights = [torch.randn(rows, generator=gen, dtype=torch.float64) for _ in range(2)]
             for used in ((0,), (1,), (0, 1)):  # a loss reading the log-probs, the entropy, both
                 reference = wide.double().requires_grad_()
                 logits = wide.clone().requires_grad_()
-                zr = reference[:, :vocab] / temperature
-                lr = torch.logsumexp(zr, -1)
-                ref = (zr.gather(-1, targets[:, None])[:, 0] - lr, lr - (torch.softmax(zr, -1) * zr).sum(-1))
+                ref = fp64_stats(reference[:, :vocab] / temperature, targets)
                 got = token_stats(logits[:, :vocab], targets, temperature)
                 for i in range(2):
                     assert got[i].dtype == torch.float32 and got[i].shape == (rows,)
@@ -449,8 +454,7 @@ def test_the_processor_kernels_equal_the_expressions_in_fp64() -> None:
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
 
 
-SHARED_KERNEL_CHECK = """
-import torch
+SHARED_KERNEL_CHECK = FP64_STATS + """
 from arctic_core.losses import processors, token_stats
 from arctic_zorro.forward import run_processors
 
@@ -476,10 +480,8 @@ out = run_processors(logits, targets, both)
 assert launches == {"forward": 1, "backward": 0}, launches
 (out["logprobs"] @ weights[0] + out["entropy"] @ weights[1]).backward()
 assert launches == {"forward": 1, "backward": 1}, launches
-reference = wide.double().requires_grad_()  # the expressions in fp64
-z = reference / 0.7
-lse = torch.logsumexp(z, -1)
-expected = (z.gather(-1, targets[:, None])[:, 0] - lse, lse - (torch.softmax(z, -1) * z).sum(-1))
+reference = wide.double().requires_grad_()
+expected = fp64_stats(reference / 0.7, targets)
 (expected[0] @ weights[0].double() + expected[1] @ weights[1].double()).backward()
 torch.testing.assert_close(out["logprobs"].double(), expected[0], atol=1e-5, rtol=0)
 torch.testing.assert_close(out["entropy"].double(), expected[1], atol=1e-5, rtol=0)
@@ -495,8 +497,7 @@ with processors.sharing():
     scaled.mul_(2)
     twice = both["entropy"](scaled, targets)["entropy"]
 assert launches["forward"] == 6, launches
-z2 = 2 * wide.double() / 0.7
-torch.testing.assert_close(twice.double(), torch.logsumexp(z2, -1) - (torch.softmax(z2, -1) * z2).sum(-1), atol=1e-5, rtol=0)
+torch.testing.assert_close(twice.double(), fp64_stats(2 * wide.double() / 0.7, targets)[1], atol=1e-5, rtol=0)
 
 # Through the LM head in chunks of 5 rows (3 chunks), its logits kept or each chunk recomputed in the
 # backward: one forward launch per chunk (two when recomputed), one backward launch per chunk.
@@ -505,9 +506,7 @@ head = torch.nn.Linear(16, 5000, bias=False)
 hidden, head_targets = torch.randn(12, 16, generator=gen), torch.randint(0, 5000, (12,), generator=gen)
 w = torch.randn(2, 12, generator=gen, dtype=torch.float64)
 h64, weight64 = hidden.double().requires_grad_(), head.weight.detach().double().requires_grad_()
-z = (h64 @ weight64.T) / 0.7
-lse = torch.logsumexp(z, -1)
-expected = (z.gather(-1, head_targets[:, None])[:, 0] - lse, lse - (torch.softmax(z, -1) * z).sum(-1))
+expected = fp64_stats((h64 @ weight64.T) / 0.7, head_targets)
 (expected[0] @ w[0] + expected[1] @ w[1]).backward()
 for keep in (True, False):
     packed_forward.logits_fit = lambda *args, keep=keep: keep
