@@ -9,7 +9,8 @@ second (wall clock, prefill included) with the cost model choosing FCA per step 
 plain paged decode ("plain"), and, with --hf, transformers ``generate`` on the same prompts; per
 decoder (--decoders: the engine's fused decoder, the same with its few-row products on cuBLAS and
 the small kernels or without programmatic dependent launch, transformers' modules); --compare-flipped also
-runs with engine options flipped (queued decode steps, prefill chunks mixed with decode), and --stop-ids
+runs with engine options flipped (queued decode steps, prefill chunks mixed with decode, blocks reserved for
+max_tokens instead of lent on demand), and --stop-ids
 makes samples end at varied lengths, so groups are admitted while others decode (with a
 --max-num-seqs below the batch), as in RL rollouts. Each decode step's time is
 reported against its bytes floor: the weights plus the KV the step must read at least (each
@@ -50,6 +51,7 @@ def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[l
 
 def run_engine(engine: EmbeddedEngine, mode: str, prompts, params: SamplingParams) -> dict:
     engine.planner.mode = mode  # the cost model's choice per step, or FCA / plain throughout
+    engine.stats.most_running = 0  # this rollout's
     before = dataclasses.replace(engine.stats)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
@@ -63,7 +65,9 @@ def run_engine(engine: EmbeddedEngine, mode: str, prompts, params: SamplingParam
             "prefill_s": round(delta["prefill_seconds"], 2), "decode_step_ms": round(1e3 * delta["decode_seconds"] / steps, 2),
             "decode_host_prepare_ms": round(1e3 * delta["decode_prepare_seconds"] / steps, 2),
             "fca_step_fraction": round(delta["fca_steps"] / steps, 3), "prefill_steps": delta["prefill_steps"],
-            "mixed_steps": delta["mixed_steps"], "tokens": [o.tokens for o in outputs]}
+            "mixed_steps": delta["mixed_steps"], "decode_steps": delta["decode_steps"],
+            "mean_new_tokens": round(generated / len(outputs), 1), "most_running": engine.stats.most_running,
+            "preempted": delta["preempted"], "tokens": [o.tokens for o in outputs]}
 
 
 def run_hf(model, prompts, params: SamplingParams) -> dict:
@@ -180,16 +184,24 @@ def time_decoders(engine: EmbeddedEngine, decoders: Decoders, prompts, params: S
             warmup = params if args.compare_flipped else params.model_copy(update={"max_tokens": 4})
             run_engine(engine, mode, prompts, warmup)
             for option in (None, *args.compare_flipped):
-                setting = getattr(engine.options, option) if option else None
-                if option is not None:
-                    setattr(engine.options, option, not setting)
+                flipped = flip(engine, option) if option else None
                 result = run_engine(engine, mode, prompts, params)
-                key = f"{name}/{mode}" + (f"/{option}={'off' if setting else 'on'}" if option else "")
+                if option:
+                    flip(engine, option)  # back
+                key = f"{name}/{mode}" + (f"/{option}={flipped}" if option else "")
                 tokens[key] = result.pop("tokens")
                 row[key] = result
-                if option is not None:
-                    setattr(engine.options, option, setting)
     return row, tokens
+
+
+def flip(engine: EmbeddedEngine, option: str) -> str:
+    """Flip an engine option; the new setting, in words."""
+    if option == "admission":
+        setting = {"on_demand": "worst_case", "worst_case": "on_demand"}[engine.options.admission]
+        engine.options.admission = engine.scheduler.admission = setting
+        return setting
+    setattr(engine.options, option, not getattr(engine.options, option))
+    return "on" if getattr(engine.options, option) else "off"
 
 
 def use_tuning(engine: EmbeddedEngine, tuning: Tuning) -> None:
@@ -325,9 +337,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--chunked-prefill", action="store_true", help="the engine's chunked_prefill option on")
-    parser.add_argument("--compare-flipped", nargs="+", default=[], choices=["overlap_steps", "chunked_prefill"],
+    parser.add_argument("--compare-flipped", nargs="+", default=[],
+                        choices=["overlap_steps", "chunked_prefill", "admission"],
                         help="also run with each of these engine options flipped (overlap_steps off: the host reads "
-                        "each step's tokens before the next; chunked_prefill on: prompt chunks mixed with decode)")
+                        "each step's tokens before the next; chunked_prefill on: prompt chunks mixed with decode; "
+                        "admission: worst_case instead of on_demand)")
     parser.add_argument("--stop-ids", type=int, default=0, help="this many random token ids stop a sample, so "
                         "samples end at varied lengths and groups are admitted as others finish (0: none)")
     parser.add_argument("--max-prefill-tokens", type=int, default=EngineOptions().max_prefill_tokens)

@@ -18,6 +18,7 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     PROCESSORS=compiled P=4096 STEPS=7 python3 bench/trl_step.py  # log-probs and entropy compiled, not the kernels
     HEAD_RECOMPUTE=1 P=4096 STEPS=7 python3 bench/trl_step.py  # LM-head chunks recomputed in the backward even where memory holds their logits
     SAMPLER_MEMORY=0.35 P=4096 STEPS=7 python3 bench/trl_step.py  # the sampler's KV cache a share of the card, not the rollout's size
+    ADMISSION=worst_case SAMPLER_MEMORY=0.35 P=4096 STEPS=7 python3 bench/trl_step.py  # groups wait for their max_tokens' blocks
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
 The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
@@ -126,7 +127,8 @@ class StepTimer(TrainerCallback):
 
     def _engine_stats(self) -> dict[str, float]:
         stats = vars(self.engine.stats) if self.engine is not None else {}
-        out = {k: stats[k] for k in ("prefill_seconds", "decode_seconds", "decode_steps", "calls_in_waves") if k in stats}
+        kept = ("prefill_seconds", "decode_seconds", "decode_steps", "calls_in_waves", "preempted")
+        out = {k: stats[k] for k in kept if k in stats}
         if torch.cuda.is_available():  # the caching allocator's trips to the driver (each may synchronise)
             memory = torch.cuda.memory_stats()
             out.update({k: memory.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")})
@@ -258,6 +260,8 @@ def main() -> None:
         sampler = {"options": {"gpu_memory_utilization": float(memory)}}
     else:
         sampler = {"options": {"kv_cache_tokens": rollout_kv_tokens(tokenizer, texts, prompts, samples, new_tokens)}}
+    if os.environ.get("ADMISSION"):  # the embedded engine's: on_demand (default) or worst_case
+        sampler["options"]["admission"] = os.environ["ADMISSION"]
     arctic = {"sampler": sampler}
     trainer_options = {}
     layers = os.environ.get("CHECKPOINT_LAYERS")  # the adapter's default is auto

@@ -6,6 +6,7 @@ import copy
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,10 +73,11 @@ def test_a_group_prefills_its_prompt_once_and_shared_prefixes_are_reused(tokeniz
 
 @pytest.mark.parametrize("max_num_seqs, waves", [(4, 3), (64, 2)])
 def test_continuous_batching_admits_groups_as_blocks_free_up(tokenizer, max_num_seqs, waves, caplog):
-    # 20 blocks hold about two groups at a time: the rest wait and run as earlier ones finish. With
-    # no limit on sequences (64), an admitted group must keep room for its samples' blocks until its
-    # prompt is prefilled and forked, or a later group takes them.
-    engine, reference = make_engine(tokenizer, kv_cache_tokens=20 * 16, max_num_seqs=max_num_seqs)
+    # worst_case: 20 blocks hold about two groups' max_tokens at a time: the rest wait and run as
+    # earlier ones finish. With no limit on sequences (64), an admitted group must keep room for its
+    # samples' blocks until its prompt is prefilled and forked, or a later group takes them.
+    engine, reference = make_engine(tokenizer, kv_cache_tokens=20 * 16, max_num_seqs=max_num_seqs,
+                                    admission="worst_case")
     prompts = random_prompts((18, 30, 12, 25, 40), len(tokenizer), seed=2)
     params = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True)
     with caplog.at_level(logging.WARNING, logger="arctic_fca.engine.engine"):
@@ -84,6 +86,7 @@ def test_continuous_batching_admits_groups_as_blocks_free_up(tokenizer, max_num_
         assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 20)
     assert engine.stats.prefill_steps >= waves  # admitted in waves, not all at once
     assert engine.pool.num_free == engine.pool.capacity and engine.scheduler.reserved == 0
+    assert engine.stats.preempted == 0
     # The waves are said once, with the setting that would avoid them, then counted.
     # Blocks per group: its prompt's plus 2 samples' own (2+4, 2+6, 1+4, 2+4, 3+4) = 32; the pool
     # lends 19 of its 20 (block 0 is the scratch block padding rows write).
@@ -94,6 +97,66 @@ def test_continuous_batching_admits_groups_as_blocks_free_up(tokenizer, max_num_
     engine.generate(prompts, params)
     engine.generate(prompts[:1], params)  # fits: not counted
     assert engine.stats.calls_in_waves == 2 and len(caplog.records) == 1
+
+
+@pytest.mark.parametrize(("chunked", "fused_decoder", "fca"), [(False, True, "fca"), (True, True, "fca"),
+                                                               (False, False, "plain")])
+def test_samples_take_blocks_as_they_grow_and_the_newest_are_preempted_when_the_cache_runs_out(
+        tokenizer, chunked, fused_decoder, fca, caplog):
+    # on_demand (the default): the same 20 blocks admit groups by their prompts. Samples that run to
+    # max_tokens then outgrow the cache, and the newest are preempted: their blocks go back and their
+    # prefill later recomputes their tokens so far and draws their next one. Greedy tokens must be
+    # generate's, sampled log-probs the model's on each sample's tokens, and every block must return.
+    engine, reference = make_engine(tokenizer, kv_cache_tokens=20 * 16, max_num_seqs=64, fca=fca,
+                                    fused_decoder=fused_decoder, chunked_prefill=chunked, max_prefill_tokens=32)
+    prompts = random_prompts((18, 30, 12, 25, 40), len(tokenizer), seed=2)
+    with caplog.at_level(logging.WARNING, logger="arctic_fca.engine.engine"):
+        outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True))
+    assert [o.prompt_index for o in outputs] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    for out in outputs:
+        assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 20)
+    preempted = engine.stats.preempted
+    assert preempted >= 2 and engine.stats.calls_in_waves == 0
+    assert engine.stats.generated_tokens == 10 * 20  # a preempted sample's dropped token is not counted twice
+    assert engine.pool.num_free == engine.pool.capacity and engine.scheduler.reserved == 0
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=24, ignore_eos=True, seed=7)
+    for out in engine.generate(prompts, params):
+        assert len(out.tokens) == 24
+        expected = teacher_forced_logprobs(reference, prompts[out.prompt_index], out.tokens, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-5, rtol=0)
+    # The repetition penalty of a resumed sample counts the tokens it drew before its preemption:
+    # the same tokens as in a cache that holds every sample.
+    params = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1e3)
+    roomy, _ = make_engine(tokenizer, fca=fca, fused_decoder=fused_decoder)
+    assert [o.tokens for o in engine.generate(prompts, params)] == [o.tokens for o in roomy.generate(prompts, params)]
+    assert engine.stats.preempted > preempted + 2
+    assert engine.pool.num_free == engine.pool.capacity
+    # Said once, with the setting to raise, then counted.
+    assert len(caplog.records) == 1
+    assert re.fullmatch(r"the KV cache ran out of blocks: \d+ running samples were preempted, to be recomputed "
+                        r"when blocks free up \(raise gpu_memory_utilization or kv_cache_tokens\)",
+                        caplog.records[0].getMessage())
+
+
+def test_samples_that_stop_early_run_more_at_once_when_blocks_are_lent_on_demand(tokenizer):
+    # max_tokens 48 but most samples stop within a few tokens: reserving each sample's 48 tokens
+    # admits about two groups at a time, lending blocks as samples grow several more.
+    prompts = random_prompts((18, 30, 12, 25, 40, 9, 22, 15), len(tokenizer), seed=3)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=48, stop_token_ids=list(range(3, 30)), seed=11)
+    stats = {}
+    for admission in ("worst_case", "on_demand"):
+        engine, reference = make_engine(tokenizer, kv_cache_tokens=40 * 16, max_num_seqs=64, admission=admission)
+        outputs = engine.generate(prompts, params)
+        lengths = sorted(len(o.tokens) for o in outputs)
+        assert lengths[-1] > 30 and lengths[len(lengths) // 2] < 12  # most stop early, a few run long
+        for out in outputs:
+            assert not set(out.tokens[:-1]) & set(params.stop_token_ids)
+            expected = teacher_forced_logprobs(reference, prompts[out.prompt_index], out.tokens, 1.0)
+            torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-5, rtol=0)
+        assert engine.pool.num_free == engine.pool.capacity
+        stats[admission] = engine.stats
+    assert stats["worst_case"].most_running <= 10 < 16 <= stats["on_demand"].most_running
+    assert stats["on_demand"].decode_steps < 0.8 * stats["worst_case"].decode_steps
 
 
 def test_stop_tokens_end_a_sample_and_are_kept(tokenizer):

@@ -85,17 +85,18 @@ class FrontState:
 
 class FrontMetrics:
     """``/metrics``: the vLLM gauges PRIME-RL's orchestrator reads for its concurrency control, in a
-    registry of the app's own. Arctic's sampler queues what does not fit its KV budget instead of
-    preempting, so the cache is not reported as pressure and nothing is ever preempted."""
+    registry of the app's own. Arctic's sampler manages its KV cache itself (it queues what does not
+    fit, or preempts and recomputes its newest samples), so the orchestrator is not asked to throttle:
+    the cache is not reported as pressure, nor preemptions."""
 
     def __init__(self, state: FrontState) -> None:
         self.registry = CollectorRegistry()
         gauges = (("vllm:num_requests_running", "Requests being sampled.", lambda: state.running),
                   ("vllm:num_requests_waiting", "Requests held while the server is paused.", lambda: state.waiting),
-                  ("vllm:kv_cache_usage_perc", "Not reported (Arctic queues instead of preempting).", lambda: 0.0))
+                  ("vllm:kv_cache_usage_perc", "Not reported (the sampler manages its cache itself).", lambda: 0.0))
         for name, documentation, read in gauges:
             Gauge(name, documentation, ["engine"], registry=self.registry).labels("0").set_function(read)
-        Counter("vllm:num_preemptions", "Preemptions (Arctic never preempts).", ["engine"],
+        Counter("vllm:num_preemptions", "Not reported (the sampler recomputes what it preempts).", ["engine"],
                 registry=self.registry).labels("0")
         self.served = Counter("arctic:requests_served", "Generate and chat requests answered.", registry=self.registry)
 

@@ -1,7 +1,8 @@
 """The embedded sampling engine: continuous batching over a paged KV cache with prefix sharing.
 
 One loop, one step at a time, over four parts that each live in a module of their own:
-- the **scheduler** admits waiting prompt groups while their worst case fits in KV blocks, and picks
+- the **scheduler** admits waiting prompt groups while their blocks fit, lends running samples
+  blocks as they grow (preempting the newest, to be recomputed, when the cache runs out), and picks
   the prompt tokens of each prefill step (``max_prefill_tokens`` at most, long prompts in chunks);
 - the **model runner** prefills those tokens in one packed pass (each prompt ONCE, whatever ``n``,
   skipping full blocks another prompt already holds) with one decode row for every running sequence
@@ -41,7 +42,7 @@ from arctic_fca.engine.blocks import BlockPool
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.engine.model_runner import ModelRunner
 from arctic_fca.engine.sampling import RowParams, sample, seen_tokens
-from arctic_fca.engine.scheduler import Scheduler
+from arctic_fca.engine.scheduler import Admission, Scheduler
 from arctic_fca.engine.sequence import GenerationOutput, PromptGroup, Sequence
 from arctic_fca.engine.step_planner import StepPlanner
 from arctic_fca.fca.layout import check_block_size
@@ -57,6 +58,11 @@ class EngineOptions(StrictModel):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=0.98, description="Share of the GPU the engine may fill "
                                           "(weights, activations, KV cache) when kv_cache_tokens is unset.")
     max_num_seqs: int = Field(256, gt=0, description="Sequences decoded together at most.")
+    admission: Admission = Field("on_demand", description="on_demand: a prompt group runs once its prompt fits, "
+                                 "samples take KV blocks as they grow, and when the cache runs out the newest are "
+                                 "preempted and later recomputed (as in vLLM); worst_case: a group runs only once its "
+                                 "samples' whole max_tokens fit (never preempted; fewer samples at once when they stop "
+                                 "early).")
     max_prefill_tokens: int = Field(16384, gt=0, description="Prompt tokens per prefill step (a longer prompt "
                                     "runs alone unless chunked_prefill).")
     chunked_prefill: bool = Field(False, description="Split prompts longer than max_prefill_tokens across steps and "
@@ -101,6 +107,8 @@ class EngineStats:
     decode_seconds: float = 0.0
     decode_prepare_seconds: float = 0.0  # host side of decode steps: tables, FCA plan, work items
     calls_in_waves: int = 0  # generate calls whose groups could not all run at once
+    preempted: int = 0  # samples that gave their blocks back to be recomputed
+    most_running: int = 0  # samples decoded together at most
 
 
 class EmbeddedEngine:
@@ -109,7 +117,7 @@ class EmbeddedEngine:
         self.options = options or EngineOptions()
         self.runner = ModelRunner(model, self.options, tuning)
         self.scheduler = Scheduler(self.runner.cache, self.options.block_size, self.options.max_num_seqs,
-                                   self.options.max_prefill_tokens)
+                                   self.options.max_prefill_tokens, self.options.admission)
         graphs = self.runner.graphs
         self.planner = StepPlanner(self.options.block_size, self.options.fca, self.runner.heads, self.runner.device,
                                    tuning, bucket=graphs.bucket if graphs else None,
@@ -169,7 +177,7 @@ class EmbeddedEngine:
         seed = params.seed if params.seed is not None else self.seed + self.calls
         self.calls += 1
         generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        waiting = deque(PromptGroup(i, list(p)) for i, p in enumerate(prompts))
+        waiting = deque(PromptGroup(i, list(p), params.n) for i, p in enumerate(prompts))
         bar = tqdm(total=len(prompts) * params.n, unit="sample", desc="generate", leave=False,
                    disable=not (self.options.progress if self.options.progress is not None else sys.stderr.isatty()))
         try:
@@ -182,7 +190,7 @@ class EmbeddedEngine:
         finally:
             bar.close()
         return [GenerationOutput(i, s.tokens[len(p):], s.logprobs, self.policy_version)
-                for i, p in enumerate(prompts) for s in sorted(finished[i], key=lambda s: s.seq_id)]
+                for i, p in enumerate(prompts) for s in sorted(finished[i], key=lambda s: s.order)]
 
     def _warn_of_waves(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Say (once per engine, then in ``stats``) when a call's groups must run in waves: each wave
@@ -203,11 +211,14 @@ class EmbeddedEngine:
         queued: QueuedPrefill | None = None  # a prefill pass whose samples the host has not read yet
         finished: dict[int, list[Sequence]] = {}
         while waiting or running or prefilling or queued:
-            forking = len(queued.completed) * params.n if queued else 0
-            admitted = self.scheduler.admit(waiting, len(running) + len(prefilling) * params.n + forking, params)
+            forking = sum(g.samples for g in queued.completed) if queued else 0
+            admitted = self.scheduler.admit(waiting, len(running) + sum(g.samples for g in prefilling) + forking,
+                                            params)
             prefilling += admitted
             self.stats.prefix_hit_tokens += sum(g.cached for g in admitted)
             begin = time.perf_counter()
+            if running and (self.options.chunked_prefill or not (prefilling or queued)):
+                running = self._make_room(running, waiting)  # the step about to run decodes them
             if prefilling or queued:
                 # Whole prompts: pass k+1 is queued before the host reads pass k's samples, so the
                 # device goes from one pass to the next while the host forks them. Chunked passes
@@ -221,7 +232,7 @@ class EmbeddedEngine:
                     running += self._take_samples(queued, params, stops)
                     queued = None
                 self.stats.prefill_seconds += time.perf_counter() - begin
-            else:
+            elif running:
                 self._decode(running, params, generator, stops)
                 self.stats.decode_seconds += time.perf_counter() - begin
             for seq in [s for s in running if s.done]:
@@ -230,6 +241,21 @@ class EmbeddedEngine:
                 bar.update(1)
             running = [s for s in running if not s.done]
         return finished
+
+    def _make_room(self, running: list[Sequence], waiting: deque[PromptGroup]) -> list[Sequence]:
+        """The running sequences that keep going, with blocks for their next step: when they cannot
+        all have blocks for a block's worth of steps, the newest are preempted and wait first in
+        line to be recomputed (said once per engine in the log, then counted in ``stats``)."""
+        kept, resumed = self.scheduler.preempt(running, self.options.block_size)
+        if resumed:
+            if not self.stats.preempted:
+                log.warning("the KV cache ran out of blocks: %d running samples were preempted, to be recomputed "
+                            "when blocks free up (raise gpu_memory_utilization or kv_cache_tokens)", len(resumed))
+            self.stats.preempted += len(resumed)
+            self.stats.generated_tokens -= len(resumed)  # each one's last token is drawn again
+            waiting.extendleft(reversed(resumed))
+        self.scheduler.grow(kept, 1)  # cannot fail: preempt left them room for a block's worth of steps
+        return kept
 
     def _queue_prefill(self, prefilling: deque[PromptGroup], running: list[Sequence], params: SamplingParams,
                        generator: torch.Generator) -> QueuedPrefill:
@@ -246,8 +272,9 @@ class EmbeddedEngine:
         completed = [p.group for p in pieces if p.completes]
         if not (decoding or completed):  # a chunk inside a prompt: nothing to sample yet
             return QueuedPrefill(decoding, completed, None)
-        logits = torch.cat((logits[: len(decoding)], logits[len(decoding):].repeat_interleave(params.n, 0)))
-        rows = [s.tokens for s in decoding] + [g.prompt for g in completed for _ in range(params.n)]
+        samples = np.repeat(np.arange(len(completed)), [g.samples for g in completed])  # each prompt's row per sample
+        logits = torch.cat((logits[: len(decoding)], logits[len(decoding):][self.runner.on_device(samples)]))
+        rows = [s.tokens for s in decoding] + [g.prompt for g in completed for _ in range(g.samples)]
         tokens, logprobs = sample(logits, row_settings(params, rows, logits.shape[-1], self.runner.device), generator,
                                   triton=self.runner.triton)
         return QueuedPrefill(decoding, completed, TokensInFlight(tokens, logprobs))
@@ -263,9 +290,9 @@ class EmbeddedEngine:
         self._append(decoding, tokens[: len(decoding)], logprobs[: len(decoding)], stops)
         sequences, first = [], len(decoding)
         for group in queued.completed:
-            picked = slice(first, first + params.n)
+            picked = slice(first, first + group.samples)
             sequences += self.scheduler.fork(group, params, tokens[picked], logprobs[picked], stops)
-            first += params.n
+            first += group.samples
         self.stats.generated_tokens += len(sequences)
         return sequences
 
@@ -276,6 +303,7 @@ class EmbeddedEngine:
         reads each step's tokens before queueing the next)."""
         overlap = self.options.overlap_steps
         count, in_flight, row_params = len(running), deque(), None
+        self.stats.most_running = max(self.stats.most_running, count)
         ids: np.ndarray | torch.Tensor = np.array([s.tokens[-1] for s in running])
         step = self.planner.plan(running)
         while True:
@@ -288,7 +316,10 @@ class EmbeddedEngine:
             in_flight.append(TokensInFlight(tokens, logprobs))
             self.stats.decode_steps += 1
             self.stats.fca_steps += step.plan is not None
-            more = all(len(s.tokens) + len(in_flight) < s.max_len for s in running)  # unless a stop token ends one
+            # Unless a stop token ends one, or the cache cannot lend the next step's blocks (the
+            # caller then preempts).
+            more = all(len(s.tokens) + len(in_flight) < s.max_len for s in running)
+            more = more and self.scheduler.grow(running, len(in_flight) + 1)
             if more:
                 step = self.planner.plan(running, ahead=len(in_flight))
             # Read the older step while the newer one runs; everything once no step is queued behind it.

@@ -94,7 +94,7 @@ class ModelRunner:
             rows.append(piece.group.prompt[piece.start : piece.end])
             positions.append(pos)
             slots.append(all_slots[piece.start :])
-            context = self._on_device(all_slots) if piece.start else None
+            context = self.on_device(all_slots) if piece.start else None
             spans.append(PrefillSpan(start, start + pos.size, piece.start, context))
             start += pos.size
         logit_rows = [s.end - 1 for s, p in zip(spans, pieces, strict=True) if p.completes]
@@ -105,9 +105,9 @@ class ModelRunner:
             slots.insert(0, step.slots)
             logit_rows = list(range(ids.size)) + logit_rows
             decode = self._prepare_decode(step)
-        meta = StepMetadata(self.cache, self._on_device(np.concatenate(slots)), decode=decode, spans=tuple(spans))
+        meta = StepMetadata(self.cache, self.on_device(np.concatenate(slots)), decode=decode, spans=tuple(spans))
         return self.forward(np.concatenate([np.asarray(r) for r in rows]), np.concatenate(positions), meta,
-                            self._on_device(np.array(logit_rows)))
+                            self.on_device(np.array(logit_rows)))
 
     def decode(self, ids: np.ndarray | torch.Tensor, step: StepPlan) -> torch.Tensor:
         """One token for every running sequence of the step; the logits ``[rows, vocab]`` (rows: the
@@ -120,7 +120,7 @@ class ModelRunner:
             if logits is not None:
                 return logits
         # No graphs, or a step that does not fit them: eager, with this step's prepared attention.
-        meta = StepMetadata(self.cache, self._on_device(step.slots), decode=self._prepare_decode(step))
+        meta = StepMetadata(self.cache, self.on_device(step.slots), decode=self._prepare_decode(step))
         return self.forward(ids, step.positions, meta, None)
 
     def _prepare_decode(self, step: StepPlan) -> PreparedDecode:
@@ -133,10 +133,10 @@ class ModelRunner:
                 rows: torch.Tensor | None) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the packed step, at ``rows`` (all rows when None), in the model's
         dtype: the samplers read them in fp32 themselves, so no fp32 copy of the whole vocabulary is made."""
-        as_tensor = lambda a: a if isinstance(a, torch.Tensor) else self._on_device(a)
+        as_tensor = lambda a: a if isinstance(a, torch.Tensor) else self.on_device(a)
         return self.logits(as_tensor(ids), as_tensor(positions), meta, rows)
 
-    def _on_device(self, values: np.ndarray) -> torch.Tensor:
+    def on_device(self, values: np.ndarray) -> torch.Tensor:
         """Host integers as an int64 device tensor, without waiting for the work queued before (a
         blocking copy would: a prefill pass is queued while the one before still runs)."""
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device, non_blocking=True)

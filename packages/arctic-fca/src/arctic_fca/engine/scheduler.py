@@ -1,10 +1,16 @@
 """Admission and KV blocks: which prompt groups run next, the blocks they take, which of their
-prompt tokens each prefill step computes, and the fork of a prefilled prompt into its ``n`` samples.
+prompt tokens each prefill step computes, the fork of a prefilled prompt into its ``n`` samples, and
+(when the cache runs out) which samples give their blocks back.
 
-A group is admitted while its worst case fits: its prompt's blocks not already cached (the prefix
-index finds full blocks another prompt holds), plus ``n`` times the blocks for ``max_tokens``. The
-prompt's blocks are taken at admission and its samples' are held in reserve until the fork takes
-them, so a running sequence never waits for memory and nothing is ever preempted.
+Two ways to lend blocks (``admission``):
+- ``on_demand`` (vLLM's): a group is admitted when its prompt's blocks fit (those not already cached:
+  the prefix index finds full blocks another prompt holds) with its samples' first blocks and a
+  block of headroom per sample running; samples take blocks as they grow. When the running samples
+  cannot all grow, the newest give theirs back (preempted) and wait first in line: their prefill
+  recomputes their tokens so far (the prompt's blocks are usually still held by their siblings).
+  Rollouts that stop early run many more samples at once than their max_tokens would allow.
+- ``worst_case``: a group is admitted only when its samples' whole max_tokens fit too; those blocks
+  are held in reserve until the fork takes them, so nothing is ever preempted.
 
 Admitted prompts are computed first in, first out, ``max_prefill_tokens`` per step: a prompt whose
 blocks another admitted prompt shares is therefore never computed before them.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Literal
 
 from arctic_core.config import SamplingParams
 from arctic_core.errors import RequestError
@@ -22,9 +29,13 @@ from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.engine.sequence import PrefillPiece, PromptGroup, Sequence
 
 
+Admission = Literal["on_demand", "worst_case"]
+
+
 class Scheduler:
-    def __init__(self, cache: PagedKVCache, block_size: int, max_num_seqs: int, max_prefill_tokens: int) -> None:
-        self.cache, self.block_size = cache, block_size
+    def __init__(self, cache: PagedKVCache, block_size: int, max_num_seqs: int, max_prefill_tokens: int,
+                 admission: Admission = "on_demand") -> None:
+        self.cache, self.block_size, self.admission = cache, block_size, admission
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.pool = BlockPool(cache.num_blocks)
         self.reserved = 0  # free blocks promised to the samples of admitted groups not yet forked
@@ -38,32 +49,40 @@ class Scheduler:
         if params.n > self.max_num_seqs:
             raise RequestError(f"n={params.n} exceeds the engine's max_num_seqs={self.max_num_seqs}")
         for i, prompt in enumerate(prompts):
-            needed = self.group_blocks(len(prompt), 0, params)
+            needed = self.worst_case_blocks(len(prompt), params.n, params.max_tokens)
             if needed > self.pool.capacity:
-                raise RequestError(f"prompts[{i}] with n={params.n} and max_tokens={params.max_tokens} needs {needed} KV "
-                                   f"blocks; the cache has {self.pool.capacity} (raise kv_cache_tokens)")
+                raise RequestError(f"prompts[{i}] with n={params.n} and max_tokens={params.max_tokens} needs {needed} "
+                                   f"KV blocks; the cache has {self.pool.capacity} (raise kv_cache_tokens)")
 
     def shortfall(self, prompts: list[list[int]], params: SamplingParams) -> str | None:
         """Why the request's groups cannot all run at once (they then run in waves, each decoding to
         its end: a rollout that takes several times its steps), or None. Worst case: no prompt
-        blocks found cached."""
-        seqs, blocks = len(prompts) * params.n, sum(self.group_blocks(len(p), 0, params) for p in prompts)
+        blocks found cached. (With blocks lent on demand, a cache too small shows as preemption.)"""
+        seqs = len(prompts) * params.n
         if seqs > self.max_num_seqs:
             return f"{seqs} samples exceed max_num_seqs={self.max_num_seqs}"
-        if blocks > self.pool.capacity:
+        blocks = sum(self.worst_case_blocks(len(p), params.n, params.max_tokens) for p in prompts)
+        if self.admission == "worst_case" and blocks > self.pool.capacity:
             bs = self.block_size
             return (f"they need {blocks * bs} KV cache tokens and the cache holds {self.pool.capacity * bs} "
                     "(raise gpu_memory_utilization or kv_cache_tokens)")
         return None
 
-    def own_blocks(self, prompt_len: int, params: SamplingParams) -> int:
-        """Blocks one sample writes beyond the prompt's full blocks (the last sampled token is never cached)."""
+    def own_blocks(self, prompt_len: int, new_tokens: int) -> int:
+        """Blocks one sample writes beyond the prompt's full blocks for ``new_tokens`` tokens (the last
+        sampled token is never cached)."""
         bs = self.block_size
-        return math.ceil((prompt_len + params.max_tokens - 1) / bs) - prompt_len // bs
+        return math.ceil((prompt_len + new_tokens - 1) / bs) - prompt_len // bs
 
-    def group_blocks(self, prompt_len: int, cached_blocks: int, params: SamplingParams) -> int:
-        prompt_blocks = math.ceil(prompt_len / self.block_size) - cached_blocks
-        return prompt_blocks + params.n * self.own_blocks(prompt_len, params)
+    def worst_case_blocks(self, prompt_len: int, samples: int, new_tokens: int) -> int:
+        """A group's blocks, nothing found cached, every sample drawing ``new_tokens``."""
+        return math.ceil(prompt_len / self.block_size) + samples * self.own_blocks(prompt_len, new_tokens)
+
+    def fork_blocks(self, group: PromptGroup, params: SamplingParams) -> int:
+        """Blocks each sample of ``group`` takes at its fork: for all its tokens, or (on demand) for
+        its first decode step's."""
+        left = group.new_tokens(params)
+        return self.own_blocks(len(group.prompt), left if self.admission == "worst_case" else min(left, 2))
 
     def admit(self, waiting: deque[PromptGroup], num_running: int, params: SamplingParams) -> list[PromptGroup]:
         """Take groups off ``waiting`` while their samples and blocks fit (``num_running``: samples
@@ -72,28 +91,76 @@ class Scheduler:
         bs = self.block_size
         while waiting:
             group = waiting[0]
-            if num_running + (len(admitted) + 1) * params.n > self.max_num_seqs:
+            if num_running + group.samples > self.max_num_seqs:
                 break
             hashes = block_hashes(group.prompt, bs)
-            shared = []
-            for digest in hashes:
-                block = self.pool.cached(digest)
-                if block is None:
-                    break
-                shared.append(block)
-            if len(shared) * bs >= len(group.prompt):
-                shared.pop()  # keep the last prompt token to compute: its logits start the samples
-            if self.group_blocks(len(group.prompt), len(shared), params) > self.pool.num_free - self.reserved:
+            shared = self._cached_prefix(hashes, len(group.prompt))
+            if self._blocks_to_admit(group, len(shared), num_running, params) > self.pool.num_free - self.reserved:
                 break
-            self.reserved += params.n * self.own_blocks(len(group.prompt), params)
+            self.reserved += group.samples * self.fork_blocks(group, params)
             self.pool.share(shared)
             fresh = self.pool.allocate(math.ceil(len(group.prompt) / bs) - len(shared))
             for digest, block in zip(hashes[len(shared):], fresh, strict=False):
                 self.pool.register(block, digest)
             group.blocks, group.cached = shared + fresh, len(shared) * bs
             group.prefilled = group.cached
+            num_running += group.samples
             admitted.append(waiting.popleft())
         return admitted
+
+    def _cached_prefix(self, hashes: list[int], prompt_len: int) -> list[int]:
+        """The live blocks holding the prompt's leading full blocks (never its last token: its logits
+        start the samples)."""
+        shared = []
+        for digest in hashes:
+            block = self.pool.cached(digest)
+            if block is None:
+                break
+            shared.append(block)
+        if len(shared) * self.block_size >= prompt_len:
+            shared.pop()
+        return shared
+
+    def _blocks_to_admit(self, group: PromptGroup, cached_blocks: int, num_running: int,
+                         params: SamplingParams) -> int:
+        """Free blocks the group needs to be admitted. On demand: its prompt's and its samples' first,
+        and a block of headroom for every sample running and its own (so that admitting does not at
+        once preempt), yet never more than its worst case (a group alone always runs)."""
+        prompt_len = len(group.prompt)
+        prompt_blocks = math.ceil(prompt_len / self.block_size) - cached_blocks
+        worst = prompt_blocks + group.samples * self.own_blocks(prompt_len, group.new_tokens(params))
+        if self.admission == "worst_case":
+            return worst
+        first = prompt_blocks + group.samples * self.fork_blocks(group, params)
+        return min(worst, first + num_running + group.samples)
+
+    def missing_blocks(self, sequence: Sequence, steps: int) -> int:
+        """Blocks the sequence lacks to write its K/V in its next ``steps`` decode steps."""
+        last = min(len(sequence.tokens) - 2 + steps, sequence.max_len - 2)
+        return max(0, last // self.block_size + 1 - len(sequence.blocks))
+
+    def grow(self, running: list[Sequence], steps: int) -> bool:
+        """Give every running sequence the blocks for its next ``steps`` decode steps (nothing to do
+        when its worst case was reserved); False when the pool runs out first."""
+        for sequence in running:
+            missing = self.missing_blocks(sequence, steps)
+            if missing > self.pool.num_free - self.reserved:
+                return False
+            sequence.blocks += self.pool.allocate(missing)
+        return True
+
+    def preempt(self, running: list[Sequence], steps: int) -> tuple[list[Sequence], list[PromptGroup]]:
+        """The newest sequences give their blocks back until the others have blocks for ``steps``
+        decode steps: (those kept, each preempted one as a group of one that recomputes it, oldest first)."""
+        kept, groups = list(running), []
+        missing = [self.missing_blocks(s, steps) for s in kept]
+        while kept and sum(missing) > self.pool.num_free - self.reserved:
+            sequence = kept.pop()
+            missing.pop()
+            self.pool.release(sequence.blocks)
+            sequence.preempt()
+            groups.insert(0, PromptGroup(sequence.prompt_index, list(sequence.tokens), 1, resumes=sequence))
+        return kept, groups
 
     def next_prefill(self, prefilling: deque[PromptGroup], split: bool) -> list[PrefillPiece]:
         """The prompt tokens of the next prefill step, ``max_prefill_tokens`` at most (at least one
@@ -115,18 +182,21 @@ class Scheduler:
 
     def fork(self, group: PromptGroup, params: SamplingParams, first_tokens: list[int], first_logprobs: list[float],
              stops: set[int]) -> list[Sequence]:
-        """The n samples share the prompt's full blocks; each gets its own copy of a partly filled last block."""
+        """The samples share the prompt's full blocks; each gets its own copy of a partly filled last block."""
         bs = self.block_size
         full = group.blocks[: len(group.prompt) // bs]
         partial = group.blocks[len(full):]
+        own_count = self.fork_blocks(group, params)
         sequences, copies = [], []
-        self.reserved -= len(first_tokens) * self.own_blocks(len(group.prompt), params)
+        self.reserved -= len(first_tokens) * own_count
         for token, logprob in zip(first_tokens, first_logprobs, strict=True):
-            own = self.pool.allocate(self.own_blocks(len(group.prompt), params))
+            own = self.pool.allocate(own_count)
             self.pool.share(full)
             if partial and own:
                 copies.append(own[0])
-            sequence = Sequence(group.prompt_index, list(group.prompt), len(group.prompt) + params.max_tokens, full + own)
+            sequence = group.resumes or Sequence(group.prompt_index, list(group.prompt),
+                                                 len(group.prompt) + params.max_tokens, [])
+            sequence.blocks = full + own
             sequence.append(token, logprob, stops)
             sequences.append(sequence)
         # One copy for all samples (a launch per layer, not per layer and sample).

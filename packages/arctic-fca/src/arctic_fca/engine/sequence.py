@@ -1,10 +1,13 @@
 """What the engine tracks per request: a prompt group waiting or being prefilled, a running sample,
-and a finished sample as the engine returns it."""
+and a finished sample as the engine returns it. A preempted sample waits as a group of one whose
+prompt is its tokens so far: its prefill recomputes its K/V and draws its next token."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+
+from arctic_core.config import SamplingParams
 
 _sequence_ids = itertools.count()
 
@@ -21,13 +24,19 @@ class GenerationOutput:
 
 @dataclass
 class PromptGroup:
-    """A prompt and its ``n`` samples-to-be, until its prefill forks them."""
+    """A prompt and its samples-to-be, until its prefill forks them."""
 
     prompt_index: int
     prompt: list[int]
+    samples: int  # the request's n, or 1 for a preempted sample
+    resumes: Sequence | None = None  # the preempted sample this group continues
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks, while it is prefilled
     cached: int = 0  # prompt tokens whose K/V another prompt already holds
     prefilled: int = 0  # prompt tokens whose K/V are in the cache (cached ones included)
+
+    def new_tokens(self, params: SamplingParams) -> int:
+        """Tokens each sample may still draw."""
+        return self.resumes.max_len - len(self.prompt) if self.resumes else params.max_tokens
 
 
 @dataclass(frozen=True)
@@ -46,8 +55,8 @@ class PrefillPiece:
 
 @dataclass
 class Sequence:
-    """One sample being decoded: prompt + tokens so far, and the KV blocks it reads (its blocks
-    are fixed at admission, so a running sequence never waits for memory)."""
+    """One sample being decoded: prompt + tokens so far, and the KV blocks it reads (all of them
+    from the fork when the scheduler reserves max_tokens, else taken as it grows)."""
 
     prompt_index: int
     tokens: list[int]
@@ -55,7 +64,15 @@ class Sequence:
     blocks: list[int]
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
-    seq_id: int = field(default_factory=lambda: next(_sequence_ids))
+    seq_id: int = field(default_factory=lambda: next(_sequence_ids))  # new when resumed: its blocks are new
+    order: int = field(default_factory=lambda: next(_sequence_ids))  # the sample's place among its prompt's
+
+    def preempt(self) -> None:
+        """Its blocks are gone: the last token (whose K/V were never written) is drawn again after
+        the recompute."""
+        del self.tokens[-1], self.logprobs[-1]
+        self.blocks = []
+        self.seq_id = next(_sequence_ids)
 
     def append(self, token: int, logprob: float, stops: set[int]) -> None:
         """A new token; the sequence is done after a stop token or at its length limit."""

@@ -2,8 +2,7 @@
 
 None of it needs the step's sampled tokens, only which sequences run and how long they are, so the
 engine plans step t+1 while the GPU runs step t. What changes rarely is kept: the block tables
-until a sequence joins or leaves (its blocks are fixed at admission), the FCA tree until some
-sequence fills a block.
+until a sequence joins, leaves or takes a block, the FCA tree until some sequence fills a block.
 """
 
 from __future__ import annotations
@@ -25,19 +24,19 @@ from arctic_fca.fca.work import DecodeWork, build_work, device_sms
 class DecodeLayout:
     """The running batch's block tables and, lazily, its FCA tree."""
 
-    key: tuple[int, ...]  # (rows, sequence ids)
+    key: tuple[int, ...]  # StepPlanner.batch_key
     tables: torch.Tensor
     plan: FCAPlan | None = None
     plan_full_blocks: np.ndarray | None = None
 
     @classmethod
-    def of(cls, running: list[Sequence], rows: int, width: int | None) -> DecodeLayout:
-        """Tables of ``rows`` rows (past the running sequences: padding on the scratch block 0)."""
+    def of(cls, running: list[Sequence], key: tuple[int, ...], width: int | None) -> DecodeLayout:
+        """Tables of ``key[0]`` rows (past the running sequences: padding on the scratch block 0)."""
         width = width or max(len(s.blocks) for s in running)
-        tables = np.zeros((rows, width), dtype=np.int32)
+        tables = np.zeros((key[0], width), dtype=np.int32)
         for row, seq in enumerate(running):
             tables[row, : len(seq.blocks)] = seq.blocks
-        return cls((rows, *(s.seq_id for s in running)), torch.from_numpy(tables))
+        return cls(key, torch.from_numpy(tables))
 
     def tree(self, seq_lens: torch.Tensor, block_size: int) -> FCAPlan:
         full = (seq_lens // block_size).numpy()
@@ -71,8 +70,9 @@ class StepPlanner:
         self.layout = None
 
     def batch_key(self, running: list[Sequence]) -> tuple[int, ...]:
-        """(rows, sequence ids): rows is the CUDA-graph bucket the batch is padded to."""
-        return (self.bucket(len(running)), *(s.seq_id for s in running))
+        """(rows, sequence ids, their block counts): rows is the CUDA-graph bucket the batch is padded
+        to; a sequence's blocks only grow until it leaves (a resumed one has a new id)."""
+        return (self.bucket(len(running)), *(s.seq_id for s in running), *(len(s.blocks) for s in running))
 
     def plan(self, running: list[Sequence], ahead: int = 0) -> StepPlan:
         """The step for the running sequences ``ahead`` tokens from now."""
@@ -81,7 +81,7 @@ class StepPlanner:
         key = self.batch_key(running)
         rows = key[0]
         if self.layout is None or self.layout.key != key:
-            self.layout = DecodeLayout.of(running, rows, self.table_width)
+            self.layout = DecodeLayout.of(running, key, self.table_width)
         tables = self.layout.tables
         positions = np.zeros(rows, dtype=np.int64)  # padding rows: position 0 of the scratch block
         positions[: len(running)] = [len(s.tokens) - 1 + ahead for s in running]
