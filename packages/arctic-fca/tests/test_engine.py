@@ -6,6 +6,7 @@ import copy
 import json
 import logging
 import os
+import random
 import re
 import subprocess
 import sys
@@ -69,6 +70,20 @@ def test_a_group_prefills_its_prompt_once_and_shared_prefixes_are_reused(tokeniz
     for out in outputs:
         assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 10)
     assert engine.pool.num_free == engine.pool.capacity  # every block came back
+
+
+def test_identical_prompts_in_one_call_share_their_blocks(tokenizer):
+    # Whole blocks only (32 tokens): the second copy finds the whole prompt cached and recomputes
+    # its last block, whose logits start its samples, into a block of its own.
+    engine, reference = make_engine(tokenizer)
+    prompt = random_prompts((32,), len(tokenizer), seed=1)[0]
+    outputs = engine.generate([prompt, prompt, prompt], SamplingParams(n=2, temperature=0, max_tokens=6,
+                                                                       ignore_eos=True))
+    assert all(o.tokens == hf_greedy(reference, prompt, 6) for o in outputs) and len(outputs) == 6
+    assert engine.stats.prefix_hit_tokens == 2 * 16 and engine.stats.prefill_tokens == 32 + 2 * 16
+    assert engine.pool.num_free == engine.pool.capacity
+    engine.generate([prompt], SamplingParams(max_tokens=2))  # the index let go of every block
+    assert engine.stats.prefix_hit_tokens == 2 * 16
 
 
 @pytest.mark.parametrize("max_num_seqs, waves", [(4, 3), (64, 2)])
@@ -136,6 +151,36 @@ def test_samples_take_blocks_as_they_grow_and_the_newest_are_preempted_when_the_
     assert re.fullmatch(r"the KV cache ran out of blocks: \d+ running samples were preempted, to be recomputed "
                         r"when blocks free up \(raise gpu_memory_utilization or kv_cache_tokens\)",
                         caplog.records[0].getMessage())
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_random_rollouts_in_a_tight_cache_equal_those_in_a_roomy_one(tokenizer, trial):
+    # Prompt lengths around block boundaries, 1 to 4 samples, 1 to 33 new tokens, a shared system
+    # prompt or none, stop tokens or none, in a cache barely holding one group's worst case (so
+    # groups queue and samples are preempted): greedy tokens equal a roomy cache's, sampled
+    # log-probs are the model's, and every block comes back.
+    rng = random.Random(trial)
+    n, max_tokens = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 15, 17, 33, 33])
+    prompts = random_prompts([rng.choice([1, 15, 16, 17, 31, 32, 40]) for _ in range(rng.randint(3, 6))],
+                             len(tokenizer), seed=trial)
+    if rng.random() < 0.5:
+        prompts = [random_prompts((32,), len(tokenizer), seed=1000 + trial)[0] + p for p in prompts]
+    stops = list(range(3, 23)) if rng.random() < 0.5 else []
+    options = dict(max_num_seqs=rng.choice([4, 64]), chunked_prefill=rng.random() < 0.3,
+                   max_prefill_tokens=rng.choice([16, 48, 4096]), fca=rng.choice(["fca", "plain"]),
+                   fused_decoder=rng.random() < 0.7, overlap_steps=rng.random() < 0.8)
+    roomy, reference = make_engine(tokenizer, **options)
+    worst = max(roomy.scheduler.worst_case_blocks(len(p), n, max_tokens) for p in prompts)
+    tight, _ = make_engine(tokenizer, kv_cache_tokens=(worst + 1 + rng.randint(0, 2)) * 16,
+                           admission="worst_case" if trial % 4 == 3 else "on_demand", **options)
+    greedy = SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stops)
+    assert [(o.prompt_index, o.tokens) for o in tight.generate(prompts, greedy)] == \
+        [(o.prompt_index, o.tokens) for o in roomy.generate(prompts, greedy)]
+    sampled = greedy.model_copy(update={"temperature": 1.0, "seed": trial})
+    for out in tight.generate(prompts, sampled):
+        expected = teacher_forced_logprobs(reference, prompts[out.prompt_index], out.tokens, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-5, rtol=0)
+    assert tight.pool.num_free == tight.pool.capacity and tight.scheduler.reserved == 0
 
 
 def test_samples_that_stop_early_run_more_at_once_when_blocks_are_lent_on_demand(tokenizer):

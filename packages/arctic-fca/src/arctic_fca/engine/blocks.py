@@ -62,6 +62,10 @@ class BlockPool:
         return self._block_of.get(digest)
 
     def register(self, block: int, digest: int) -> None:
+        """Index ``block`` under ``digest``, unless a live block already holds that prefix (a prompt
+        found whole in the cache recomputes its last block into a block of its own)."""
+        if digest in self._block_of:
+            return
         self._hash_of[block] = digest
         self._block_of[digest] = block
 
