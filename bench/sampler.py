@@ -52,6 +52,7 @@ def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[l
 def run_engine(engine: EmbeddedEngine, mode: str, prompts, params: SamplingParams) -> dict:
     engine.planner.mode = mode  # the cost model's choice per step, or FCA / plain throughout
     engine.stats.most_running = 0  # this rollout's
+    engine.pool.clear_index()  # nothing found from an earlier rollout, as after an RL step's weight update
     before = dataclasses.replace(engine.stats)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()

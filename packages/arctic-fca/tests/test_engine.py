@@ -82,8 +82,32 @@ def test_identical_prompts_in_one_call_share_their_blocks(tokenizer):
     assert all(o.tokens == hf_greedy(reference, prompt, 6) for o in outputs) and len(outputs) == 6
     assert engine.stats.prefix_hit_tokens == 2 * 16 and engine.stats.prefill_tokens == 32 + 2 * 16
     assert engine.pool.num_free == engine.pool.capacity
-    engine.generate([prompt], SamplingParams(max_tokens=2))  # the index let go of every block
-    assert engine.stats.prefix_hit_tokens == 2 * 16
+
+
+def test_finished_samples_leave_their_blocks_findable_for_the_next_turn(tokenizer):
+    # A multi-turn rollout sends the conversation so far as the next prompt: its blocks from the
+    # turn before (prompt and answer, but the answer's last token, whose K/V were never written)
+    # are found in the cache until their memory is needed or the weights change.
+    engine, reference = make_engine(tokenizer)
+    prompt = random_prompts((20,), len(tokenizer), seed=3)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    (answer,) = engine.generate([prompt], greedy)
+    turn = prompt + answer.tokens + random_prompts((7,), len(tokenizer), seed=4)[0]
+    hits = engine.stats.prefix_hit_tokens
+    (out,) = engine.generate([turn], greedy)
+    assert engine.stats.prefix_hit_tokens - hits == (20 + 30 - 1) // 16 * 16
+    assert out.tokens == hf_greedy(reference, turn, 30)
+    engine.update_weights(reference.state_dict().items(), version=1)  # stale K/V: nothing found
+    hits = engine.stats.prefix_hit_tokens
+    engine.generate([turn], greedy)
+    assert engine.stats.prefix_hit_tokens == hits and engine.pool.num_free == engine.pool.capacity
+    # A cache of 8 blocks: every call takes blocks that earlier ones left findable.
+    small, reference = make_engine(tokenizer, kv_cache_tokens=9 * 16)
+    prompts = random_prompts((40, 33, 47, 20, 40), len(tokenizer), seed=5)
+    for prompt in prompts + prompts[::-1]:
+        (out,) = small.generate([prompt], greedy)
+        assert out.tokens == hf_greedy(reference, prompt, 30)
+        assert small.pool.num_free == small.pool.capacity
 
 
 @pytest.mark.parametrize("max_num_seqs, waves", [(4, 3), (64, 2)])
@@ -132,6 +156,7 @@ def test_samples_take_blocks_as_they_grow_and_the_newest_are_preempted_when_the_
         assert out.tokens == hf_greedy(reference, prompts[out.prompt_index], 20)
     preempted = engine.stats.preempted
     assert preempted >= 2 and engine.stats.calls_in_waves == 0
+    assert engine.stats.prefix_hit_tokens > 0  # resumed samples found blocks they left
     assert engine.stats.generated_tokens == 10 * 20  # a preempted sample's dropped token is not counted twice
     assert engine.pool.num_free == engine.pool.capacity and engine.scheduler.reserved == 0
     params = SamplingParams(n=3, temperature=1.0, max_tokens=24, ignore_eos=True, seed=7)
@@ -153,7 +178,7 @@ def test_samples_take_blocks_as_they_grow_and_the_newest_are_preempted_when_the_
                         caplog.records[0].getMessage())
 
 
-@pytest.mark.parametrize("trial", range(12))
+@pytest.mark.parametrize("trial", range(32))
 def test_random_rollouts_in_a_tight_cache_equal_those_in_a_roomy_one(tokenizer, trial):
     # Prompt lengths around block boundaries, 1 to 4 samples, 1 to 33 new tokens, a shared system
     # prompt or none, stop tokens or none, in a cache barely holding one group's worst case (so

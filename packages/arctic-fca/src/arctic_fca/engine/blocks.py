@@ -2,12 +2,15 @@
 
 Blocks are shared by reference: the n samples of a prompt point at the prompt's full blocks, and
 prompts that begin alike (a shared system prompt) share the blocks of their common full-block
-prefix, found by chained content hashes. A block returns to the free list when its last user
-lets go, and leaves the prefix index with it (the index never holds a block alive by itself).
+prefix, found by chained content hashes. A block whose last user lets go stays in the index, its
+K/V intact, until the free list runs dry and it is taken for new work, least recently released
+first (vLLM's prefix caching): a later prompt that begins alike (the next turn of a conversation,
+a preempted sample resuming) finds it there. Such idle blocks count as free.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 
@@ -27,6 +30,7 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # indexed blocks no one uses, least recently released first
 
     @property
     def capacity(self) -> int:
@@ -34,43 +38,56 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._idle)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfBlocks(f"need {count} KV blocks, {len(self._free)} free of {self.capacity}")
-        blocks = [self._free.pop() for _ in range(count)]
+        if count > self.num_free:
+            raise OutOfBlocks(f"need {count} KV blocks, {self.num_free} free of {self.capacity}")
+        blocks = [self._free.pop() if self._free else self._evict() for _ in range(count)]
         for b in blocks:
             self._refs[b] = 1
         return blocks
 
+    def _evict(self) -> int:
+        block, _ = self._idle.popitem(last=False)
+        del self._block_of[self._hash_of.pop(block)]
+        return block
+
     def share(self, blocks: Sequence[int]) -> None:
         for b in blocks:
+            if self._refs[b] == 0:  # found in the index after its last user let go
+                del self._idle[b]
             self._refs[b] += 1
+
+    def idle(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` no one uses (counted free until shared)."""
+        return sum(self._refs[b] == 0 for b in blocks)
 
     def release(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
-                digest = self._hash_of.pop(b, None)
-                if digest is not None:
-                    del self._block_of[digest]
+                if b in self._hash_of:
+                    self._idle[b] = None
+                else:
+                    self._free.append(b)
 
     def cached(self, digest: int) -> int | None:
-        """The live block holding the full-block prefix with this chained hash, if any."""
+        """The block holding the full-block prefix with this chained hash, if any (in use or idle)."""
         return self._block_of.get(digest)
 
     def register(self, block: int, digest: int) -> None:
-        """Index ``block`` under ``digest``, unless a live block already holds that prefix (a prompt
-        found whole in the cache recomputes its last block into a block of its own)."""
-        if digest in self._block_of:
+        """Index ``block`` under ``digest``, unless a block already holds that prefix (a prompt found
+        whole in the cache recomputes its last block into a block of its own; samples alike)."""
+        if digest in self._block_of or block in self._hash_of:
             return
         self._hash_of[block] = digest
         self._block_of[digest] = block
 
     def clear_index(self) -> None:
         """Forget every cached prefix (after a weight update their K/V are stale)."""
+        self._free.extend(reversed(self._idle))
+        self._idle.clear()
         self._hash_of.clear()
         self._block_of.clear()
 

@@ -95,7 +95,8 @@ class Scheduler:
                 break
             hashes = block_hashes(group.prompt, bs)
             shared = self._cached_prefix(hashes, len(group.prompt))
-            if self._blocks_to_admit(group, len(shared), num_running, params) > self.pool.num_free - self.reserved:
+            needed = self._blocks_to_admit(group, len(shared), num_running, params) + self.pool.idle(shared)
+            if needed > self.pool.num_free - self.reserved:  # idle blocks found cached count as free until shared
                 break
             self.reserved += group.samples * self.fork_blocks(group, params)
             self.pool.share(shared)
@@ -157,7 +158,7 @@ class Scheduler:
         while kept and sum(missing) > self.pool.num_free - self.reserved:
             sequence = kept.pop()
             missing.pop()
-            self.pool.release(sequence.blocks)
+            self.finish(sequence)  # its blocks stay findable: the resumed sample may find them again
             sequence.preempt()
             groups.insert(0, PromptGroup(sequence.prompt_index, list(sequence.tokens), 1, resumes=sequence))
         return kept, groups
@@ -205,4 +206,9 @@ class Scheduler:
         return sequences
 
     def finish(self, sequence: Sequence) -> None:
+        """Its blocks back; those its tokens fill stay findable by a later prompt that begins alike
+        (the next turn of a conversation), except past the last token, whose K/V were never written."""
+        written = sequence.tokens[: len(sequence.tokens) - 1]
+        for block, digest in zip(sequence.blocks, block_hashes(written, self.block_size), strict=False):
+            self.pool.register(block, digest)
         self.pool.release(sequence.blocks)
