@@ -97,10 +97,17 @@ def test_finished_samples_leave_their_blocks_findable_for_the_next_turn(tokenize
     (out,) = engine.generate([turn], greedy)
     assert engine.stats.prefix_hit_tokens - hits == (20 + 30 - 1) // 16 * 16
     assert out.tokens == hf_greedy(reference, turn, 30)
-    engine.update_weights(reference.state_dict().items(), version=1)  # stale K/V: nothing found
-    hits = engine.stats.prefix_hit_tokens
-    engine.generate([turn], greedy)
-    assert engine.stats.prefix_hit_tokens == hits and engine.pool.num_free == engine.pool.capacity
+    # A weight update, even one that fails halfway, forgets every cached prefix (their K/V are stale).
+    def nothing_found():
+        hits = engine.stats.prefix_hit_tokens
+        engine.generate([turn], greedy)
+        return engine.stats.prefix_hit_tokens == hits and engine.pool.num_free == engine.pool.capacity
+
+    with pytest.raises(RequestError, match="model.nope"):
+        engine.update_weights([("model.nope", torch.zeros(1))], version=1)
+    assert nothing_found()
+    engine.update_weights(reference.state_dict().items(), version=1)
+    assert nothing_found()
     # A cache of 8 blocks: every call takes blocks that earlier ones left findable.
     small, reference = make_engine(tokenizer, kv_cache_tokens=9 * 16)
     prompts = random_prompts((40, 33, 47, 20, 40), len(tokenizer), seed=5)

@@ -146,8 +146,8 @@ class EmbeddedEngine:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def update_weights(self, weights, version: int) -> None:
+        self.pool.clear_index()  # cached prefixes hold K/V of the old weights (first: a load may fail halfway)
         self.runner.load_weights(weights)
-        self.pool.clear_index()  # cached prefixes hold K/V of the old weights
         self.policy_version = version
 
     def sleep(self) -> None:
