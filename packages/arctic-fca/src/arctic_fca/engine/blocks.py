@@ -92,10 +92,11 @@ class BlockPool:
         self._block_of.clear()
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of ``tokens``: equal hashes mean equal whole prefixes."""
-    digests, previous = [], 0
-    for start in range(0, len(tokens) - block_size + 1, block_size):
+def block_hashes(tokens: Sequence[int], block_size: int, known: Sequence[int] = ()) -> list[int]:
+    """Chained hashes of the full blocks of ``tokens``: equal hashes mean equal whole prefixes.
+    ``known``: the hashes of its first blocks, already computed (the chain goes on from them)."""
+    digests, previous = list(known), known[-1] if known else 0
+    for start in range(len(known) * block_size, len(tokens) - block_size + 1, block_size):
         previous = hash((previous, tuple(tokens[start : start + block_size])))
         digests.append(previous)
     return digests

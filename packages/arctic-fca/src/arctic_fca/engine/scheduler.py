@@ -93,7 +93,9 @@ class Scheduler:
             group = waiting[0]
             if num_running + group.samples > self.max_num_seqs:
                 break
-            hashes = block_hashes(group.prompt, bs)
+            if group.digests is None:  # once per group, however long it waits
+                group.digests = block_hashes(group.prompt, bs, group.resumes.digests if group.resumes else ())
+            hashes = group.digests
             shared = self._cached_prefix(hashes, len(group.prompt))
             needed = self._blocks_to_admit(group, len(shared), num_running, params) + self.pool.idle(shared)
             if needed > self.pool.num_free - self.reserved:  # idle blocks found cached count as free until shared
@@ -127,11 +129,10 @@ class Scheduler:
         """Free blocks the group needs to be admitted. On demand: its prompt's and its samples' first,
         and a block of headroom for every sample running and its own (so that admitting does not at
         once preempt), yet never more than its worst case (a group alone always runs)."""
-        prompt_len = len(group.prompt)
-        prompt_blocks = math.ceil(prompt_len / self.block_size) - cached_blocks
-        worst = prompt_blocks + group.samples * self.own_blocks(prompt_len, group.new_tokens(params))
+        worst = self.worst_case_blocks(len(group.prompt), group.samples, group.new_tokens(params)) - cached_blocks
         if self.admission == "worst_case":
             return worst
+        prompt_blocks = math.ceil(len(group.prompt) / self.block_size) - cached_blocks
         first = prompt_blocks + group.samples * self.fork_blocks(group, params)
         return min(worst, first + num_running + group.samples)
 
@@ -197,7 +198,7 @@ class Scheduler:
                 copies.append(own[0])
             sequence = group.resumes or Sequence(group.prompt_index, list(group.prompt),
                                                  len(group.prompt) + params.max_tokens, [])
-            sequence.blocks = full + own
+            sequence.blocks, sequence.digests = full + own, group.digests
             sequence.append(token, logprob, stops)
             sequences.append(sequence)
         # One copy for all samples (a launch per layer, not per layer and sample).
@@ -209,6 +210,7 @@ class Scheduler:
         """Its blocks back; those its tokens fill stay findable by a later prompt that begins alike
         (the next turn of a conversation), except past the last token, whose K/V were never written."""
         written = sequence.tokens[: len(sequence.tokens) - 1]
-        for block, digest in zip(sequence.blocks, block_hashes(written, self.block_size), strict=False):
+        sequence.digests = block_hashes(written, self.block_size, sequence.digests)  # past its prompt's
+        for block, digest in zip(sequence.blocks, sequence.digests, strict=False):
             self.pool.register(block, digest)
         self.pool.release(sequence.blocks)

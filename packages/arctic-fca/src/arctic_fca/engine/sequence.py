@@ -33,6 +33,7 @@ class PromptGroup:
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks, while it is prefilled
     cached: int = 0  # prompt tokens whose K/V another prompt already holds
     prefilled: int = 0  # prompt tokens whose K/V are in the cache (cached ones included)
+    digests: list[int] | None = None  # chained hashes of the prompt's full blocks, once computed
 
     def new_tokens(self, params: SamplingParams) -> int:
         """Tokens each sample may still draw."""
@@ -63,6 +64,7 @@ class Sequence:
     max_len: int
     blocks: list[int]
     logprobs: list[float] = field(default_factory=list)
+    digests: list[int] = field(default_factory=list)  # chained hashes of its first full blocks, as far as known
     done: bool = False
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))  # new when resumed: its blocks are new
     order: int = field(default_factory=lambda: next(_sequence_ids))  # the sample's place among its prompt's
