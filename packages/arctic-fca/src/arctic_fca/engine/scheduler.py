@@ -126,15 +126,17 @@ class Scheduler:
 
     def _blocks_to_admit(self, group: PromptGroup, cached_blocks: int, num_running: int,
                          params: SamplingParams) -> int:
-        """Free blocks the group needs to be admitted. On demand: its prompt's and its samples' first,
-        and a block of headroom for every sample running and its own (so that admitting does not at
-        once preempt), yet never more than its worst case (a group alone always runs)."""
+        """Free blocks the group needs to be admitted. On demand: its prompt's and its samples' first
+        with a block of headroom each (never more than its worst case: a group alone always runs), and
+        a block of headroom for every sample running. That headroom is never waived: a small group (a
+        preempted sample resuming) let in without it would soon preempt again, the same few samples
+        recomputed over and over while the cache is tight."""
         worst = self.worst_case_blocks(len(group.prompt), group.samples, group.new_tokens(params)) - cached_blocks
         if self.admission == "worst_case":
             return worst
         prompt_blocks = math.ceil(len(group.prompt) / self.block_size) - cached_blocks
         first = prompt_blocks + group.samples * self.fork_blocks(group, params)
-        return min(worst, first + num_running + group.samples)
+        return min(worst, first + group.samples) + num_running
 
     def missing_blocks(self, sequence: Sequence, steps: int) -> int:
         """Blocks the sequence lacks to write its K/V in its next ``steps`` decode steps."""
