@@ -79,6 +79,7 @@ def test_tiny_model_writes_a_folder_transformers_loads(tmp_path):
 
     proc = arctic_rl("tiny-model", str(tmp_path / "tiny"), "--family", "llama")
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{tmp_path / 'tiny'}\n"  # the folder alone: `DIR=$(arctic-rl tiny-model ...)` works
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "tiny").config.model_type == "llama"
     assert AutoTokenizer.from_pretrained(tmp_path / "tiny").apply_chat_template(
         [{"role": "user", "content": "repeat 3"}], tokenize=False).startswith("<|im_start|>user")
@@ -101,3 +102,16 @@ def test_demo_stdout_is_one_json_line_and_progress_goes_to_stderr(tmp_path):
     assert json.loads(lines[0])["steps"] == 2
     assert "SFT warm-up" in proc.stderr and "GRPO" in proc.stderr  # both phases show progress bars
     assert "Loading weights" not in proc.stderr
+
+
+def test_a_tiny_mistral_runs_on_the_default_sampler(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from arctic_core.config import SamplingParams
+    from arctic_fca.engine import EmbeddedEngine, EngineOptions
+
+    assert arctic_rl("tiny-model", str(tmp_path / "tiny"), "--family", "mistral").returncode == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny")
+    assert model.config.model_type == "mistral" and model.config.sliding_window is None
+    engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=1024))
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0].tokens) == 4

@@ -297,3 +297,33 @@ def test_keep_last_prunes_older_checkpoints_only(arctic_config, tmp_path):
         with pytest.raises(RequestError, match="keep_last: Input should be greater than or equal to 1"):
             client.save_checkpoint(str(tmp_path / "bad"), keep_last=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step-2", "step-3"]
+
+
+def test_a_damaged_checkpoint_is_refused_and_look_alike_folders_are_left_alone(arctic_config, tmp_path):
+    target = tmp_path / "ckpt"
+    (tmp_path / ".ckpt.tmp-notapid").mkdir()  # a user's folder named like a staging folder
+    with ArcticClient.in_process(arctic_config(trainer={"backend": "torch"})) as client:
+        batch = rollout(client)
+        client.fwd_bwd(batch, "ppo")
+        client.step()
+        for _ in range(2):  # the second save replaces the first
+            client.save_checkpoint(str(target))
+        weights = target / "trainer" / "model" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        with pytest.raises(RequestError, match=f"checkpoint {target / 'trainer'}: cannot load model from"):
+            client.load_checkpoint(str(target))
+        client.fwd_bwd(batch, "ppo")  # the server goes on, its state as it was
+        assert client.step().metrics["step"] == 2.0
+        with pytest.raises(RequestError, match="loss must be a term .* or a list of them, got int"):
+            client.fwd_bwd(batch, 3)
+    assert (tmp_path / ".ckpt.tmp-notapid").is_dir()
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_a_config_error(tiny_policy, monkeypatch):
+    from arctic_core.config import ModelConfig
+    from arctic_core.errors import ConfigError
+    from arctic_core.hf import load_causal_lm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="the model's device 'cuda:0': no CUDA device is visible on this machine"):
+        load_causal_lm(ModelConfig(path=str(tiny_policy), device="cuda:0"))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from arctic_core.config import ArcticConfig, LossTermConfig, SamplingParams, SchedulerConfig
+from arctic_core.config import ArcticConfig, LossTermConfig, SamplingParams, SchedulerConfig, validate
 from arctic_core.errors import ConfigError
 
 
@@ -42,6 +44,12 @@ def test_yaml_round_trip(tmp_path):
         ({"model": {"path": "/m"}, "trainer": {"optimizer": {"betas": [0.9, 1.5]}}},
          "trainer.optimizer.betas.1: Input should be less than 1"),
         ({"model": {"path": "/m"}, "seed": 2**70}, "seed: Input should be less than 9223372036854775808"),
+        ({"model": {"path": "/m"}, "trainer": {"optimizer": {"lr": float("inf")}}},
+         "trainer.optimizer.lr: Input should be less than or equal to 1"),
+        # A value that fits none of a field's types: one line, without pydantic's tags of the types.
+        ({"model": {"path": "/m"}, "trainer": {"checkpoint_layers": "all"}},
+         "invalid ArcticConfig:\n  trainer.checkpoint_layers: Input should be a valid integer, unable to parse "
+         "string as an integer or Input should be 'auto'"),
     ],
 )
 def test_validation_errors_name_the_field(data, expected):
@@ -97,3 +105,22 @@ def test_scheduler_and_sampling_params_bounds():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     assert SamplingParams(temperature=0).greedy
+    # Logits divided by a tinier temperature or penalty overflow: refused, naming the field.
+    for params, message in (({"temperature": 1e-45}, "temperature: Value error, 1e-45 is below 0.01: use 0 for greedy"),
+                            ({"temperature": float("inf")}, "temperature: Input should be a finite number"),
+                            ({"repetition_penalty": 1e-40}, "repetition_penalty: Input should be greater than or equal "
+                                                            "to 0.01"),
+                            ({"repetition_penalty": float("inf")}, "repetition_penalty: Input should be a finite")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(SamplingParams, params)
+    assert SamplingParams(temperature=0.01, repetition_penalty=1e3).temperature == 0.01
+
+
+def test_an_option_of_a_backend_that_takes_none_is_refused_as_such():
+    from arctic_core.config import StrictModel, TrainerConfig, validate_options
+
+    class NoOptions(StrictModel):
+        pass
+
+    with pytest.raises(ConfigError, match=r"trainer.options.speed: unknown key; this takes no options$"):
+        validate_options(NoOptions, TrainerConfig(options={"speed": 1}), "plain")

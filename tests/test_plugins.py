@@ -3,6 +3,7 @@ any engine loads)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -136,3 +137,73 @@ def test_every_plugin_name_is_found_before_an_engine_is_built_and_a_failed_start
         ArcticServer(ArcticConfig.from_dict({"model": model, "trainer": {"backend": "torch"},
                                              "sampler": {"options": {"bogus": 1}}}))
     assert built == ["training_backend", "sampling_backend"] and freed == ["TorchTrainer"]
+
+
+GOOD_PLUGIN = '''
+from arctic_core import hookimpl
+from arctic_core.config import StrictModel
+
+
+class ScaledOptions(StrictModel):
+    factor: float = 2.0
+    """What the log-probs are multiplied by."""
+
+
+class Scaled:
+    """A third party's loss term: factor times the mean log-prob."""
+
+    options_model = ScaledOptions
+    requires = ("logprobs",)
+
+
+@hookimpl
+def arctic_losses():
+    return {"scaled_logprob": Scaled}
+'''
+
+
+def install(root, package: str, entry_name: str, source: str) -> None:
+    """A package installed as pip would leave it: its module and a dist-info folder holding its
+    ``arctic`` entry point (found by importlib.metadata on the path)."""
+    (root / f"{package}.py").write_text(source)
+    info = root / f"{package}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[arctic]\n{entry_name} = {package}\n")
+
+
+def cli(root, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-m", "arctic_core.cli", *args], capture_output=True, text=True, env=env)
+
+
+def test_a_third_party_plugin_is_listed_with_its_options(tmp_path):
+    install(tmp_path, "thirdp", "thirdp", GOOD_PLUGIN)
+    listed = cli(tmp_path, "plugins")
+    assert listed.returncode == 0 and "scaled_logprob" in listed.stdout and "thirdp" in listed.stdout
+    reference = cli(tmp_path, "config-reference").stdout
+    assert "### `scaled_logprob` (thirdp): A third party's loss term: factor times the mean log-prob." in reference
+    assert "What the log-probs are multiplied by." in reference
+    assert "scaled_logprob" not in cli(tmp_path, "config-reference", "--builtin").stdout
+
+
+@pytest.mark.parametrize("case", ["entry point taken", "import fails", "misspelt hook", "hook answers a list",
+                                  "hook fails"])
+def test_a_broken_or_clashing_plugin_is_refused_by_name(tmp_path, case):
+    source, entry_name, expected = {
+        "entry point taken": (GOOD_PLUGIN, "example", "two packages name their 'arctic' entry point 'example': "
+                              "arctic_example_plugin from arctic-example-plugin and thirdp from thirdp; rename one"),
+        "import fails": ("1 / 0", "thirdp", "plugin 'thirdp' (thirdp from thirdp) fails to import: "
+                         "ZeroDivisionError: division by zero"),
+        "misspelt hook": ("from arctic_core import hookimpl\n\n@hookimpl\ndef arctic_loss():\n    return {}\n",
+                          "thirdp", "plugin 'thirdp': unknown hook 'arctic_loss'"),
+        "hook answers a list": ("from arctic_core import hookimpl\n\n@hookimpl\ndef arctic_losses():\n    return [\"my_loss\"]\n",
+                                "thirdp", "plugin 'thirdp': arctic_losses must return a dict of name -> factory, "
+                                "got list"),
+        "hook fails": ("from arctic_core import hookimpl\n\n@hookimpl\ndef arctic_losses():\n    raise KeyError('x')\n",
+                       "thirdp", "plugin 'thirdp': its arctic_losses hook failed: KeyError"),
+    }[case]
+    install(tmp_path, "thirdp", entry_name, source)
+    result = cli(tmp_path, "plugins")
+    assert result.returncode != 0
+    assert expected in result.stderr and "Traceback" not in result.stderr

@@ -212,7 +212,7 @@ def test_a_step_over_non_finite_gradients_or_an_empty_batch_changes_nothing(back
         hook = next(server_of(client).trainer.model.parameters()).register_hook(lambda grad: grad * float("nan"))
         client.fwd_bwd(batch, LOSS)
         hook.remove()
-        metrics = client.step().metrics
+        metrics = client.step(lr=0.5).metrics  # a framework's rate for a step that is skipped: not kept
         assert metrics["skipped"] == 1.0 and metrics["step"] == 0.0 and not math.isfinite(metrics["grad_norm"])
         assert all(torch.equal(before[k], v) for k, v in weights(client).items())
         for each in (client, clean):
@@ -241,3 +241,45 @@ def test_a_failed_fwd_bwd_discards_the_step_and_a_refused_one_changes_nothing(ti
         clean.fwd_bwd(batch, LOSS, scale=0.5)
         clean.step()
         assert all(torch.equal(weights(clean)[k], v) for k, v in weights(client).items())
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed-zero2"])
+def test_a_failed_step_drops_its_gradients_and_keeps_the_schedules_rate(backend, tiny_policy, monkeypatch):
+    """An optimizer step that fails may have clipped the gradients in place or applied part of them:
+    they are dropped (never applied a second time), and a rate the call passed does not outlive it."""
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
+                                     "trainer": {**TRAINER, **BACKENDS[backend],
+                                                 "scheduler": {"name": "linear", "warmup_steps": 2, "total_steps": 9}}})
+    with build_client(config) as client, build_client(config) as clean:
+        batch = random_grpo_batch(server_of(client).sampler.model.config.vocab_size)
+        trainer = server_of(client).trainer
+        engine = trainer.optimizer if backend == "torch" else trainer.engine
+
+        def fails(*args, **kwargs):
+            raise RuntimeError("the optimizer failed half-way")
+
+        client.fwd_bwd(batch, LOSS)
+        monkeypatch.setattr(engine, "step", fails)
+        with pytest.raises(RuntimeError, match="half-way"):
+            client.step(lr=0.5)
+        monkeypatch.undo()
+        assert client.step().metrics["skipped"] == 1.0  # nothing left to apply
+        for each in (client, clean):
+            each.fwd_bwd(batch, LOSS)
+            metrics = each.step().metrics
+            assert metrics["skipped"] == 0.0 and metrics["step"] == 1.0 and metrics["lr"] == pytest.approx(0.5e-2)
+        assert all(torch.equal(weights(clean)[k], v) for k, v in weights(client).items())
+
+
+@pytest.mark.parametrize("lr", [float("inf"), float("nan"), -1.0, 2.0])
+def test_a_learning_rate_that_is_not_a_rate_is_refused_before_anything_moves(lr, tiny_policy):
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
+                                     "trainer": {**TRAINER, "backend": "torch"}})
+    with build_client(config) as client:
+        client.fwd_bwd(random_grpo_batch(server_of(client).sampler.model.config.vocab_size), LOSS)
+        before = weights(client)
+        with pytest.raises(RequestError, match=r"lr: Input should be (a finite number|greater than or equal to 0|"
+                                               r"less than or equal to 1)"):
+            client.step(lr=lr)
+        assert all(torch.equal(before[k], v) for k, v in weights(client).items())
+        assert client.step().metrics["skipped"] == 0.0  # the gradients are still there

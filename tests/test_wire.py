@@ -150,7 +150,7 @@ def test_bad_generate_bodies_name_the_problem(data, error, match):
         ({k: v for k, v in batch_tensors().items() if k != "batch.prompt_index"}, {"loss": [{"name": "ppo"}]}, BatchError, r"missing required batch field\(s\) \['prompt_index'\]"),
         (batch_tensors(response_ids=torch.ones(1, 2)), {"loss": [{"name": "ppo"}]}, BatchError, r"response_ids must hold integers \(int64 or int32\), got dtype torch.float32"),
         (batch_tensors(advantages=torch.ones(1, 5)), {"loss": [{"name": "ppo"}]}, BatchError, r"advantages must be \[B\] or \[B, Lr\]"),
-        (batch_tensors(old_logprobs=torch.ones(1, 2, dtype=torch.int64)), {"loss": [{"name": "ppo"}]}, BatchError, "old_logprobs must be a floating-point tensor"),
+        (batch_tensors(old_logprobs=torch.ones(1, 2, dtype=torch.int64)), {"loss": [{"name": "ppo"}]}, BatchError, "old_logprobs must be a float16, bfloat16, float32 or float64 tensor"),
         ({**batch_tensors(), "batch.bogus": torch.ones(1)}, {"loss": [{"name": "ppo"}]}, BatchError, r"unknown batch field\(s\) \['bogus'\]"),
         (batch_tensors(), {"loss": [{"name": "ppo"}], "batch": {}}, RequestError, r"field\(s\) \['batch'\] .* must travel as tensors"),
     ],

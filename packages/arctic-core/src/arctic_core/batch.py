@@ -70,13 +70,16 @@ def _pad_rows(rows: Sequence[Sequence[int]], what: str) -> tuple[torch.Tensor, t
     return out, lens
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _as_float(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
     if value is None:
         return None
     if not isinstance(value, torch.Tensor):
         value = torch.as_tensor(value)
-    if not value.is_floating_point():
-        raise BatchError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+    if value.dtype not in FLOAT_DTYPES:  # float8 types have no arithmetic to compute a loss with
+        raise BatchError(f"{name} must be a float16, bfloat16, float32 or float64 tensor, got dtype {value.dtype}")
     return value
 
 
@@ -357,6 +360,9 @@ class RolloutBatch:
     def _check_token_fields(self) -> None:
         shape = tuple(self.response_ids.shape)
         if self.loss_mask.dtype != torch.bool:
+            if not bool(((self.loss_mask == 0) | (self.loss_mask == 1)).all()):  # a weight is not a mask
+                raise BatchError(f"loss_mask must be bool (or 0/1), got values other than 0 and 1 in a "
+                                 f"{self.loss_mask.dtype} tensor")
             self.loss_mask = self.loss_mask.bool()
         if tuple(self.loss_mask.shape) != shape:
             raise BatchError(f"loss_mask must be [B, Lr] = {list(shape)}, got {list(self.loss_mask.shape)}")
@@ -380,6 +386,8 @@ class RolloutBatch:
             self.advantages = _finite_where_read("advantages", self.advantages, read)
         self.rewards = _as_float("rewards", self.rewards)
         if self.rewards is not None:
+            if self.rewards.dim() != 1:
+                raise BatchError(f"rewards must be [B] = [{num_b}], got {list(self.rewards.shape)}")
             _check_len("rewards", self.rewards, num_b, "responses")
             self.rewards = _finite_where_read("rewards", self.rewards, torch.ones_like(self.rewards, dtype=torch.bool))
         if self.policy_version is not None:

@@ -69,7 +69,11 @@ def tiny_model(
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty")
     _quiet_model_loading()
-    save_tiny_policy(out, CountingTask().corpus(), family=family, seed=seed)
+    # Full attention, as Mistral's released configs since v0.2: the test shape's tiny window would
+    # need the hf-generate sampler (the embedded engine refuses sliding-window layers).
+    overrides = {"sliding_window": None} if family == "mistral" else {}
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the folder alone (DeepSpeed logs there on import)
+        save_tiny_policy(out, CountingTask().corpus(), family=family, seed=seed, **overrides)
     typer.echo(str(out))
 
 
@@ -166,13 +170,15 @@ def embedded_default_config() -> ArcticConfig:
 
 
 @app.command("config-reference")
-def config_reference() -> None:
+def config_reference(
+    builtin: Annotated[bool, typer.Option("--builtin", help="Only Arctic's own plugins (the page in the docs).")] = False,
+) -> None:
     """Print the configuration reference (Markdown): every key of the config, the sampling params,
-    and the options of every built-in backend and loss term."""
-    from arctic_core.config_docs import config_reference as render
+    and the options of every installed backend and loss term."""
+    from arctic_core.config_docs import BUILTIN_PLUGINS, config_reference as render
     from arctic_core.plugins.registry import default_registry
 
-    typer.echo(render(default_registry()), nl=False)
+    typer.echo(render(default_registry(), BUILTIN_PLUGINS if builtin else None), nl=False)
 
 
 @app.command()

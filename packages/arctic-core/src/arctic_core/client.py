@@ -40,7 +40,13 @@ def _request[M: BaseModel](schema: type[M], **fields: Any) -> M:
 
 
 def _loss_terms(loss: LossSpec | Sequence[LossSpec]) -> list[Any]:
-    items = [loss] if isinstance(loss, (str, dict, LossTermConfig)) else list(loss)
+    if isinstance(loss, (str, dict, LossTermConfig)):
+        items = [loss]
+    elif isinstance(loss, Sequence):
+        items = list(loss)
+    else:
+        raise RequestError(f"loss must be a term (a name, a dict or a LossTermConfig) or a list of them, "
+                           f"got {type(loss).__name__}")
     return [{"name": item} if isinstance(item, str) else item for item in items]
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from arctic_core.errors import ConfigError
 
@@ -45,10 +45,15 @@ class ModelConfig(StrictModel):
                 "(the save_pretrained layout; `arctic-rl tiny-model DIR` writes a tiny one to try things with)")
 
 
+# AdamW moves each weight by up to about lr per step: a larger rate is a typo, and one far larger
+# overflows the optimizer's fp32 arithmetic after it has already advanced its moments.
+MAX_LR = 1.0
+
+
 class OptimizerConfig(StrictModel):
     """AdamW (torch's, in every training backend) and gradient clipping."""
 
-    lr: Annotated[float, Field(gt=0)] = Field(1e-5, description="Peak learning rate (the schedule scales it).")
+    lr: Annotated[float, Field(gt=0, le=MAX_LR)] = Field(1e-5, description="Peak learning rate (the schedule scales it).")
     betas: tuple[AdamBeta, AdamBeta] = Field((0.9, 0.999), description="Adam's moment decays, each in [0, 1).")
     eps: Annotated[float, Field(gt=0)] = Field(1e-8, description="Adam's denominator term.")
     weight_decay: Annotated[float, Field(ge=0)] = Field(0.0, description="Decoupled (AdamW) weight decay.")
@@ -182,16 +187,24 @@ class ArcticConfig(StrictModel):
         return load_yaml(cls, path)
 
 
+# Logits divided by a tinier temperature or repetition penalty overflow to inf (and the log-probs
+# to NaN); vLLM treats temperatures below the same value as numerically unsafe.
+MIN_TEMPERATURE = 0.01
+# The temperature of a scoring or training call (sampling's may also be 0: greedy).
+Temperature = Annotated[float, Field(ge=MIN_TEMPERATURE, allow_inf_nan=False)]
+
+
 class SamplingParams(StrictModel):
     """How to sample; validated before any work starts."""
 
     n: Annotated[int, Field(ge=1, le=4096)] = Field(1, description="Samples per prompt (a GRPO group).")
-    temperature: Annotated[float, Field(ge=0)] = Field(1.0, description="0 is greedy.")
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        1.0, description="0 is greedy; otherwise at least 0.01.")
     top_p: Annotated[float, Field(gt=0, le=1)] = Field(1.0, description="Nucleus sampling; 1 disables it.")
     top_k: Annotated[int, Field(ge=0)] = Field(0, description="0 disables top-k.")
     min_p: Annotated[float, Field(ge=0, le=1)] = Field(
         0.0, description="Keep tokens at least min_p times as likely as the most likely one; 0 disables it.")
-    repetition_penalty: Annotated[float, Field(gt=0)] = Field(
+    repetition_penalty: Annotated[float, Field(ge=MIN_TEMPERATURE, allow_inf_nan=False)] = Field(
         1.0, description="Logits of tokens already in the prompt or output: positive ones divided by it, negative "
         "ones multiplied (transformers' rule); 1 disables it.")
     max_tokens: Annotated[int, Field(ge=1)] = Field(256, description="New tokens per sample at most.")
@@ -201,6 +214,13 @@ class SamplingParams(StrictModel):
     ignore_eos: bool = Field(False, description="The model's end-of-sequence ids do not end a sample (only "
                              "stop_token_ids and max_tokens do).")
     seed: Seed | None = Field(None, description="Same seed, same samples; None: the engine's own sequence.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_at_least_the_floor(cls, temperature: float) -> float:
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"{temperature} is below {MIN_TEMPERATURE}: use 0 for greedy sampling")
+        return temperature
 
     @property
     def greedy(self) -> bool:
@@ -222,14 +242,22 @@ def format_validation_error(exc: ValidationError, what: str, model: type[BaseMod
                             prefix: str = "") -> str:
     """One line per problem, each naming its full path (``prefix`` + the field's location); an
     unknown key also lists the valid keys there, with the closest one as a suggestion."""
-    lines = [f"invalid {what}:"]
+    problems: dict[str, list[str]] = {}
     for err in exc.errors():
-        where = prefix + ".".join(str(p) for p in err["loc"]) if err["loc"] else prefix.rstrip(".") or "(root)"
+        loc = [part for part in err["loc"] if not _union_member(part)]
+        where = prefix + ".".join(str(p) for p in loc) if loc else prefix.rstrip(".") or "(root)"
         message = err["msg"]
         if err["type"] == "extra_forbidden" and model is not None:
             message = _unknown_key(model, err["loc"])
-        lines.append(f"  {where}: {message}")
-    return "\n".join(lines)
+        problems.setdefault(where, []).append(message)
+    # A value that fits none of a field's types gets one line: each type's complaint, joined by "or".
+    return "\n".join([f"invalid {what}:", *(f"  {where}: {' or '.join(messages)}" for where, messages in problems.items())])
+
+
+def _union_member(part: str | int) -> bool:
+    """Whether a location part is pydantic's tag of one member of a union (``constrained-int``,
+    ``literal['auto']``), not a key: the user never wrote it."""
+    return isinstance(part, str) and not part.replace("_", "").isalnum()
 
 
 def _unknown_key(model: type[BaseModel], loc: tuple[str | int, ...]) -> str:
@@ -237,6 +265,8 @@ def _unknown_key(model: type[BaseModel], loc: tuple[str | int, ...]) -> str:
     if parent is None:
         return "unknown key"
     valid = sorted(parent.model_fields)
+    if not valid:
+        return "unknown key; this takes no options"
     close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown key{hint}; valid keys: {', '.join(valid)}"

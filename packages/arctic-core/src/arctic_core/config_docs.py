@@ -1,9 +1,9 @@
 """The configuration reference, generated from the pydantic models themselves.
 
-``arctic-rl config-reference`` prints it; ``docs/guides/configuration.md`` is its output, and a
-test keeps the two equal. Sections: every section of :class:`ArcticConfig`, the sampling params of
-``generate``, then the options of every backend and loss term the built-in plugins register
-(each factory that declares an ``options_model``).
+``arctic-rl config-reference`` prints it; ``docs/guides/configuration.md`` is its output for
+Arctic's own plugins (``--builtin``), and a test keeps the two equal. Sections: every section of
+:class:`ArcticConfig`, the sampling params of ``generate``, then the options of every backend and
+loss term the plugins register (each factory that declares an ``options_model``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import types
 import typing
+from collections.abc import Collection
 from typing import Any, Literal
 
 import annotated_types
@@ -21,30 +22,33 @@ from arctic_core.config import ArcticConfig, SamplingParams
 from arctic_core.plugins.registry import Lazy, Registry
 
 BUILTIN_PLUGINS = ("core", "zorro", "fca")
-"""Whose providers the reference lists: Arctic's own packages, not whatever else is installed."""
+"""Arctic's own packages: the plugins the reference in the docs lists."""
 
 HEADER = """# Configuration reference
 
 Generated from the config models by `arctic-rl config-reference`; every key, its type, default
 and meaning. A config is YAML (`arctic-rl serve --config FILE`) or a dict / `ArcticConfig` in
-Python; unknown keys are refused with the valid ones listed. Only `model.path` is required.
+Python; unknown keys are refused with the valid ones listed. Only `model.path` is required. This
+page lists Arctic's own plugins; the command also lists the options of the plugins installed
+beside them.
 """
 
 _BOUNDS = {annotated_types.Gt: ">", annotated_types.Ge: ">=", annotated_types.Lt: "<", annotated_types.Le: "<="}
 
 
-def config_reference(registry: Registry) -> str:
+def config_reference(registry: Registry, plugins: Collection[str] | None = None) -> str:
+    """The reference, with the backends and loss terms of ``plugins`` (None: every plugin)."""
     lines = [HEADER]
     for path, model in _sections("", ArcticConfig):
         lines += [f"## `{path}`" if path else "## Top level", "", *_doc(model), *_table(model), ""]
     lines += ["## Sampling params (`generate`)", "", *_table(SamplingParams), ""]
-    for kind, title, attribute in (("training_backend", "Trainer backends", "trainer.options"),
-                                   ("logprob_backend", "Log-prob backends", "reference.options"),
-                                   ("sampling_backend", "Sampler backends", "sampler.options"),
-                                   ("loss", "Loss terms", "a loss term's options")):
-        lines += [f"## {title}", "", f"What each accepts in `{attribute}`.", ""]
+    for kind, title, where in (("training_backend", "Trainer backends", "in `trainer.options`"),
+                               ("logprob_backend", "Log-prob backends", "in `reference.options`"),
+                               ("sampling_backend", "Sampler backends", "in `sampler.options`"),
+                               ("loss", "Loss terms", "beside `name` and `weight` in a loss term")):
+        lines += [f"## {title}", "", f"What each accepts {where}.", ""]
         for item in sorted(registry.all(), key=lambda p: p.name):
-            if item.kind != kind or item.plugin not in BUILTIN_PLUGINS:
+            if item.kind != kind or (plugins is not None and item.plugin not in plugins):
                 continue
             factory = item.factory.load() if isinstance(item.factory, Lazy) else item.factory
             options = getattr(factory, "options_model", None)

@@ -20,7 +20,12 @@ class PluginNotFoundError(ArcticError, LookupError):
 
 
 class PluginConflictError(ArcticError):
-    """Two plugins provide the same name for the same kind."""
+    """Two plugins provide the same name for the same kind (or two packages claim one plugin name)."""
+
+
+class PluginError(ArcticError):
+    """An installed plugin cannot be used (it fails to import, names an unknown hook, or a hook
+    fails or answers wrongly); the message names the plugin."""
 
 
 class RequestError(ArcticError, ValueError):

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from arctic_core.batch import RolloutBatch
@@ -19,7 +20,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"the model's device {name!r}: no CUDA device is visible on this machine (use 'cpu' or 'auto')")
+    return device
 
 
 def load_causal_lm(config: ModelConfig) -> PreTrainedModel:
@@ -28,7 +32,7 @@ def load_causal_lm(config: ModelConfig) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(
             config.path, dtype=DTYPES[config.dtype], attn_implementation="sdpa"
         )
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError, RuntimeError) as exc:  # missing, damaged, or not this config's shapes
         raise ConfigError(f"cannot load model from {config.path!r}: {exc}") from exc
     return model.to(resolve_device(config.device))
 

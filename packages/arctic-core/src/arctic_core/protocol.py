@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import LossTermConfig, SamplingParams, TokenId
+from arctic_core.config import MAX_LR, LossTermConfig, SamplingParams, Temperature, TokenId
 
 EngineName = Literal["trainer", "sampler", "reference"]
 
@@ -41,7 +41,7 @@ class LogProbsRequest(Message):
     batch: RolloutBatch
     model: Literal["policy", "reference"] = "policy"
     processors: list[str] = Field(default_factory=lambda: ["logprobs"], min_length=1)
-    temperature: Annotated[float, Field(gt=0)] = 1.0
+    temperature: Temperature = 1.0
 
 
 class LogProbsResult(Result):
@@ -51,7 +51,7 @@ class LogProbsResult(Result):
 class FwdBwdRequest(Message):
     batch: RolloutBatch
     loss: list[LossTermConfig] = Field(min_length=1)
-    temperature: Annotated[float, Field(gt=0)] = 1.0
+    temperature: Temperature = 1.0
     scale: float = Field(1.0, allow_inf_nan=False,
                          description="Multiplies this call's loss; gradients add up across calls until step().")
     max_response_len: Annotated[int, Field(gt=0)] | None = Field(
@@ -64,7 +64,7 @@ class Empty(Message):
 
 
 class StepRequest(Message):
-    lr: Annotated[float, Field(ge=0)] | None = Field(
+    lr: Annotated[float, Field(ge=0, le=MAX_LR, allow_inf_nan=False)] | None = Field(
         None, description="Learning rate for this step, for a framework that drives its own schedule "
         "(it then replaces the configured schedule's value; 0, as at a warm-up's first step, still "
         "advances the optimizer's moments)."

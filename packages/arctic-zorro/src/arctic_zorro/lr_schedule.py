@@ -11,12 +11,22 @@ import torch
 from arctic_core.config import SchedulerConfig
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> None:
-    """A framework's learning rate for the coming step (None: keep the scheduler's value). The
-    scheduler sets its own value again after the step."""
+def set_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> list[float]:
+    """A framework's learning rate for the coming step (None: keep the scheduler's value); returns
+    the values it replaced, for ``restore_lr`` when no step is taken. After a step the scheduler
+    sets its own value again."""
+    previous = [group["lr"] for group in optimizer.param_groups]
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
+    return previous
+
+
+def restore_lr(optimizer: torch.optim.Optimizer, previous: list[float]) -> None:
+    """Undo ``set_lr`` after a step that was skipped or failed: the scheduler did not move, and the
+    next step without a framework's rate must run at the scheduler's value, not at this one."""
+    for group, lr in zip(optimizer.param_groups, previous, strict=True):
+        group["lr"] = lr
 
 
 def lr_factor(config: SchedulerConfig) -> Callable[[int], float]:

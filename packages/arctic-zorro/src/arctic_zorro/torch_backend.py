@@ -16,13 +16,13 @@ import torch
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate_options
-from arctic_core.errors import RequestError
+from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_batch_fits, check_weights, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.fused_elementwise import apply_compile_elementwise
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
-from arctic_zorro.lr_schedule import lr_factor, set_lr
+from arctic_zorro.lr_schedule import lr_factor, restore_lr, set_lr
 from arctic_zorro.param_groups import param_group_shapes, param_groups
 from arctic_zorro.saved_state import PARAM_GROUPS, TorchTrainerState, check_layout, validated
 from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
@@ -116,16 +116,21 @@ class TorchTrainer(TorchLogProbEngine):
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         if self.asleep:
             raise RequestError("TorchTrainer is asleep; call wake() first")
-        set_lr(self.optimizer, lr)
+        previous_lr = set_lr(self.optimizer, lr)
+        lr = self.optimizer.param_groups[0]["lr"]
         max_norm = self.config.optimizer.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")))
-        lr = self.optimizer.param_groups[0]["lr"]
-        if not math.isfinite(grad_norm):  # an update by NaN/inf would leave every weight NaN for good
-            log.warning("gradient norm is %s: step skipped, gradients dropped", grad_norm)
-            self.optimizer.zero_grad(set_to_none=True)
-            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
-        self.optimizer.step()
+        try:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")))
+            if not math.isfinite(grad_norm):  # an update by NaN/inf would leave every weight NaN for good
+                log.warning("gradient norm is %s: step skipped, gradients dropped", grad_norm)
+                self.optimizer.zero_grad(set_to_none=True)
+                restore_lr(self.optimizer, previous_lr)
+                return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
+            self.optimizer.step()
+        except BaseException:
+            restore_lr(self.optimizer, previous_lr)
+            raise
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -164,7 +169,10 @@ class TorchTrainer(TorchLogProbEngine):
         state = self._read_state(path)
         check_layout(state.layout, self._layout(), path)
         model_path = path / "model"
-        saved = load_causal_lm(ModelConfig(path=str(model_path), dtype=_dtype_name(self.model.dtype), device="cpu"))
+        try:
+            saved = load_causal_lm(ModelConfig(path=str(model_path), dtype=_dtype_name(self.model.dtype), device="cpu"))
+        except ConfigError as exc:  # a damaged weights file, or another model's
+            raise RequestError(f"checkpoint {path}: {exc}") from exc
         weights = saved.state_dict()
         check_weights(self.model, weights, str(model_path))
         self._load_optimizer(state, path)

@@ -73,11 +73,12 @@ def build_tiny_model(
     return model
 
 
-def save_tiny_policy(path: str | Path, corpus: Iterable[str], family: str = "qwen3", seed: int = 0) -> Path:
+def save_tiny_policy(path: str | Path, corpus: Iterable[str], family: str = "qwen3", seed: int = 0,
+                     **overrides: object) -> Path:
     """Build tokenizer + model and ``save_pretrained`` both into ``path`` (a loadable HF folder)."""
     path = Path(path)
     tokenizer = build_tokenizer(corpus)
-    model = build_tiny_model(tokenizer, family=family, seed=seed)
+    model = build_tiny_model(tokenizer, family=family, seed=seed, **overrides)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -102,8 +102,8 @@ def arctic_sampling_backends() -> Mapping[str, SamplingBackendFactory]:
 @provides("processor")
 def arctic_processors() -> Mapping[str, ProcessorFactory]:
     """Processors: logits at response positions -> per-token outputs (log-probs at a temperature,
-    entropy, ...). A loss term names the outputs it needs; the server builds the processors that
-    produce them for every ``log_probs`` and ``fwd_bwd`` call.
+    entropy, ...). A loss term names the processors whose outputs it needs (``requires``, by their
+    registered names); the server builds them for every ``log_probs`` and ``fwd_bwd`` call.
 
     :return: ``{name: factory}``; ``factory(temperature=t)`` is called once per request.
     """

@@ -5,14 +5,14 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
 
 from arctic_core.plugins import hookspecs
-from arctic_core.errors import PluginConflictError, PluginNotFoundError
+from arctic_core.errors import PluginConflictError, PluginError, PluginNotFoundError
 
 ENTRY_POINT_GROUP = "arctic"
 
@@ -62,8 +62,8 @@ class Provided:
     def summary(self) -> str:
         if isinstance(self.factory, Lazy):
             return self.factory.summary
-        doc = (self.factory.__doc__ or "").strip().splitlines()
-        return doc[0] if doc else ""
+        first_paragraph = (self.factory.__doc__ or "").strip().split("\n\n")[0]
+        return " ".join(line.strip() for line in first_paragraph.splitlines())
 
 
 @dataclass
@@ -99,20 +99,64 @@ def build_registry(extra_plugins: dict[str, object] | None = None) -> Registry:
     """Load the ``arctic`` entry points (plus ``extra_plugins``, e.g. in tests) and index them."""
     manager = pluggy.PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)
-    manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-    for name, module in (extra_plugins or {}).items():
-        manager.register(module, name=name)
+    plugins = {**_load_entry_points(), **(extra_plugins or {})}
+    for name, module in plugins.items():
+        try:
+            manager.register(module, name=name)
+        except pluggy.PluginValidationError as exc:  # a hook whose arguments are not the spec's
+            raise PluginError(f"plugin {name!r}: {exc}") from exc
+    try:
+        manager.check_pending()  # a misspelt hook would otherwise be ignored: the plugin would provide nothing
+    except pluggy.PluginValidationError as exc:
+        hooks = ", ".join(sorted(KINDS.values()))
+        raise PluginError(f"plugin {manager.get_name(exc.plugin)!r}: {exc}; the provider hooks are {hooks}") from exc
     registry = Registry(manager)
     for kind, hook_name in KINDS.items():
         registry.entries[kind] = _collect(manager, kind, hook_name)
     return registry
 
 
+def _load_entry_points() -> dict[str, object]:
+    """Each ``arctic`` entry point's module by the entry point's name. Two packages claiming one
+    name are refused: pluggy would keep the first and drop the other without a word (a package
+    naming its plugin ``core`` would silently shadow Arctic's own)."""
+    modules: dict[str, object] = {}
+    seen: dict[str, importlib.metadata.EntryPoint] = {}
+    for entry in installed_entry_points():
+        if entry.name in seen:
+            if seen[entry.name].value == entry.value:
+                continue  # the same package found twice on the path
+            both = " and ".join(sorted((_origin(seen[entry.name]), _origin(entry))))
+            raise PluginConflictError(f"two packages name their '{ENTRY_POINT_GROUP}' entry point {entry.name!r}: "
+                                      f"{both}; rename one")
+        seen[entry.name] = entry
+        try:
+            modules[entry.name] = entry.load()
+        except Exception as exc:
+            raise PluginError(f"plugin {entry.name!r} ({_origin(entry)}) fails to import: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    return modules
+
+
+def _origin(entry: importlib.metadata.EntryPoint) -> str:
+    package = entry.dist.name if entry.dist is not None else "an unknown package"
+    return f"{entry.value} from {package}"
+
+
 def _collect(manager: pluggy.PluginManager, kind: str, hook_name: str) -> dict[str, Provided]:
     out: dict[str, Provided] = {}
     for impl in getattr(manager.hook, hook_name).get_hookimpls():
         plugin = manager.get_name(impl.plugin) or repr(impl.plugin)
-        for name, factory in (impl.function() or {}).items():
+        try:
+            provided = impl.function()
+        except Exception as exc:
+            raise PluginError(f"plugin {plugin!r}: its {hook_name} hook failed: {type(exc).__name__}: {exc}") from exc
+        if provided is None:  # a hook with nothing to provide this time
+            continue
+        if not isinstance(provided, Mapping):
+            raise PluginError(f"plugin {plugin!r}: {hook_name} must return a dict of name -> factory, "
+                              f"got {type(provided).__name__}")
+        for name, factory in provided.items():
             if name in out:
                 raise PluginConflictError(
                     f"{kind} {name!r} is provided by both plugin {out[name].plugin!r} and {plugin!r}"

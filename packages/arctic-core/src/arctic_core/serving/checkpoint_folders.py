@@ -146,7 +146,9 @@ def _sibling(target: Path, kind: str, pid: int) -> Path:
 def _siblings(target: Path, kind: str) -> list[Path]:
     if not target.parent.is_dir():
         return []
-    return sorted(target.parent.glob(f".{glob.escape(target.name)}.{kind}-*"))
+    # Only names this module writes (a process id after the dash): a user's look-alike folder is left alone.
+    found = target.parent.glob(f".{glob.escape(target.name)}.{kind}-*")
+    return sorted(folder for folder in found if folder.name.rsplit("-", 1)[1].isdigit())
 
 
 def _process_alive(pid: int) -> bool:

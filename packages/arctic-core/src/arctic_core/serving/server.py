@@ -171,7 +171,14 @@ class ArcticServer:
             # Nothing to apply: a no-op, so the weights, optimizer state, LR schedule and step
             # count stay as they are (an engine stepped with no gradient can be left broken).
             return Result(metrics={"grad_norm": 0.0, "skipped": 1.0, "step": float(self.step_count)})
-        metrics = self.trainer.optimizer_step(lr=req.lr)
+        try:
+            metrics = self.trainer.optimizer_step(lr=req.lr)
+        except ArcticError:
+            raise  # a refusal (engine asleep) changed nothing; a dead worker needs load_checkpoint
+        except Exception:
+            # The gradients may be clipped in place or half applied: never apply them a second time.
+            self._discard_gradients()
+            raise
         self.gradients_pending = False
         # A backend skips a step whose gradients are not finite (and drops them): no step is counted.
         skipped = metrics.pop("skipped", 0.0)
@@ -281,7 +288,7 @@ class ArcticServer:
         try:
             self.trainer.discard_gradients()
         except Exception:  # the engine may be what failed (e.g. a dead worker); its restart clears it
-            log.exception("discarding gradients after a failed fwd_bwd failed too")
+            log.exception("discarding gradients after a failed call failed too")
 
     def _state(self) -> dict[str, int]:
         return {"policy_version": self.policy_version, "step": self.step_count}
