@@ -99,7 +99,11 @@ def build_registry(extra_plugins: dict[str, object] | None = None) -> Registry:
     """Load the ``arctic`` entry points (plus ``extra_plugins``, e.g. in tests) and index them."""
     manager = pluggy.PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)
-    plugins = {**_load_entry_points(), **(extra_plugins or {})}
+    plugins = _load_entry_points()
+    for name, module in (extra_plugins or {}).items():
+        if name in plugins:
+            raise PluginConflictError(f"plugin name {name!r} is an installed entry point's; choose another")
+        plugins[name] = module
     for name, module in plugins.items():
         try:
             manager.register(module, name=name)
