@@ -86,6 +86,8 @@ def test_two_plugins_claiming_one_name_conflict():
     clash.arctic_losses = hookimpl(lambda: {"ppo": object})
     with pytest.raises(PluginConflictError, match="'ppo' is provided by both plugin 'core' and 'clash'"):
         build_registry({"clash": clash})
+    with pytest.raises(PluginConflictError, match="plugin name 'core' is an installed entry point's"):
+        build_registry({"core": types.ModuleType("mine")})  # would silently replace Arctic's own
 
 
 def test_example_plugin_loss_and_processor_run():
