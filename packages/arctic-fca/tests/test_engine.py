@@ -530,6 +530,8 @@ def test_bad_requests_and_unsupported_models_get_clear_errors(tokenizer):
         engine.generate([[5], []], SamplingParams())
     with pytest.raises(RequestError, match=r"prompts\[0\] contain token id 99999 >= vocab size"):
         engine.generate([[5, 99999]], SamplingParams())
+    with pytest.raises(RequestError, match=r"stop_token_ids \[99999\] are >= the vocabulary size \d+: no sample"):
+        engine.generate([[5, 6]], SamplingParams(stop_token_ids=[7, 99999]))
     with pytest.raises(ConfigError, match="temperature: Input should be greater than or equal to 0"):
         validate(SamplingParams, {"temperature": -1})
     with pytest.raises(ConfigError, match="block_size"):

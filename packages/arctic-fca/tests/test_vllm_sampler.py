@@ -104,6 +104,8 @@ def test_prompts_vllm_cannot_take_are_refused_by_name_before_vllm_sees_them(fake
         sampler.generate([[5] * 60], SamplingParams(max_tokens=8))
     with pytest.raises(RequestError, match=r"prompts\[1\] is empty"):
         sampler.generate([[5], []], SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError, match=r"stop_token_ids \[1000\] are >= the vocabulary size 1000"):
+        sampler.generate([[5]], SamplingParams(max_tokens=4, stop_token_ids=[1000]))
     with pytest.raises(RequestError, match=r"prompts\[0\] contain a negative token id -3"):
         sampler.generate([[5, -3]], SamplingParams(max_tokens=4))
     assert sampler.llm.requests == []  # nothing reached the engine

@@ -292,7 +292,7 @@ def _engine_matches_generate(family: str, overrides: dict) -> bool:
     engine = EmbeddedEngine(model, options, tuning=TUNING)
     engine.planner.with_work = True  # as on a GPU with graphs: eager steps run the planner's work items
     prompts = [[5 + (i * 7 + j) % 200 for j in range(length)] for i, length in enumerate((20, 33))]
-    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=12, stop_token_ids=[10**6]))
+    outputs = engine.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True))
     for out in outputs:
         prompt = prompts[out.prompt_index]
         expected = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,

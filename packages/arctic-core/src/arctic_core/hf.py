@@ -99,10 +99,14 @@ def check_batch_fits(batch: RolloutBatch, model: PreTrainedModel) -> None:
                                f"model's max_position_embeddings={limit}")
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_tokens: int, max_model_len: int) -> None:
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, params: SamplingParams, max_model_len: int) -> None:
     """Refuse, naming the prompt, an empty prompt, a token id outside the vocabulary or a prompt
-    with no room left for ``max_tokens`` more (samplers are called directly too, not only behind
-    the protocol's own checks)."""
+    with no room left for ``max_tokens`` more, and a stop id no sample can ever draw (samplers are
+    called directly too, not only behind the protocol's own checks)."""
+    max_tokens = params.max_tokens
+    beyond = [t for t in params.stop_token_ids if t >= vocab_size]
+    if beyond:
+        raise RequestError(f"stop_token_ids {beyond} are >= the vocabulary size {vocab_size}: no sample can draw them")
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise RequestError(f"prompts[{i}] is empty")

@@ -38,7 +38,7 @@ class HFGenerateSampler:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         if self.asleep:
             raise RequestError("the sampler is asleep; call wake() first")
-        check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, max_positions(self.model))
+        check_prompts(prompts, self.model.config.vocab_size, params, max_positions(self.model))
         stops = sorted(stop_tokens(self.model, params))
         per_chunk = max(1, self.config.max_batch_size // params.n)
         seed = params.seed if params.seed is not None else self.seed + self.calls

@@ -87,7 +87,7 @@ class VllmSampler:
         if self.asleep:
             raise RequestError("the vllm sampler is asleep; call wake() first")
         model = self.llm.llm_engine.model_config  # refused here by name, not deep inside vLLM
-        check_prompts(prompts, model.get_vocab_size(), params.max_tokens, model.max_model_len)
+        check_prompts(prompts, model.get_vocab_size(), params, model.max_model_len)
         # vLLM refuses greedy decoding with n > 1; the n greedy samples are one sequence repeated.
         copies = params.n if params.greedy else 1
         sampling = self.vllm.SamplingParams(

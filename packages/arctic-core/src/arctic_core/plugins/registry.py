@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.metadata
@@ -79,11 +80,14 @@ class Registry:
             raise PluginNotFoundError(f"unknown plugin kind {kind!r}; kinds: {sorted(KINDS)}")
         found = self.entries.get(kind, {}).get(name)
         if found is None:
-            known = ", ".join(sorted(self.entries.get(kind, {}))) or "(none)"
+            names = sorted(self.entries.get(kind, {}))
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             package = PROVIDED_BY.get((kind, name))
             install = f" `pip install {package}` provides it." if package else ""
             raise PluginNotFoundError(
-                f"no {kind.replace('_', ' ')} named {name!r} is registered; registered: {known}.{install} "
+                f"no {kind.replace('_', ' ')} named {name!r} is registered{hint}; registered: "
+                f"{', '.join(names) or '(none)'}.{install} "
                 f"Plugins come from the '{ENTRY_POINT_GROUP}' entry-point group (arctic-rl plugins lists them)."
             )
         return found.factory

@@ -170,7 +170,7 @@ class EmbeddedEngine:
         """``n`` samples per prompt, in prompt-major order (prompt 0's samples first)."""
         if self.asleep:
             raise RequestError("the sampler is asleep; call wake() first")
-        check_prompts(prompts, self.model.config.vocab_size, params.max_tokens, self.max_model_len)
+        check_prompts(prompts, self.model.config.vocab_size, params, self.max_model_len)
         self.scheduler.check(prompts, params)
         self._warn_of_waves(prompts, params)
         stops = stop_tokens(self.model, params)
