@@ -28,7 +28,7 @@ from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective,
 from arctic_core.ports import free_port
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.fused_elementwise import apply_compile_elementwise
-from arctic_zorro.lr_schedule import lr_factor, restore_lr, set_lr
+from arctic_zorro.lr_schedule import lr_factor, lr_for_step
 from arctic_zorro.param_groups import param_group_shapes, param_groups
 from arctic_zorro.saved_state import PARAM_GROUPS, TrainerState, check_layout, validated
 from arctic_zorro.micro_batches import Align, micro_forward_backward, micro_log_probs
@@ -321,26 +321,20 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
             # DeepSpeed's ZeRO 1/2 step fails on an empty accumulation and stays broken after it:
             # no gradient means no update, and the schedule does not advance.
             return {"grad_norm": 0.0, "lr": self.engine.get_lr()[0], "skipped": 1.0}
-        previous_lr = set_lr(self.engine.optimizer, lr)
-        lr = self.engine.get_lr()[0]
-        try:
+        with lr_for_step(self.engine.optimizer, self.engine.lr_scheduler, lr):
+            lr = self.engine.get_lr()[0]
             # A plain (non-ZeRO, fp32) optimizer clips without reporting the norm: measure it first. It
             # would also apply a NaN/inf gradient, which ZeRO's optimizers skip: skip it here as they do.
             norm_before = self._local_grad_norm() if self._grads_in_params() else None
             if norm_before is not None and not self._finite_on_every_rank(norm_before):
                 self.discard_gradients()
-                restore_lr(self.engine.optimizer, previous_lr)
                 return {"grad_norm": float(norm_before), "lr": lr, "skipped": 1.0}
             skipped_before = self.engine.skipped_steps
             self.engine.step()  # reduce, clip, update, zero the gradients, step the LR schedule
-        except BaseException:
-            restore_lr(self.engine.optimizer, previous_lr)
-            raise
         reported = self.engine.get_global_grad_norm()
         self.has_gradients = False
         grad_norm = float(next(n for n in (reported, norm_before, 0.0) if n is not None))
         if self.engine.skipped_steps > skipped_before:  # not finite: no update, the schedule held
-            restore_lr(self.engine.optimizer, previous_lr)
             return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
         self.steps += 1
         return {"grad_norm": grad_norm, "lr": lr}

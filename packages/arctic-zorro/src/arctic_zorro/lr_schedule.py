@@ -3,30 +3,33 @@ and a framework's per-step override."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from arctic_core.config import SchedulerConfig
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float | None) -> list[float]:
-    """A framework's learning rate for the coming step (None: keep the scheduler's value); returns
-    the values it replaced, for ``restore_lr`` when no step is taken. After a step the scheduler
-    sets its own value again."""
+@contextlib.contextmanager
+def lr_for_step(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                lr: float | None) -> Iterator[None]:
+    """A framework's learning rate for the step taken inside the block (None: keep the scheduler's
+    value). A step taken advances the scheduler, which sets its own next value; one skipped or
+    failed leaves the scheduler where it was, and its value comes back (the next step without a
+    framework's rate runs at the schedule's, not at this one)."""
     previous = [group["lr"] for group in optimizer.param_groups]
+    position = scheduler.last_epoch
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
-    return previous
-
-
-def restore_lr(optimizer: torch.optim.Optimizer, previous: list[float]) -> None:
-    """Undo ``set_lr`` after a step that was skipped or failed: the scheduler did not move, and the
-    next step without a framework's rate must run at the scheduler's value, not at this one."""
-    for group, lr in zip(optimizer.param_groups, previous, strict=True):
-        group["lr"] = lr
+    try:
+        yield
+    finally:
+        if scheduler.last_epoch == position:
+            for group, value in zip(optimizer.param_groups, previous, strict=True):
+                group["lr"] = value
 
 
 def lr_factor(config: SchedulerConfig) -> Callable[[int], float]:

@@ -22,7 +22,7 @@ from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective,
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.fused_elementwise import apply_compile_elementwise
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
-from arctic_zorro.lr_schedule import lr_factor, restore_lr, set_lr
+from arctic_zorro.lr_schedule import lr_factor, lr_for_step
 from arctic_zorro.param_groups import param_group_shapes, param_groups
 from arctic_zorro.saved_state import PARAM_GROUPS, TorchTrainerState, check_layout, validated
 from arctic_zorro.micro_batches import micro_forward_backward, micro_log_probs
@@ -116,22 +116,17 @@ class TorchTrainer(TorchLogProbEngine):
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         if self.asleep:
             raise RequestError("TorchTrainer is asleep; call wake() first")
-        previous_lr = set_lr(self.optimizer, lr)
-        lr = self.optimizer.param_groups[0]["lr"]
         max_norm = self.config.optimizer.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
-        try:
+        with lr_for_step(self.optimizer, self.scheduler, lr):
+            lr = self.optimizer.param_groups[0]["lr"]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")))
             if not math.isfinite(grad_norm):  # an update by NaN/inf would leave every weight NaN for good
                 log.warning("gradient norm is %s: step skipped, gradients dropped", grad_norm)
                 self.optimizer.zero_grad(set_to_none=True)
-                restore_lr(self.optimizer, previous_lr)
                 return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
             self.optimizer.step()
-        except BaseException:
-            restore_lr(self.optimizer, previous_lr)
-            raise
-        self.scheduler.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return {"grad_norm": grad_norm, "lr": lr}

@@ -7,6 +7,7 @@ can share one server without interleaving a ``fwd_bwd`` with a ``step``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
@@ -14,6 +15,7 @@ import shutil
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -150,14 +152,8 @@ class ArcticServer:
         objective = build_objective(self.registry, req.loss, req.temperature)
         ctx = LossContext.of(req.batch, req.max_response_len)
         objective.check(req.batch, ctx)  # bad input is refused before any gradient is touched
-        try:
+        with self._gradients_dropped_on_failure():
             metrics = self.trainer.forward_backward(req.batch, objective, ctx, req.scale)
-        except ArcticError:
-            raise  # a refusal (engine asleep, bad token id) added nothing; a dead worker needs load_checkpoint
-        except Exception:
-            # Part of this call's gradient may have been added: the sum would be silently wrong.
-            self._discard_gradients()
-            raise
         # A batch of responses whose tokens are all masked out still ran a backward (a zero gradient):
         # the next step() applies it as every framework's loop does (AdamW's momentum and weight decay
         # move the weights, the schedule advances). A batch of no response ran nothing.
@@ -171,14 +167,8 @@ class ArcticServer:
             # Nothing to apply: a no-op, so the weights, optimizer state, LR schedule and step
             # count stay as they are (an engine stepped with no gradient can be left broken).
             return Result(metrics={"grad_norm": 0.0, "skipped": 1.0, "step": float(self.step_count)})
-        try:
+        with self._gradients_dropped_on_failure():
             metrics = self.trainer.optimizer_step(lr=req.lr)
-        except ArcticError:
-            raise  # a refusal (engine asleep) changed nothing; a dead worker needs load_checkpoint
-        except Exception:
-            # The gradients may be clipped in place or half applied: never apply them a second time.
-            self._discard_gradients()
-            raise
         self.gradients_pending = False
         # A backend skips a step whose gradients are not finite (and drops them): no step is counted.
         skipped = metrics.pop("skipped", 0.0)
@@ -282,13 +272,23 @@ class ArcticServer:
         for name in sorted(needed & configured & self.asleep):
             self._set_awake(name, True)
 
-    def _discard_gradients(self) -> None:
-        """Drop every gradient accumulated since the last step, so the next step starts clean."""
-        self.gradients_pending = False
+    @contextlib.contextmanager
+    def _gradients_dropped_on_failure(self) -> Iterator[None]:
+        """Every gradient accumulated since the last step is dropped when the call inside fails: a
+        fwd_bwd may have added part of its own (the sum would be silently wrong), a step may have
+        clipped them in place or applied part of them (never apply them twice). A refusal (an Arctic
+        error: engine asleep, bad token id) changed nothing; a dead worker needs load_checkpoint."""
         try:
-            self.trainer.discard_gradients()
-        except Exception:  # the engine may be what failed (e.g. a dead worker); its restart clears it
-            log.exception("discarding gradients after a failed call failed too")
+            yield
+        except ArcticError:
+            raise
+        except Exception:
+            self.gradients_pending = False
+            try:
+                self.trainer.discard_gradients()
+            except Exception:  # the engine may be what failed (e.g. a dead worker); its restart clears it
+                log.exception("discarding gradients after a failed call failed too")
+            raise
 
     def _state(self) -> dict[str, int]:
         return {"policy_version": self.policy_version, "step": self.step_count}
