@@ -413,3 +413,23 @@ def test_bf16_zero_1_refuses_to_sleep_and_keeps_training(config_of, batch, tiny_
         assert client.transport.server.asleep == set()
         client.fwd_bwd(batch, LOSS)
         assert client.step().metrics["grad_norm"] > 0
+
+
+def test_a_build_lock_left_by_a_killed_build_is_named(tmp_path, monkeypatch, caplog):
+    """torch waits forever, silently, on the lock a killed op build leaves: the engine names it."""
+    import os
+    import time
+
+    from arctic_zorro import deepspeed_engine
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "fused_adam" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    with caplog.at_level("WARNING", logger=deepspeed_engine.__name__):
+        deepspeed_engine.warn_of_stale_build_locks()
+    named = [r.getMessage() for r in caplog.records if r.name == deepspeed_engine.__name__]
+    assert len(named) == 1 and named[0].startswith(f"{stale} is 60 minutes old")

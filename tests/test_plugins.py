@@ -125,21 +125,47 @@ def test_resolving_plugins_imports_no_engine():
     assert out.strip() == "False"
 
 
-def test_every_plugin_name_is_found_before_an_engine_is_built_and_a_failed_start_frees_what_it_built(
+def test_every_plugin_and_its_options_are_checked_before_an_engine_is_built_and_a_failed_start_frees_what_it_built(
         tiny_policy, monkeypatch):
     built, freed = [], []
     build = ArcticServer._build
-    monkeypatch.setattr(ArcticServer, "_build", lambda self, kind, *args: built.append(kind) or build(self, kind, *args))
+
+    def build_sampler_fails(self, kind, *args):
+        built.append(kind)
+        if kind == "sampling_backend":
+            raise RuntimeError("the sampler failed to start")
+        return build(self, kind, *args)
+
+    monkeypatch.setattr(ArcticServer, "_build", build_sampler_fails)
     monkeypatch.setattr(TorchTrainer, "shutdown", lambda self: freed.append(type(self).__name__))
     model = {"path": str(tiny_policy), "device": "cpu"}
-    with pytest.raises(PluginNotFoundError, match="no weight transport named 'nope'"):
-        ArcticServer(ArcticConfig.from_dict({"model": model, "trainer": {"backend": "torch"},
-                                             "weight_sync": {"transport": "nope"}}))
+    bad = {"weight_sync": {"transport": "nope"}, "sampler": {"options": {"bogus": 1}},
+           "trainer": {"backend": "ray", "options": {"backend": "torch", "options": {"zoro": {}}}}}
+    for (key, value), error, message in zip(bad.items(), (PluginNotFoundError, ConfigError, ConfigError),
+                                            ("no weight transport named 'nope'", "sampler.options.bogus",
+                                             r"trainer.options.options.zoro: unknown key \(did you mean 'zorro'")):
+        config = {"model": model, "trainer": {"backend": "torch"}, key: value}
+        with pytest.raises(error, match=message):
+            ArcticServer(ArcticConfig.from_dict(config))
     assert built == []  # a real model would have taken minutes to load before the typo was found
-    with pytest.raises(ConfigError, match="sampler.options.bogus"):
-        ArcticServer(ArcticConfig.from_dict({"model": model, "trainer": {"backend": "torch"},
-                                             "sampler": {"options": {"bogus": 1}}}))
+    with pytest.raises(RuntimeError, match="the sampler failed to start"):
+        ArcticServer(ArcticConfig.from_dict({"model": model, "trainer": {"backend": "torch"}}))
     assert built == ["training_backend", "sampling_backend"] and freed == ["TorchTrainer"]
+
+
+def test_options_are_checked_without_importing_an_engine():
+    """A config is checked from the options models the plugins declare (``Lazy(options=...)``):
+    DeepSpeed is not imported (importing it picks an accelerator and sets launcher variables)."""
+    code = (
+        "import sys; from arctic_core.config import ArcticConfig; from arctic_core.plugins.checks import check_plugins; "
+        "from arctic_core.plugins.registry import default_registry\n"
+        "config = ArcticConfig.from_dict({'model': {'path': 'm'}, 'trainer': {'options': {'zero_stge': 2}}})\n"
+        "try:\n    check_plugins(config, default_registry())\nexcept Exception as exc:\n    print(exc)\n"
+        "print('deepspeed' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "trainer.options.zero_stge: unknown key (did you mean 'zero_stage'?)" in out
+    assert out.strip().splitlines()[-1] == "False"
 
 
 GOOD_PLUGIN = '''

@@ -7,6 +7,7 @@ import math
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -117,6 +118,27 @@ def test_first_step_loss_and_gradients_equal_plain_trl(policy, tmp_path, overrid
     assert_grads_equal(take_arctic_grads(arctic), expected_grads, "first step")
     assert_trl_metrics_equal(plain, logged, arctic, metrics, plain.loss_type, plain.beta, "first step")
     arctic.arctic.close()
+
+
+def test_truncated_completions_masked_as_trl_masks_them(policy, tmp_path):
+    """``mask_truncated_completions``: TRL zeroes a truncated completion's mask row; the loss and
+    gradients through Arctic equal plain TRL's, and a whole run trains (log-probs of such rows too)."""
+    plain, inputs, arctic = plain_and_arctic(policy, tmp_path, mask_truncated_completions=True)
+    masked = inputs["completion_mask"].sum(1) == 0
+    assert masked.any(), "the batch needs truncated completions"
+    kept = masked.clone()
+    kept[0::2] = False  # every other truncated row as if it had ended at the limit (as wide: all ones)
+    inputs = {**inputs, "completion_mask": inputs["completion_mask"].masked_fill(kept[:, None], 1)}
+    expected, expected_grads = plain_loss_and_grads(plain, inputs)
+    metrics = arctic.arctic_fwd_bwd(inputs)
+    assert metrics["loss"] == pytest.approx(expected, abs=1e-5)
+    assert_grads_equal(take_arctic_grads(arctic), expected_grads, "truncated completions masked")
+    arctic.arctic.close()
+    args = grpo_args(tmp_path / "run", max_steps=2, num_iterations=2, mask_truncated_completions=True)
+    trainer = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+    trainer.train()
+    trainer.arctic.close()
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2]
 
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
@@ -473,16 +495,68 @@ def test_checkpoints_hold_the_trained_policy_and_resuming_restores_the_backend(p
     resumed.arctic.close()
 
 
+class RecordingTrainer(GRPOTrainer):
+    """Keeps each generation call's completions, by the optimizer step it served."""
+
+    def _generate_single_turn(self, *args, **kwargs):
+        completions, logprobs = super()._generate_single_turn(*args, **kwargs)
+        self.sampled = {**getattr(self, "sampled", {}), self.state.global_step: completions}
+        return completions, logprobs
+
+
+def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_run(policy, tmp_path):
+    """Resuming from checkpoint-2 and running step 3 gives the uninterrupted run's step 3: the same
+    sampling seed (from the restored step), so the same completions and loss."""
+    full = RecordingTrainer(model=policy, reward_funcs=variety_reward, train_dataset=DATASET,
+                            args=grpo_args(tmp_path / "full", max_steps=3, save_strategy="steps", save_steps=1))
+    full.train()
+    full.arctic.close()
+    resumed = RecordingTrainer(model=policy, reward_funcs=variety_reward, train_dataset=DATASET,
+                               args=grpo_args(tmp_path / "resumed", max_steps=3))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    resumed.arctic.close()
+    assert list(resumed.sampled) == [2] and resumed.sampled[2] == full.sampled[2]
+    assert full.sampled[2] != full.sampled[1]
+
+    def step_3(trainer) -> dict:
+        return next(h for h in trainer.state.log_history if h.get("step") == 3 and "loss" in h)
+
+    assert step_3(resumed)["loss"] == pytest.approx(step_3(full)["loss"], abs=1e-6)
+
+
 def test_trl_settings_arctic_does_not_compute_are_refused_by_name(policy, tmp_path):
     args = grpo_args(tmp_path, optim="adafactor", cast_lm_head_to_fp32=True, sync_ref_model=True, beta=0.1)
     with pytest.raises(ValueError) as refused:
         GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
     for named in ("optim='adafactor'", "cast_lm_head_to_fp32", "sync_ref_model"):
         assert named in str(refused.value)
+    # Values TRL checks only when it first computes a loss, and lengths past the model's positions.
+    args = grpo_args(tmp_path, importance_sampling_level="seq", vllm_importance_sampling_mode="tok",
+                     max_completion_length=512)
+    with pytest.raises(ValueError) as refused:
+        GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+    for named in ("importance_sampling_level='seq' (TRL's: token, sequence)",
+                  "vllm_importance_sampling_mode='tok' (TRL's: token_truncate,",
+                  "max_completion_length=512 leaves no room for a prompt in the model's max_position_embeddings=512"):
+        assert named in str(refused.value)
     # Three micro-batches per generation, two per optimizer step: keeping a prompt's samples together
     # would move rows from one step into the next, so the regrouping is off.
     assert not regroup_is_exact(grpo_args(tmp_path, steps_per_generation=3, gradient_accumulation_steps=2))
     assert regroup_is_exact(grpo_args(tmp_path, steps_per_generation=4, gradient_accumulation_steps=2))
+
+
+def test_truncated_sampling_under_trls_default_correction_is_warned_about(policy, tmp_path):
+    """top-k / top-p / min-p with TRL's vLLM correction (on by default) down-weights every sample, as
+    TRL with vLLM does: the trainer says so when it is built, and not without the correction."""
+    with pytest.warns(UserWarning, match="top_k=5, top_p=0.9 with vllm_importance_sampling_correction"):
+        trainer = GRPOTrainer(model=policy, reward_funcs=variety_reward, train_dataset=DATASET,
+                              args=grpo_args(tmp_path, top_k=5, top_p=0.9))
+    trainer.arctic.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer = GRPOTrainer(model=policy, reward_funcs=variety_reward, train_dataset=DATASET,
+                              args=grpo_args(tmp_path, top_k=5, vllm_importance_sampling_correction=False))
+    trainer.arctic.close()
 
 
 def test_a_model_with_dropout_needs_trls_disable_dropout(policy, tmp_path):

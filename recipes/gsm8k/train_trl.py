@@ -1,7 +1,7 @@
 """GRPO on GSM8K with TRL's GRPOTrainer on the Arctic backend (one GPU, no Ray cluster).
 
     python -m recipes.gsm8k.prepare_data --source ~/gsm8k --out ~/data/gsm8k
-    python -m recipes.gsm8k.train_trl --model Qwen/Qwen3-1.7B --data ~/data/gsm8k --out runs/gsm8k
+    python -m recipes.gsm8k.train_trl --model ~/models/qwen3-1.7b --data ~/data/gsm8k --out runs/gsm8k
 
 A plain TRL script: the dataset is the prepared ``train.jsonl``, the reward is
 ``recipes.gsm8k.reward.reward``, and the only Arctic-specific line is the GRPOTrainer import.
@@ -34,6 +34,9 @@ def load_config(path: Path, overrides: list[str]) -> dict:
         if not value:
             raise SystemExit(f"--set {item!r}: expected key=value")
         *parents, leaf = dotted.split(".")
+        if not parents or parents[0] not in config:  # a key outside the config's sections would be ignored
+            raise SystemExit(f"--set {item!r}: the key must start with one of the config's sections "
+                             f"({', '.join(f'{section}.' for section in config)})")
         node = config
         for key in parents:
             node = node.setdefault(key, {})
@@ -43,7 +46,7 @@ def load_config(path: Path, overrides: list[str]) -> dict:
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> GRPOTrainer:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="model folder or hub name")
+    parser.add_argument("--model", required=True, help="a local model folder (e.g. from huggingface-cli download)")
     parser.add_argument("--data", required=True, type=Path, help="the folder prepare_data wrote")
     parser.add_argument("--out", required=True, help="TRL's output_dir")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)

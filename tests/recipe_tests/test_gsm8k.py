@@ -98,3 +98,13 @@ def test_the_gsm8k_reward_rises_on_a_learnable_task(tiny_policy, tmp_path):
                               "--set", "trl.per_device_train_batch_size=16", "--set", "trl.gradient_accumulation_steps=1"])
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
+
+
+def test_an_override_outside_the_configs_sections_is_refused(tmp_path):
+    """``--set max_steps=2`` (no section) would be silently ignored by TRL's config: it is refused."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"trl": {"max_steps": 5}, "arctic": {}}))
+    assert train_trl.load_config(config, ["trl.max_steps=2"])["trl"]["max_steps"] == 2
+    for item in ("max_steps=2", "trainer.max_steps=2"):
+        with pytest.raises(SystemExit, match=r"the key must start with one of the config's sections \(arctic\., trl\.\)"):
+            train_trl.load_config(config, [item])

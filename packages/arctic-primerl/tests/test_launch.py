@@ -3,16 +3,18 @@ processes configured as its own launcher configures them, bad runs stopped in se
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from arctic_core.errors import ArcticError, ConfigError
 from arctic_primerl.config import read_run
-from arctic_primerl.launch import env_sources, preflight, prime_rl_processes
+from arctic_primerl.launch import Process, Watchdog, env_sources, preflight, prime_rl_processes
 from arctic_primerl.schedule import LRSchedule
 from runs import write_toml
 
@@ -178,3 +180,47 @@ env = {taskset = {id = "math"}}
     toml.write_text(toml.read_text() + "\n[resume]\nstep = 2\n")
     with pytest.raises(ConfigError, match=r"\[resume\] needs run.name"):
         read_run(toml)
+
+
+def test_the_orchestrator_ending_cleanly_before_the_last_step_stops_the_run(tmp_path):
+    """A clean exit while the trainer waits for a rollout file would leave it waiting forever: the
+    watchdog stops the run naming the file; once the file is there the same exit is the normal end."""
+    awaited = tmp_path / "rollouts" / "step_3" / "rank_0.bin"
+
+    def reason_after_clean_exit() -> str | None:
+        orchestrator = Process("orchestrator", [sys.executable, "-c", "pass"], tmp_path / "orchestrator.log")
+        orchestrator.start(dict(os.environ))
+        orchestrator.popen.wait()
+        stop = threading.Event()
+        watchdog = Watchdog([orchestrator], stop, lambda: awaited)
+        watchdog.start()
+        if not stop.wait(3.0):
+            stop.set()  # the trainer's own end
+        watchdog.join()
+        return watchdog.reason
+
+    reason = reason_after_clean_exit()
+    assert reason is not None and f"orchestrator exited (status 0) before writing {awaited}" in reason
+    awaited.parent.mkdir(parents=True)
+    awaited.write_bytes(b"")
+    assert reason_after_clean_exit() is None
+
+
+def test_mistakes_in_the_toml_are_named(tmp_path, policy):
+    """A file that is not TOML, a misspelt [arctic] key, a step count below 1, a context past the
+    model's positions: each a ConfigError naming it (the command prints it as one line, status 2)."""
+    commands = f'orchestrator_command = ["{sys.executable}"]\nenv_server_command = ["{sys.executable}"]'
+    broken = write_toml(tmp_path / "broken.toml", policy, tmp_path / "run")
+    broken.write_text(broken.read_text() + "\n[unclosed\n")
+    cases = {broken: "broken.toml is not valid TOML",
+             write_toml(tmp_path / "typo.toml", policy, tmp_path / "run", arctic="orchestrator_comand = ['x']"):
+                 "arctic.orchestrator_comand: unknown key (did you mean 'orchestrator_command'?)",
+             write_toml(tmp_path / "zero.toml", policy, tmp_path / "run", steps=0): "max_steps = 0: a number of steps"}
+    for toml, message in cases.items():
+        with pytest.raises(ConfigError) as refused:
+            read_run(toml)
+        assert message in str(refused.value)
+    long = write_toml(tmp_path / "long.toml", policy, tmp_path / "run", seq_len=4096, arctic=commands)
+    with pytest.raises(ArcticError, match=r"the context served \(\[arctic\] max_model_len, else seq_len\) = 4096 "
+                                          r"tokens, more than the model's max_position_embeddings=512"):
+        preflight(read_run(long))

@@ -57,3 +57,21 @@ def test_an_unsupported_skyrl_version_is_refused(monkeypatch, policy):
     cfg = ArcticSkyRLConfig.from_cli_overrides([f"trainer.policy.model.path={policy}"])
     with pytest.raises(ArcticError, match=r"arctic-skyrl supports skyrl >=0.4.0,<0.5; skyrl 0.3.0 is installed"):
         preflight(cfg)
+
+
+def test_what_would_fail_after_ray_starts_is_named_before(policy):
+    """Backend options (checked by the backend's own model, without importing it) and a response
+    limit that leaves no room for a prompt in the model's positions."""
+    from arctic_core.errors import ArcticError
+    from arctic_skyrl.preflight import preflight
+    from arctic_skyrl.settings import ArcticSkyRLConfig
+
+    for override, message in (("arctic.config.trainer.options.zero_stge=2",
+                               "trainer.options.zero_stge: unknown key (did you mean 'zero_stage'?)"),
+                              ("generator.sampling_params.max_generate_length=512",
+                               "max_generate_length + one prompt token = 513 tokens, more than the model's "
+                               "max_position_embeddings=512")):
+        cfg = ArcticSkyRLConfig.from_cli_overrides([f"trainer.policy.model.path={policy}", override])
+        with pytest.raises(ArcticError) as refused:
+            preflight(cfg)
+        assert message in str(refused.value)

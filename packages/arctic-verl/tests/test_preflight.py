@@ -38,6 +38,7 @@ STOPS = {
     "critic": ("algorithm.adv_estimator=gae", "a critic (value model) is not served by Arctic"),
     "unreachable-url": ("+arctic.url=http://127.0.0.1:{port}", "127.0.0.1:{port}"),
     "missing-model": ("actor_rollout_ref.model.path=/nonexistent/model", "/nonexistent/model"),
+    "legacy-trainer": ("trainer.use_v1=False", "trainer.use_v1=False: trainer.v1.trainer_mode=arctic runs in verl's v1"),
 }
 
 
@@ -133,10 +134,26 @@ def test_settings_refused_by_name(policy):
     assert_refused_naming(verl_config(model, f"{correction}rollout_is=null", f"{correction}rollout_rs=token_k1",
                                       "actor_rollout_ref.rollout.calculate_log_probs=False"),
                           "rollout_correction.rollout_rs='token_k1': needs actor_rollout_ref.rollout.calculate_log_probs=True")
+    assert_refused_naming(verl_config(model, f"{correction}rollout_is=token", f"{correction}rollout_is_threshold=abc",
+                                      "actor_rollout_ref.rollout.calculate_log_probs=True"),
+                          "rollout_correction.rollout_is_threshold='abc': a number")
     for mapped in ([f"{correction}rollout_is=sequence", f"{correction}rollout_rs=seq_mean_k1"],
                    [f"{correction}rollout_is=token", f"{correction}rollout_rs='token_k1,seq_max_k2'"]):
         assert refusals(verl_config(model, *mapped, "actor_rollout_ref.rollout.calculate_log_probs=True"),
                         ArcticSettings()) == [], mapped
+
+
+def test_what_would_fail_after_ray_starts_is_named_before(policy):
+    """Backend options (checked by the backend's own model, without importing it), prompt and
+    response lengths past the model's positions, values verl's own config classes refuse."""
+    model = f"actor_rollout_ref.model.path={policy}"
+    assert_refused_naming(verl_config(model, "+arctic.config.trainer.options.zero_stge=2"),
+                          "trainer.options.zero_stge: unknown key (did you mean 'zero_stage'?)")
+    assert_refused_naming(verl_config(model, "data.max_prompt_length=512", "data.max_response_length=1024"),
+                          "prompt_length + response_length", "= 1536 tokens, more than the model's "
+                          "max_position_embeddings=512")
+    assert_refused_naming(verl_config(model, "actor_rollout_ref.actor.optim.lr_scheduler_type=linear"),
+                          "actor_rollout_ref.actor.optim: verl's config check `assert self.lr_scheduler_type in")
 
 
 def test_verls_deprecated_optimizer_keys_are_read_as_verl_reads_them(policy):

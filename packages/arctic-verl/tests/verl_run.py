@@ -24,9 +24,10 @@ VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "confi
 
 
 def verl_config(*overrides: str) -> DictConfig:
-    """verl's ``ppo_trainer`` config, composed by Hydra as ``main_ppo`` composes it (GRPO unless
-    ``overrides`` say otherwise)."""
-    defaults = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+    """verl's ``ppo_trainer`` config, composed by Hydra as ``main_ppo`` composes it (GRPO and
+    lengths within the tiny model's 512 positions unless ``overrides`` say otherwise)."""
+    defaults = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "data.max_prompt_length=256", "data.max_response_length=256"]
     with initialize_config_dir(config_dir=VERL_CONFIG_DIR, version_base=None):
         return compose("ppo_trainer", overrides=[*defaults, *overrides])
 

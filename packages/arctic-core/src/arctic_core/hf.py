@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplingParams
@@ -80,9 +80,11 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
         raise RequestError(f"{what} contain token id {int(ids.max())} >= vocab size {vocab_size}")
 
 
-def max_positions(model: PreTrainedModel) -> int:
-    """The positions the model was built for (``max_position_embeddings``; 65,536 where unset)."""
-    return getattr(model.config, "max_position_embeddings", None) or 1 << 16
+def max_positions(model: PreTrainedModel | PretrainedConfig) -> int:
+    """The positions the model (or its config) was built for (``max_position_embeddings``; 65,536
+    where unset)."""
+    config = model if isinstance(model, PretrainedConfig) else model.config
+    return getattr(config.get_text_config(), "max_position_embeddings", None) or 1 << 16
 
 
 def check_batch_fits(batch: RolloutBatch, model: PreTrainedModel) -> None:

@@ -9,9 +9,12 @@ from arctic_core import Lazy, hookimpl
 def arctic_sampling_backends():
     return {
         "embedded": Lazy("arctic_fca.embedded_sampler:EmbeddedSampler",
-                         "Embedded engine: continuous batching, paged KV with prefix sharing, FCA decode."),
+                         "Embedded engine: continuous batching, paged KV with prefix sharing, FCA decode.",
+                         options="arctic_fca.engine:EngineOptions"),
         "hf-generate": Lazy("arctic_fca.hf_sampler:HFGenerateSampler",
-                            "transformers generate(): n samples per prompt, sampling log-probs."),
+                            "transformers generate(): n samples per prompt, sampling log-probs.",
+                            options="arctic_fca.hf_sampler:HFSamplerOptions"),
         "vllm": Lazy("arctic_fca.vllm_sampler:VllmSampler",
-                     "vLLM 0.24.x: prefix caching, in-place weight updates, sleep mode (the 'vllm' extra)."),
+                     "vLLM 0.24.x: prefix caching, in-place weight updates, sleep mode (the 'vllm' extra).",
+                     options="arctic_fca.vllm_sampler:VllmOptions"),
     }

@@ -31,7 +31,7 @@ def _main() -> None:
 
 @app.command()
 def rl(
-    config: Annotated[list[str], typer.Argument(help="@ rl.toml: PRIME-RL's rl config, with an [arctic] table.")],
+    config: Annotated[list[str], typer.Argument(help="@ rl.toml: PRIME-RL's rl config, with an \\[arctic] table.")],
     dry_run: Annotated[bool, typer.Option(help="Check the settings and write the PRIME-RL configs; start nothing.")] = False,
 ) -> None:
     """Run PRIME-RL's orchestrator and environment servers; Arctic trains and samples."""
@@ -71,7 +71,7 @@ def _run(run, processes, token) -> None:
     typer.echo(f"{NAME}: serving PRIME-RL's inference routes at {url}; logs under {run.run_dir / 'logs'}", err=True)
     # SIGTERM ends the run as Ctrl-C does: through the finally below, which stops PRIME-RL's processes.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    watchdog = Watchdog(processes, service.trainer.settings.stop)
+    watchdog = Watchdog(processes, service.trainer.settings.stop, lambda: service.trainer.awaited)
     try:
         for process in processes:
             process.start(dict(os.environ))

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from arctic_core.adapters.settings import BackendSettings
 from arctic_core.adapters.translation import overlay
-from arctic_core.config import ArcticConfig, StrictModel
+from arctic_core.config import ArcticConfig, StrictModel, validate
 from arctic_core.errors import ConfigError
 from arctic_primerl.loss import loss_terms
 from arctic_primerl.schedule import LRSchedule
@@ -90,7 +90,10 @@ class RunSettings(StrictModel):
 def read_run(path: Path) -> RunSettings:
     """Parse and check ``rl.toml``; the first problem raises a ConfigError naming its key."""
     with path.open("rb") as f:
-        raw = tomllib.load(f)
+        try:
+            raw = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     trainer, orchestrator = raw.get("trainer", {}), raw.get("orchestrator", {})
     for keys, what in REFUSED.items():
         if _get(trainer, keys) not in (None, False, {}):
@@ -101,6 +104,8 @@ def read_run(path: Path) -> RunSettings:
     max_steps = _shared(raw, ("max_steps",), trainer, orchestrator)
     if model_name is None or max_steps is None:
         raise ConfigError(f"{path}: set model.name and max_steps (as PRIME-RL's rl launcher needs them)")
+    if type(max_steps) is not int or max_steps < 1:
+        raise ConfigError(f"max_steps = {max_steps!r}: a number of steps, at least 1")
     seq_len = _shared(raw, ("seq_len",), {"seq_len": _get(trainer, ("model", "seq_len"))}, orchestrator) or 2048
     optim = dict(trainer.get("optim", {}))
     if optim.pop("type", "adamw") != "adamw":
@@ -130,7 +135,7 @@ def read_run(path: Path) -> RunSettings:
         checkpoints="ckpt" in raw or "ckpt" in trainer, ckpt_interval=ckpt.get("interval"),
         ckpt_keep_last=ckpt.get("keep_last"), ckpt_keep_interval=ckpt.get("keep_interval"), resume_step=resume_step,
         clean=bool(raw.get("clean", False)), orchestrator=with_shared_sections(raw, orchestrator),
-        arctic=ArcticSection.model_validate(raw.get("arctic", {})),
+        arctic=validate(ArcticSection, raw.get("arctic", {}), "[arctic] table", prefix="arctic."),
     )
 
 

@@ -15,11 +15,12 @@ import shutil
 import socket
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from arctic_core.adapters.preflight import check_server
+from arctic_core.adapters.preflight import check_backend, check_positions, check_server
 from arctic_core.cli import is_loopback
 from arctic_core.errors import ArcticError
 from arctic_primerl.config import RunSettings, source_name
@@ -39,9 +40,13 @@ class Process:
         with self.log.open("w") as out:
             self.popen = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
+    def returncode(self) -> int | None:
+        """The exit status (None while it runs)."""
+        return self.popen.poll() if self.popen else None
+
     def failure(self) -> str | None:
         """Why the process ended badly (None while it runs or after a clean exit)."""
-        code = self.popen.poll() if self.popen else None
+        code = self.returncode()
         if code in (None, 0):
             return None
         tail = self.log.read_text(errors="replace").strip().splitlines()[-15:]
@@ -110,19 +115,31 @@ def check_port(host: str, port: int) -> None:
 
 
 class Watchdog(threading.Thread):
-    """Stops the trainer when one of PRIME-RL's processes fails, keeping the reason."""
+    """Stops the trainer when one of PRIME-RL's processes fails, keeping the reason: a process that
+    exits with an error, or the orchestrator (the last process) ending cleanly while the trainer
+    waits for a rollout file (``awaited``) that no one is left to write."""
 
-    def __init__(self, processes: list[Process], stop: threading.Event) -> None:
+    def __init__(self, processes: list[Process], stop: threading.Event,
+                 awaited: Callable[[], Path | None] = lambda: None) -> None:
         super().__init__(daemon=True, name="primerl-watchdog")
-        self.processes, self.stop, self.reason = processes, stop, None
+        self.processes, self.stop, self.awaited, self.reason = processes, stop, awaited, None
 
     def run(self) -> None:
         while not self.stop.wait(1.0):
-            for process in self.processes:
-                self.reason = process.failure()
-                if self.reason:
-                    self.stop.set()
-                    return
+            self.reason = next(filter(None, (p.failure() for p in self.processes)), None) or self._orchestrator_gone()
+            if self.reason:
+                self.stop.set()
+                return
+
+    def _orchestrator_gone(self) -> str | None:
+        orchestrator = self.processes[-1]
+        if orchestrator.returncode() != 0:  # running (or failed: reported above)
+            return None
+        path = self.awaited()  # read after the exit: the orchestrator writes nothing more
+        if path is None or path.exists():
+            return None
+        return (f"{orchestrator.name} exited (status 0) before writing {path}, which the trainer waits for "
+                f"(log: {orchestrator.log})")
 
 
 def preflight(run: RunSettings) -> tuple[str | None, list[Process]]:
@@ -135,9 +152,12 @@ def preflight(run: RunSettings) -> tuple[str | None, list[Process]]:
     check_commands(run)
     check_port(run.arctic.host, run.port)
     if run.arctic.starts_backend:
-        run.arctic_config(on_gpu=False).check_model_folders()
+        check_backend(run.arctic_config(on_gpu=False))
     else:
         check_server(run.arctic, run.model_name, "model.name", None)
+    if Path(run.model_name).is_dir():  # the tokenizer's folder, whichever backend serves the model
+        check_positions(run.model_name, run.arctic.max_model_len or run.seq_len,
+                        "the context served ([arctic] max_model_len, else seq_len)")
     return token, prime_rl_processes(run)
 
 

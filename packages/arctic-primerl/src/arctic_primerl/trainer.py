@@ -111,6 +111,7 @@ class RolloutTrainer:
         self.client, self.run, self.settings, self.metrics = client, run, settings, metrics
         self.history: list[dict[str, float]] = []
         self.announced = settings.start_step - 2  # the last step whose weights the sampler serves
+        self.awaited: Path | None = None  # the rollout file the loop waits for (None while it trains)
 
     def run_steps(self) -> None:
         s = self.settings
@@ -153,10 +154,14 @@ class RolloutTrainer:
         self.run.announce(step)
 
     def _wait_for(self, path: Path) -> bytes | None:
-        while not path.exists():  # the orchestrator renames a finished file into place
-            if self.settings.stop.wait(POLL_S):
-                return None
-        return path.read_bytes()
+        self.awaited = path
+        try:
+            while not path.exists():  # the orchestrator renames a finished file into place
+                if self.settings.stop.wait(POLL_S):
+                    return None
+            return path.read_bytes()
+        finally:
+            self.awaited = None
 
     def _checkpoint(self, step: int) -> None:
         s = self.settings

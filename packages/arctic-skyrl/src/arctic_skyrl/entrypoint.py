@@ -12,15 +12,13 @@ registers them in its own module and calls :func:`main` from there.
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 
 import torch
 from skyrl.train.utils import validate_cfg
 from skyrl.train.utils.utils import initialize_ray
 
-from arctic_core.adapters.preflight import exit_with
+from arctic_core.adapters.preflight import describe, exit_with
 from arctic_core.adapters.settings import BackendSettings
 from arctic_core.client import ArcticClient
 from arctic_core.errors import ArcticError
@@ -42,14 +40,6 @@ def parse(argv: list[str]) -> tuple[ArcticSkyRLConfig, BackendSettings]:
     return cfg, settings
 
 
-def describe(exc: BaseException) -> str:
-    """The message of a failed check; SkyRL's bare ``assert`` statements are named by their source line."""
-    if str(exc):
-        return str(exc)
-    frame = traceback.extract_tb(exc.__traceback__)[-1]
-    return f"SkyRL's config check `{frame.line}` failed ({os.path.basename(frame.filename)}:{frame.lineno})"
-
-
 def open_backend(cfg: ArcticSkyRLConfig, settings: BackendSettings) -> ArcticClient:
     if settings.url:
         return ArcticClient.http(settings.url, token=settings.token, timeout=settings.timeout)
@@ -60,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg, settings = parse(sys.argv[1:] if argv is None else argv)
     except (ArcticError, ValueError, AssertionError) as exc:  # SkyRL's checks raise the last two
-        exit_with("arctic-skyrl", describe(exc))
+        exit_with("arctic-skyrl", describe(exc, "SkyRL's"))
     initialize_ray(cfg)
     arctic = open_backend(cfg, settings)
     try:

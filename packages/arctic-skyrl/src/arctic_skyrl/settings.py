@@ -37,4 +37,4 @@ class ArcticSkyRLConfig(SkyRLTrainConfig):
 
 def read_settings(cfg: ArcticSkyRLConfig) -> BackendSettings:
     """The ``arctic`` section, validated (bad values name their key)."""
-    return validate(BackendSettings, asdict(cfg.arctic), "the 'arctic' section of the SkyRL config", prefix="arctic.")
+    return validate(BackendSettings, asdict(cfg.arctic), "'arctic' section of the SkyRL config", prefix="arctic.")

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from trl import GRPOConfig
 
 from arctic_core.config import TrainerConfig
+from arctic_core.hf import max_positions
 
 # loss_type -> how TRL reduces per-token losses within a micro-batch (our aggregation)
 AGGREGATION = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "bnpo": "token-mean",
@@ -26,6 +27,8 @@ AGGREGATION = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "bn
 # ... and which normalise by the tokens of the whole accumulation window rather than per micro-batch
 WINDOW_NORMALISED = {"dapo", "cispo", "vespo"}
 # generation_kwargs keys with an Arctic sampling setting of the same meaning
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "repetition_penalty"}
 
@@ -39,6 +42,12 @@ def unsupported(args: GRPOConfig) -> list[str]:
                         "'ray', 'options': {'workers': N}}})")
     if args.loss_type not in AGGREGATION:
         problems.append(f"loss_type={args.loss_type!r} (TRL 1.16's: {', '.join(AGGREGATION)})")
+    if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        problems.append(f"importance_sampling_level={args.importance_sampling_level!r} (TRL's: "
+                        f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)})")
+    if args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode not in SAMPLER_CORRECTION_MODES:
+        problems.append(f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r} (TRL's: "
+                        f"{', '.join(SAMPLER_CORRECTION_MODES)})")
     if args.use_vllm:
         problems.append("use_vllm: Arctic samples for you (its sampler can be vLLM: arctic={'sampler': "
                         "{'backend': 'vllm'}}); drop use_vllm")
@@ -70,6 +79,10 @@ def unsupported_model(args: GRPOConfig, config: PretrainedConfig) -> list[str]:
     TRL adds when the model returns router logits and the coefficient is not 0, and the model's
     dropout, which TRL trains with unless ``disable_dropout``."""
     problems = []
+    positions = max_positions(config)
+    if args.max_completion_length >= positions:
+        problems.append(f"max_completion_length={args.max_completion_length} leaves no room for a prompt in the "
+                        f"model's max_position_embeddings={positions}")
     text_config = config.get_text_config()
     coef = args.router_aux_loss_coef
     coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
@@ -82,6 +95,21 @@ def unsupported_model(args: GRPOConfig, config: PretrainedConfig) -> list[str]:
         problems.append(f"the model's dropout {dropout}: Arctic trains without dropout (every forward gives the "
                         "same log-probs); set disable_dropout=True")
     return problems
+
+
+def truncated_sampling_caveat(args: GRPOConfig) -> str | None:
+    """What TRL's vLLM correction (on by default) does with top-k, top-p or min-p sampling: the
+    sampler's log-probs are those of the truncated distribution (as vLLM's ``processed_logprobs``),
+    the trainer's of the full one, so every ratio is below 1 and a sequence's weight shrinks with
+    its length. Arctic does as TRL with vLLM does; the user should know."""
+    params = sampling_params(args, args.temperature)
+    truncated = [f"{key}={params[key]}" for key, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+                 if params[key] is not None and params[key] != off]
+    if not truncated or sampler_correction(args, True) is None:
+        return None
+    return (f"{', '.join(truncated)} with vllm_importance_sampling_correction: the correction compares the "
+            "truncated distribution's log-probs with the full one's, so it down-weights every sample (as TRL "
+            "does with vLLM); set vllm_importance_sampling_correction=False to train on the samples as drawn")
 
 
 def sampling_params(args: GRPOConfig, temperature: float) -> dict[str, Any]:

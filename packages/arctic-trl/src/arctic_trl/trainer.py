@@ -21,6 +21,7 @@ import copy
 import math
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,10 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
 from arctic_core.serving.server import HF_EXPORT
 from arctic_trl.mapping import (MicroBatch, arctic_config, loss_terms, policy_loss, regroup_is_exact, sampling_params,
-                                unsupported, unsupported_model)
+                                truncated_sampling_caveat, unsupported, unsupported_model)
 
 REFERENCE = "reference"  # stands for TRL's ref_model: log-probs come from Arctic's reference engine
+SEEDS_PER_STEP = 1009  # sampling seeds set apart per optimizer step (more than a step's generation calls)
 
 
 class PolicyStub(PreTrainedModel):
@@ -109,6 +111,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         problems += unsupported_model(args, AutoConfig.from_pretrained(path))
         if problems:
             raise ValueError("arctic_trl cannot run these settings exactly:\n  - " + "\n  - ".join(problems))
+        caveat = truncated_sampling_caveat(args)
+        if caveat:
+            warnings.warn(caveat, stacklevel=2)
         self.arctic = _connect(arctic, path, args)
         beta = args.beta
         # TRL must not build a reference model or clip the placeholder: both are the backend's job
@@ -124,7 +129,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                          optimizers=(optimizer, None), **kwargs)
         self.beta = args.beta = beta
         self.ref_model = REFERENCE if beta != 0.0 else None
-        self._generations = 0
+        self._seed_step, self._seed_calls = -1, 0  # see _sampling_seed
         self._on_host: list[dict[str, Any]] | None = None
         # transformers' NaN/inf loss filter, applied in training_step from the host's loss value:
         # the Trainer's own check reads the returned device tensor, which waits for the backward.
@@ -145,13 +150,22 @@ class GRPOTrainer(trl.GRPOTrainer):
             return super()._tokenize_prompts(prompts)
         return [list(row) for row, (_, count) in zip(ids, runs, strict=True) for _ in range(count)], None, {}
 
+    def _sampling_seed(self) -> int:
+        """A seed per generation call, distinct across the run and the same when a run resumes from a
+        checkpoint: from the optimizer step the call serves (restored on resume) and the call's
+        index within that step."""
+        step = self.state.global_step
+        if step != self._seed_step:
+            self._seed_step, self._seed_calls = step, 0
+        self._seed_calls += 1
+        return self.args.seed + SEEDS_PER_STEP * step + self._seed_calls - 1
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if images is not None and any(image is not None for image in images):
             raise NotImplementedError("arctic_trl samples text only; images are not supported")
         runs = _runs([list(p) for p in prompt_ids])  # TRL's sampler repeats each prompt num_generations times in a row
         params = {**sampling_params(self.args, self.temperature), "max_tokens": self.max_completion_length,
-                  "stop_token_ids": list(self.eos_token_ids), "seed": self.args.seed + self._generations}
-        self._generations += 1
+                  "stop_token_ids": list(self.eos_token_ids), "seed": self._sampling_seed()}
         sizes = {n for _, n in runs}
         # One call when every prompt has the same sample count (always, in training); else per prompt.
         calls = [(runs, sizes.pop())] if len(sizes) == 1 else [([run], run[1]) for run in runs]
@@ -434,8 +448,23 @@ def _rollout_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, comple
                    loss_mask: torch.Tensor | None = None, **fields: torch.Tensor) -> RolloutBatch:
     """TRL's layout (left-padded prompts + right-padded completions) as an Arctic batch."""
     cpu = {k: v.detach().cpu() for k, v in fields.items()}
-    return RolloutBatch.from_padded(input_ids.cpu(), attention_mask.cpu(), input_ids.shape[1] - completion_len,
+    attention_mask = _with_masked_completions_attended(attention_mask.cpu(), completion_len)
+    return RolloutBatch.from_padded(input_ids.cpu(), attention_mask, input_ids.shape[1] - completion_len,
                                     response_mask=None if loss_mask is None else loss_mask.cpu().bool(), **cpu)
+
+
+def _with_masked_completions_attended(attention_mask: torch.Tensor, completion_len: int) -> torch.Tensor:
+    """TRL's ``mask_truncated_completions`` zeroes a truncated completion's whole row of the mask.
+    Its tokens are real (truncated: no EOS before the length limit, so the row is as wide as the
+    batch) and its loss is masked out (``loss_mask``), so the batch keeps the row as a full-width
+    response rather than an empty one, which would shrink the responses' width below the loss
+    mask's. Nothing reads such a row's log-probs, so the loss and gradients are TRL's."""
+    emptied = attention_mask[:, attention_mask.shape[1] - completion_len:].sum(1) == 0
+    if not bool(emptied.any()):
+        return attention_mask
+    attention_mask = attention_mask.clone()
+    attention_mask[emptied, attention_mask.shape[1] - completion_len:] = 1
+    return attention_mask
 
 
 def _widen(values: torch.Tensor, width: int) -> torch.Tensor:

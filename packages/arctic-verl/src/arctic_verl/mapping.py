@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from arctic_core.adapters.preflight import describe
 from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, overlay, vllm_sampling_params
 from arctic_core.config import ArcticConfig, SamplingParams
 from arctic_core.errors import ConfigError
@@ -45,7 +46,10 @@ def actor_optim(config: DictConfig) -> Any:
 
     with warnings.catch_warnings():  # verl warns that the aliases are deprecated: its own users' news
         warnings.simplefilter("ignore", DeprecationWarning)
-        return omega_conf_to_dataclass(config.actor_rollout_ref.actor.optim, FSDPOptimizerConfig)
+        try:
+            return omega_conf_to_dataclass(config.actor_rollout_ref.actor.optim, FSDPOptimizerConfig)
+        except (AssertionError, ValueError, TypeError) as exc:  # verl's own checks, some of them bare asserts
+            raise ConfigError(f"actor_rollout_ref.actor.optim: {describe(exc, "verl's")}") from None
 
 
 # --------------------------------------------------------------------------- refusals
@@ -61,6 +65,9 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
     with warnings.catch_warnings():  # verl warns that it disables the critic: not news here
         warnings.simplefilter("ignore")
         critic = need_critic(config)
+    if not get(config, "trainer.use_v1", True):
+        refuse("trainer.use_v1", "trainer.v1.trainer_mode=arctic runs in verl's v1 trainer; the legacy trainer "
+               "ignores trainer modes and would train on verl's own engines")
     if critic:
         found.append(f"algorithm.adv_estimator={get(config, 'algorithm.adv_estimator')!r} / critic.enable: a critic "
                      "(value model) is not served by Arctic; use a critic-free estimator (grpo, rloo, "
@@ -125,6 +132,10 @@ def _refuse_rollout_correction(config: DictConfig, refuse) -> None:
     if level == "sequence" and token_rules:
         refuse(f"{section}.rollout_rs", f"token-level rejection ({', '.join(token_rules)}) with rollout_is=sequence "
                "is not supported (token or sequence-level rejection with rollout_is=token is)")
+    try:
+        sampler_correction(config)
+    except ValueError:
+        refuse(f"{section}.rollout_is_threshold", "a number (truncation from above) or 'low_high' (a band)")
     if not get(config, "actor_rollout_ref.rollout.calculate_log_probs"):
         refuse(f"{section}.rollout_{'is' if level is not None else 'rs'}", "needs actor_rollout_ref.rollout."
                "calculate_log_probs=True (the sampler's log-probs the correction compares with; verl would skip it "

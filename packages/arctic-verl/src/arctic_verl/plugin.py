@@ -18,8 +18,7 @@ SUPPORTED = ("0.9.1", "0.10")  # verl releases this adapter is tested with
 def _asks_for_arctic(config) -> bool:
     from omegaconf import OmegaConf
 
-    return OmegaConf.select(config, "trainer.v1.trainer_mode") == MODE and bool(
-        OmegaConf.select(config, "trainer.use_v1", default=True))
+    return OmegaConf.select(config, "trainer.v1.trainer_mode") == MODE
 
 
 def _check_at_start(problem: str | None) -> None:

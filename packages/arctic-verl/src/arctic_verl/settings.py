@@ -45,4 +45,4 @@ def read_settings(config: DictConfig) -> ArcticSettings:
     raw = OmegaConf.to_container(section, resolve=True) if section is not None else {}
     if not isinstance(raw, dict):
         raise ConfigError(f"the '{SECTION}' section of the verl config must be a mapping, got {raw!r}")
-    return validate(ArcticSettings, raw, f"the '{SECTION}' section of the verl config", prefix=f"{SECTION}.")
+    return validate(ArcticSettings, raw, f"'{SECTION}' section of the verl config", prefix=f"{SECTION}.")

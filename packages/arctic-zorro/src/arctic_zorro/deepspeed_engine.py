@@ -11,17 +11,18 @@ finalises the accumulated gradients, clips, updates and zeroes them. With one ac
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import model_validator
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate_options
+from arctic_core.config import LogProbConfig, ModelConfig, TrainerConfig, validate_options
 from arctic_core.errors import ConfigError, RequestError
 from arctic_core.hf import check_batch_fits, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
@@ -32,7 +33,8 @@ from arctic_zorro.lr_schedule import lr_factor, lr_for_step
 from arctic_zorro.param_groups import param_group_shapes, param_groups
 from arctic_zorro.saved_state import PARAM_GROUPS, TrainerState, check_layout, validated
 from arctic_zorro.micro_batches import Align, micro_forward_backward, micro_log_probs
-from arctic_zorro.packed_forward import Forward, ZorroOptions, select_forward
+from arctic_zorro.deepspeed_options import DeepSpeedLogProbOptions, DeepSpeedTrainerOptions
+from arctic_zorro.packed_forward import Forward, select_forward
 
 
 def _prepare_environment() -> None:
@@ -56,48 +58,38 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer  # noqa: E402
 from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
 from deepspeed.utils import safe_get_full_grad, safe_set_full_fp32_param  # noqa: E402
 
+log = logging.getLogger(__name__)
+
 CHECKPOINT_TAG = "arctic"
 """A fixed tag, so a checkpoint folder holds exactly one DeepSpeed checkpoint."""
-
-
-class DeepSpeedLogProbOptions(StrictModel):
-    """``options`` of the DeepSpeed log-prob engine. The precision follows ``model.dtype``."""
-
-    zero_stage: Literal[0, 1, 2, 3] = 3
-    """Only stage 3 changes a forward-only engine (partitioned weights); 0-2 keep full weights."""
-    offload_param: bool = False
-    """ZeRO-3 only: keep the partitioned weights in CPU memory."""
-    zorro: ZorroOptions = ZorroOptions()
-    """Prompt-deduplicated packed forward (on by default)."""
-
-    @model_validator(mode="after")
-    def _offload_param_needs_stage_3(self) -> DeepSpeedLogProbOptions:
-        if self.offload_param and self.zero_stage != 3:
-            raise ValueError("offload_param needs zero_stage 3")
-        return self
-
-
-class DeepSpeedTrainerOptions(DeepSpeedLogProbOptions):
-    """``options`` of the DeepSpeed trainer."""
-
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    """Partitioned over ranks: 1 optimizer states, 2 and gradients, 3 and weights (0: none).
-    With bfloat16, stage 1 runs DeepSpeed's bf16 optimizer: on one GPU each step ends sooner, but
-    the trainer cannot sleep (so not with ``colocate``)."""
-    offload_optimizer: bool = False
-    """ZeRO 1-3: keep the fp32 master weights and Adam states in CPU memory (step on the CPU)."""
-
-    @model_validator(mode="after")
-    def _offload_optimizer_needs_zero(self) -> DeepSpeedTrainerOptions:
-        if self.offload_optimizer and self.zero_stage == 0:
-            raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3")
-        return self
 
 
 def init_distributed() -> None:
     """Initialise torch.distributed once per process (every engine in it shares the group)."""
     if not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed(verbose=False)
+        warn_of_stale_build_locks()
+        deepspeed.init_distributed(verbose=False)  # on the CPU it builds DeepSpeed's shared-memory op
+
+
+STALE_BUILD_LOCK_S = 600.0
+
+
+def warn_of_stale_build_locks() -> None:
+    """torch builds an op (DeepSpeed's CPU communication op, its fused optimizers) under a ``lock``
+    file in the op's build folder; a build that was killed leaves it behind, and every later build
+    of that op waits for it to go, forever and silently. Name any lock older than a build takes."""
+    from torch.utils.cpp_extension import get_default_build_root  # noqa: PLC0415
+
+    # torch's own rule: TORCH_EXTENSIONS_DIR/<op>, else <default root>/<python>_<cuda>/<op>
+    root, pattern = os.environ.get("TORCH_EXTENSIONS_DIR"), "*/lock"
+    if root is None:
+        root, pattern = get_default_build_root(), "*/*/lock"
+    now = time.time()
+    for lock in Path(root).glob(pattern):
+        age = now - lock.stat().st_mtime
+        if age > STALE_BUILD_LOCK_S:
+            log.warning("%s is %.0f minutes old: a build of that op was probably killed, and this process will "
+                        "wait for the lock until it is deleted. If no build is running, delete it.", lock, age / 60)
 
 
 def base_config(options: DeepSpeedLogProbOptions, model: ModelConfig) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from importlib.metadata import version
 from typing import NoReturn
 
@@ -12,7 +13,11 @@ from packaging.version import Version
 
 from arctic_core.adapters.settings import BackendSettings
 from arctic_core.client import ArcticClient
+from arctic_core.config import ArcticConfig
 from arctic_core.errors import ArcticError
+from arctic_core.hf import max_positions
+from arctic_core.plugins.checks import check_plugins
+from arctic_core.plugins.registry import default_registry
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -36,6 +41,33 @@ def check_server(settings: BackendSettings, model_path: str, model_key: str, ref
     if reference_needed_by and served.get("reference") is None:
         raise ArcticError(f"{reference_needed_by} needs reference log-probs, and the server at {settings.url} has no "
                           "reference model: start it with `reference: {}` in its config")
+
+
+def check_backend(config: ArcticConfig) -> None:
+    """The backend an adapter would start: its model folders exist, and every plugin it names is
+    installed and takes the options given (checked without importing any engine)."""
+    config.check_model_folders()
+    check_plugins(config, default_registry())
+
+
+def check_positions(model_path: str, tokens: int, what: str) -> None:
+    """A sequence of ``tokens`` (the framework's prompt and response limits, named by ``what``) fits
+    the positions of the model in the folder ``model_path``: past them every request would fail."""
+    from transformers import AutoConfig  # noqa: PLC0415 (heavy; only where a folder is checked)
+
+    positions = max_positions(AutoConfig.from_pretrained(model_path))
+    if tokens > positions:
+        raise ArcticError(f"{what} = {tokens} tokens, more than the model's max_position_embeddings={positions} "
+                          f"({model_path}): lower them")
+
+
+def describe(exc: BaseException, whose: str) -> str:
+    """The message of a failed config check; a bare ``assert`` (no message) is named by its source
+    line, as ``whose`` config check."""
+    if str(exc):
+        return str(exc)
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{whose} config check `{frame.line}` failed ({os.path.basename(frame.filename)}:{frame.lineno})"
 
 
 def version_problem(adapter: str, distribution: str, minimum: str, below: str) -> str | None:

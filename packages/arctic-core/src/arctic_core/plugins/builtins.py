@@ -37,24 +37,29 @@ def arctic_processors():
 @hookimpl
 def arctic_training_backends():
     return {"ray": Lazy("arctic_core.ray.trainer:RayDataParallelTrainer",
-                        "Data parallel over Ray actors: one rank of an inner training backend per worker.")}
+                        "Data parallel over Ray actors: one rank of an inner training backend per worker.",
+                        options="arctic_core.ray.trainer:RayTrainerOptions")}
 
 
 @hookimpl
 def arctic_logprob_backends():
-    return {"ray": Lazy("arctic_core.ray.logprob:RayLogProbEngine", "An inner log-prob backend in a Ray actor of its own.")}
+    return {"ray": Lazy("arctic_core.ray.logprob:RayLogProbEngine", "An inner log-prob backend in a Ray actor of its own.",
+                        options="arctic_core.ray.logprob:RayLogProbOptions")}
 
 
 @hookimpl
 def arctic_sampling_backends():
     return {"ray": Lazy("arctic_core.ray.sampler:RaySampler",
-                        "Replicas of an inner sampling backend, one Ray actor each.")}
+                        "Replicas of an inner sampling backend, one Ray actor each.",
+                        options="arctic_core.ray.sampler:RaySamplerOptions")}
 
 
 @hookimpl
 def arctic_weight_transports():
     return {"inprocess": InProcessWeightSync, "safetensors-files": SafetensorsFilesTransport,
             "torch-broadcast": Lazy("arctic_core.weights.broadcast:TorchBroadcastTransport",
-                                    "Broadcast from the ray trainer's rank 0 to ray sampler replicas (gloo / NCCL)."),
+                                    "Broadcast from the ray trainer's rank 0 to ray sampler replicas (gloo / NCCL).",
+                                    options="arctic_core.weights.broadcast:BroadcastOptions"),
             "cuda-ipc": Lazy("arctic_core.weights.ipc:CudaIpcTransport",
-                             "CUDA IPC handles from the ray trainer's rank 0 to engines on the same GPU.")}
+                             "CUDA IPC handles from the ray trainer's rank 0 to engines on the same GPU.",
+                             options="arctic_core.config:NoOptions")}

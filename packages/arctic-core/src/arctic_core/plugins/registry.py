@@ -43,13 +43,23 @@ class Lazy:
 
     target: str
     summary: str
+    options: str | None = None
+    """``"module:attribute"`` of the options model, in a module light to import: a config's options
+    are then checked before any engine module is imported (None: when the product is built)."""
 
     def load(self) -> Callable[..., Any]:
-        module, _, attribute = self.target.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        return _resolve(self.target)
+
+    def options_model(self) -> type | None:
+        return _resolve(self.options) if self.options else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.load()(*args, **kwargs)
+
+
+def _resolve(target: str) -> Any:
+    module, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,13 @@ class Provided:
         first_paragraph = (self.factory.__doc__ or "").strip().split("\n\n")[0]
         return " ".join(line.strip() for line in first_paragraph.splitlines())
 
+    def options_model(self) -> type | None:
+        """The model of this product's ``options`` (its factory's ``options_model``), without
+        importing a lazy product's module; None where it declares none."""
+        if isinstance(self.factory, Lazy):
+            return self.factory.options_model()
+        return getattr(self.factory, "options_model", None)
+
 
 @dataclass
 class Registry:
@@ -76,6 +93,10 @@ class Registry:
 
     def get(self, kind: str, name: str) -> Callable[..., Any]:
         """The factory registered as ``name`` for ``kind``; the error lists the known names."""
+        return self.provided(kind, name).factory
+
+    def provided(self, kind: str, name: str) -> Provided:
+        """What is registered as ``name`` for ``kind``; the error lists the known names."""
         if kind not in KINDS:
             raise PluginNotFoundError(f"unknown plugin kind {kind!r}; kinds: {sorted(KINDS)}")
         found = self.entries.get(kind, {}).get(name)
@@ -90,7 +111,7 @@ class Registry:
                 f"{', '.join(names) or '(none)'}.{install} "
                 f"Plugins come from the '{ENTRY_POINT_GROUP}' entry-point group (arctic-rl plugins lists them)."
             )
-        return found.factory
+        return found
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.entries.get(kind, {}))

@@ -43,6 +43,7 @@ from arctic_core.protocol import (
     StepRequest,
     SyncWeightsResult,
 )
+from arctic_core.plugins.checks import check_plugins
 from arctic_core.plugins.registry import Registry, default_registry
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,8 @@ class ArcticServer:
         self._lock = threading.Lock()
         self._closed = False
         self.asleep: set[str] = set()  # engines put to sleep, by the client or by colocation
-        # Every plugin name is looked up before the first engine spends seconds (or minutes) loading.
-        for kind, name in self._plugin_names():
-            self.registry.get(kind, name)
+        # Every plugin and its options are checked before the first engine spends minutes loading.
+        check_plugins(config, self.registry)
         self.trainer: TrainingBackend | None = None
         self.sampler: SamplingBackend | None = None
         self.reference: LogProbBackend | None = None
@@ -78,14 +78,6 @@ class ArcticServer:
                 except Exception:
                     log.exception("shutting down %s after a failed start", type(engine).__name__)
             raise
-
-    def _plugin_names(self) -> list[tuple[str, str]]:
-        config = self.config
-        names = [("training_backend", config.trainer.backend), ("sampling_backend", config.sampler.backend),
-                 ("weight_transport", config.weight_sync.transport)]
-        if config.reference is not None:
-            names.append(("logprob_backend", config.reference.backend))
-        return names
 
     def _build_engines(self) -> None:
         config = self.config

@@ -196,9 +196,11 @@ class FilesOptions(StrictModel):
 class SafetensorsFilesTransport:
     """Trainer -> safetensors files in ``options.dir`` (default: a temp folder per server) -> receivers."""
 
+    options_model = FilesOptions
+
     def __init__(self, config: WeightSyncConfig | None = None) -> None:
         self.config = config or WeightSyncConfig()
-        options = self.config.checked_options(FilesOptions)
+        options = self.config.checked_options(self.options_model)
         if options.dir is not None:
             self.dir = Path(options.dir)
         else:

@@ -11,9 +11,11 @@ from arctic_core.plugins.interfaces import TrainingBackend, WeightReceiver
 class InProcessWeightSync:
     """Hands the trainer's named tensors to receivers living in the same process (no copies on the wire)."""
 
+    options_model = NoOptions
+
     def __init__(self, config: WeightSyncConfig | None = None) -> None:
         self.config = config or WeightSyncConfig()
-        self.config.checked_options(NoOptions)
+        self.config.checked_options(self.options_model)
 
     def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]:
         start = time.perf_counter()

@@ -1,0 +1,40 @@
+"""A config's plugins checked before any engine is built: every plugin it names is registered and
+takes the options it is given. A misspelt option then fails in seconds, before the first engine
+spends minutes loading (and, in an adapter, before its framework starts Ray)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arctic_core.config import ArcticConfig, validate
+from arctic_core.errors import ConfigError
+from arctic_core.plugins.registry import Registry
+
+ENGINE_KINDS = {"trainer": "training_backend", "sampler": "sampling_backend", "reference": "logprob_backend"}
+
+
+def check_plugins(config: ArcticConfig, registry: Registry) -> None:
+    """Raise :class:`~arctic_core.errors.ConfigError` (or ``PluginNotFoundError``) naming the first
+    unknown plugin or bad option. Options of a product that declares no model without importing its
+    engine (:class:`~arctic_core.plugins.registry.Lazy` without ``options``) are checked when it is built."""
+    for section, kind in ENGINE_KINDS.items():
+        engine = getattr(config, section)
+        if engine is not None:
+            _check_options(registry, kind, engine.backend, engine.options, f"{section}.options")
+    model = registry.provided("weight_transport", config.weight_sync.transport).options_model()
+    if model is not None:
+        config.weight_sync.checked_options(model)
+
+
+def _check_options(registry: Registry, kind: str, name: str, options: dict[str, Any], path: str) -> None:
+    model = registry.provided(kind, name).options_model()
+    if model is None:
+        return
+    checked = validate(model, options, f"{path} of backend {name!r}", prefix=f"{path}.")
+    from arctic_core.ray.actors import InnerBackendOptions  # noqa: PLC0415 (imports no Ray)
+
+    if isinstance(checked, InnerBackendOptions):  # a Ray backend: the backend its actors run
+        if checked.backend == name:
+            raise ConfigError(f"{path}.backend: the {name} backend cannot run itself in its actors; name the "
+                              "backend they run")
+        _check_options(registry, kind, checked.backend, checked.options, f"{path}.options")
