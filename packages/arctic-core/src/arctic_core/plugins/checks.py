@@ -15,8 +15,9 @@ ENGINE_KINDS = {"trainer": "training_backend", "sampler": "sampling_backend", "r
 
 def check_plugins(config: ArcticConfig, registry: Registry) -> None:
     """Raise :class:`~arctic_core.errors.ConfigError` (or ``PluginNotFoundError``) naming the first
-    unknown plugin or bad option. Options of a product that declares no model without importing its
-    engine (:class:`~arctic_core.plugins.registry.Lazy` without ``options``) are checked when it is built."""
+    unknown plugin or bad option. A lazy product that names no options model
+    (:class:`~arctic_core.plugins.registry.Lazy` without ``options``) has its options checked when
+    it is built instead: finding its model would import its engine."""
     for section, kind in ENGINE_KINDS.items():
         engine = getattr(config, section)
         if engine is not None:
