@@ -13,7 +13,7 @@ import pytest
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import ConfigError, PluginConflictError, PluginNotFoundError
 from arctic_core.plugins.hookspecs import hookimpl
-from arctic_core.plugins.registry import build_registry, default_registry, installed_entry_points
+from arctic_core.plugins.registry import Lazy, build_registry, default_registry, installed_entry_points
 from arctic_core.serving.server import ArcticServer
 from arctic_zorro.torch_backend import TorchTrainer
 
@@ -151,6 +151,14 @@ def test_every_plugin_and_its_options_are_checked_before_an_engine_is_built_and_
     with pytest.raises(RuntimeError, match="the sampler failed to start"):
         ArcticServer(ArcticConfig.from_dict({"model": model, "trainer": {"backend": "torch"}}))
     assert built == ["training_backend", "sampling_backend"] and freed == ["TorchTrainer"]
+
+
+def test_each_declared_options_model_is_the_products_own():
+    """``Lazy(options=...)`` names the model the product validates with: the two never drift apart."""
+    declared = [item for item in default_registry().all() if isinstance(item.factory, Lazy) and item.factory.options]
+    assert len(declared) >= 10
+    for item in declared:
+        assert item.factory.load().options_model is item.options_model(), (item.kind, item.name)
 
 
 def test_options_are_checked_without_importing_an_engine():

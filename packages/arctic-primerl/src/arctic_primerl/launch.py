@@ -155,9 +155,8 @@ def preflight(run: RunSettings) -> tuple[str | None, list[Process]]:
         check_backend(run.arctic_config(on_gpu=False))
     else:
         check_server(run.arctic, run.model_name, "model.name", None)
-    if Path(run.model_name).is_dir():  # the tokenizer's folder, whichever backend serves the model
-        check_positions(run.model_name, run.arctic.max_model_len or run.seq_len,
-                        "the context served ([arctic] max_model_len, else seq_len)")
+    check_positions(run.model_name, run.arctic.max_model_len or run.seq_len,
+                    "the context served ([arctic] max_model_len, else seq_len)")
     return token, prime_rl_processes(run)
 
 

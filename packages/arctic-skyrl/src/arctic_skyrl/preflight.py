@@ -9,8 +9,6 @@ each ends the process with one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from arctic_core.adapters.preflight import check_backend, check_positions, check_server, version_problem
 from arctic_core.adapters.settings import BackendSettings
 from arctic_skyrl.mapping import arctic_config, check_supported
@@ -34,9 +32,8 @@ def preflight(cfg: ArcticSkyRLConfig) -> BackendSettings:
         check_server(settings, model_path, "trainer.policy.model.path", needs)
     else:
         check_backend(arctic_config(cfg, settings, on_gpu=False))
-    if Path(model_path).is_dir():  # the tokenizer's folder, whichever backend serves the model
-        # SkyRL's samplers take any prompt the model's positions hold (a longer one is refused when
-        # it comes): only a response limit that leaves no room for even one prompt token is certain to fail.
-        check_positions(model_path, cfg.generator.sampling_params.max_generate_length + 1,
-                        "generator.sampling_params.max_generate_length + one prompt token")
+    # SkyRL's samplers take any prompt the model's positions hold (a longer one is refused when it
+    # comes): only a response limit that leaves no room for even one prompt token is certain to fail.
+    check_positions(model_path, cfg.generator.sampling_params.max_generate_length + 1,
+                    "generator.sampling_params.max_generate_length + one prompt token")
     return settings

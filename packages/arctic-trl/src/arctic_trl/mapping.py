@@ -26,9 +26,10 @@ AGGREGATION = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "bn
                "vespo": "token-mean", "luspo": "seq-mean-token-sum"}
 # ... and which normalise by the tokens of the whole accumulation window rather than per micro-batch
 WINDOW_NORMALISED = {"dapo", "cispo", "vespo"}
-# generation_kwargs keys with an Arctic sampling setting of the same meaning
+# the values TRL 1.16 has for importance_sampling_level and vllm_importance_sampling_mode
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# generation_kwargs keys with an Arctic sampling setting of the same meaning
 GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "repetition_penalty"}
 

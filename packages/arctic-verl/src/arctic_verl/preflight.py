@@ -10,8 +10,6 @@ verl's Ray actors.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import DictConfig
 
 from arctic_core.adapters.preflight import check_backend, check_positions, check_server, exit_with
@@ -32,11 +30,10 @@ def preflight(config: DictConfig) -> None:
         check_server(settings, model_path, "actor_rollout_ref.model.path", needs)
     elif settings.starts_backend:
         check_backend(arctic_config(config, settings, on_gpu=False))
-    if Path(model_path).is_dir():  # the tokenizer's folder, whichever backend serves the model
-        rollout = config.actor_rollout_ref.rollout
-        check_positions(model_path, rollout.prompt_length + rollout.response_length,
-                        "actor_rollout_ref.rollout.prompt_length + response_length (data.max_prompt_length + "
-                        "data.max_response_length unless set)")
+    rollout = config.actor_rollout_ref.rollout
+    check_positions(model_path, rollout.prompt_length + rollout.response_length,
+                    "actor_rollout_ref.rollout.prompt_length + response_length (data.max_prompt_length + "
+                    "data.max_response_length unless set)")
 
 
 def fail_fast(config: DictConfig, problem: str | None) -> None:

@@ -52,9 +52,13 @@ def check_backend(config: ArcticConfig) -> None:
 
 def check_positions(model_path: str, tokens: int, what: str) -> None:
     """A sequence of ``tokens`` (the framework's prompt and response limits, named by ``what``) fits
-    the positions of the model in the folder ``model_path``: past them every request would fail."""
+    the positions of the model in the folder ``model_path``: past them every request would fail.
+    Checked wherever that folder is here (the framework's tokenizer folder, whichever backend serves
+    the model); a missing one is the folder checks' to report."""
     from transformers import AutoConfig  # noqa: PLC0415 (heavy; only where a folder is checked)
 
+    if not os.path.isdir(model_path):
+        return
     positions = max_positions(AutoConfig.from_pretrained(model_path))
     if tokens > positions:
         raise ArcticError(f"{what} = {tokens} tokens, more than the model's max_position_embeddings={positions} "

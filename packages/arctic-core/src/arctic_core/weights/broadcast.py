@@ -198,9 +198,11 @@ class TorchBroadcastTransport:
     its members change (e.g. workers restarted from a checkpoint). ``options.backend``: ``nccl``
     (GPU engines) or ``gloo`` (CPU engines; the default)."""
 
+    options_model = BroadcastOptions
+
     def __init__(self, config: WeightSyncConfig | None = None) -> None:
         self.config = config or WeightSyncConfig()
-        self.backend = self.config.checked_options(BroadcastOptions).backend
+        self.backend = self.config.checked_options(self.options_model).backend
         self._members: list[Any] = []
 
     def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]:

@@ -79,9 +79,11 @@ class CudaIpcTransport:
     """``cuda-ipc``: the Ray trainer's rank 0 exports handles; Ray sampler replicas (or the
     server's own sampler, when it shares the GPU) copy from them."""
 
+    options_model = NoOptions
+
     def __init__(self, config: WeightSyncConfig | None = None) -> None:
         self.config = config or WeightSyncConfig()
-        self.config.checked_options(NoOptions)
+        self.config.checked_options(self.options_model)
 
     def sync(self, source: TrainingBackend, receivers: list[WeightReceiver], version: int) -> dict[str, float]:
         from arctic_core.ray.actors import get_all, get_one
