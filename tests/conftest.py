@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,19 @@ def arctic_config(tiny_policy: Path, tmp_path: Path):
         return ArcticConfig.from_dict(data)
 
     return make
+
+
+@pytest.fixture
+def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_policy: Path) -> Path:
+    """A Hugging Face Hub cache holding the model ``arctic-test/tiny-policy`` (the tiny policy's
+    files, laid out as huggingface_hub writes a snapshot), downloads off; its snapshot folder."""
+    import huggingface_hub.constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--arctic-test--tiny-policy"
+    shutil.copytree(tiny_policy, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return repo / "snapshots" / commit

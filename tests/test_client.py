@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -240,6 +241,30 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(arctic_confi
         with pytest.raises(RequestError, match="unknown operation 'train'"):
             client.transport.call("train", None)
         assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3
+
+
+class Recorder:
+    """A transport that answers each call with its request: what the client would send."""
+
+    def call(self, op, request):
+        return request
+
+
+def test_prompt_token_ids_are_strict_ints_and_tensor_prompts_become_them():
+    """A tensor's or an array's rows arrive as ints; a bool, a numeric string or a float is no token
+    id (lax ints took them as 1, 2 and 2), and each refusal names its place."""
+    client = ArcticClient(Recorder())
+    sent = client.generate(torch.tensor([[1, 2], [3, 4]]), stop_token_ids=[5]).prompts
+    assert sent == [[1, 2], [3, 4]] and all(type(t) is int for p in sent for t in p)
+    assert client.generate([np.array([7, 8], dtype=np.int32), (9,)]).prompts == [[7, 8], [9]]
+    for prompts, where in (([[1, True]], "prompts.0.1"), ([[1], ["2"]], "prompts.1.0"), ([[2.0]], "prompts.0.0"),
+                           ([torch.tensor([True])], "prompts.0.0"), ([[np.int64(3)]], "prompts.0.0")):
+        with pytest.raises(RequestError, match=rf"{where}: Input should be a valid integer"):
+            client.generate(prompts)
+    with pytest.raises(RequestError, match="prompts.0.0: Input should be greater than or equal to 0"):
+        client.generate([[-1]])
+    with pytest.raises(RequestError, match="stop_token_ids.0: Input should be a valid integer"):
+        client.generate([[1]], stop_token_ids=[True])
 
 
 @pytest.mark.parametrize("sampler", ["embedded", "hf-generate"])

@@ -75,13 +75,9 @@ def test_backend_options_are_checked_by_the_backend_with_their_full_path():
 
 
 def test_model_folders_are_checked_before_any_engine_starts(tmp_path, tiny_policy):
-    (tmp_path / "empty").mkdir()
-    for path, why in ((tmp_path / "absent", "does not exist"), (tmp_path / "empty", "has no config.json")):
-        with pytest.raises(ConfigError, match=f"model.path: '{path}' {why}; it must be a local Hugging Face"):
-            ArcticConfig.from_dict({"model": {"path": str(path)}}).check_model_folders()
-    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy)}, "reference": {"model": {"path": str(path)}}})
-    with pytest.raises(ConfigError, match="reference.model.path: "):
-        config.check_model_folders()
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy)}, "reference": {"model": {"path": str(tmp_path)}}})
+    with pytest.raises(ConfigError, match="reference.model.path: .* has no config.json"):
+        config.with_local_models()
 
 
 def test_bad_yaml_file_is_reported_with_its_path(tmp_path):

@@ -22,7 +22,7 @@ from arctic_core.demo.tiny_model import save_tiny_policy
 from arctic_core.config import ArcticConfig
 from arctic_trl import GRPOTrainer
 from arctic_trl.mapping import arctic_config, regroup_is_exact
-from arctic_trl.trainer import group_micro_batches
+from arctic_trl.trainer import _model_folder, group_micro_batches
 from helpers import weights
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
@@ -439,8 +439,12 @@ def test_unsupported_settings_fail_clearly(policy, tmp_path):
     args = grpo_args(tmp_path, generation_kwargs={"top_p": 0.9, "typical_p": 0.5, "no_repeat_ngram_size": 2})
     with pytest.raises(ValueError, match=r"generation_kwargs \['no_repeat_ngram_size', 'typical_p'\]"):
         GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
-    with pytest.raises(ValueError, match="needs a local model folder"):
-        GRPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=variety_reward, args=grpo_args(tmp_path), train_dataset=DATASET)
+
+def test_a_hub_model_id_is_fetched_into_the_hub_cache_for_the_backend(hub_cache, tmp_path):
+    assert _model_folder("arctic-test/tiny-policy") == str(hub_cache)
+    with pytest.raises(ValueError, match="GRPOTrainer's model: nothing is at 'arctic-test/absent' here, and fetching it"):
+        GRPOTrainer(model="arctic-test/absent", reward_funcs=variety_reward, args=grpo_args(tmp_path),
+                    train_dataset=DATASET)
 
 
 TWO_PROCESSES = """

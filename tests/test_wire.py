@@ -132,6 +132,13 @@ def test_non_finite_numbers_travel_as_strict_json():
         (b"\x02\x00\x00\x00\x00\x00\x00\x00{}", RequestError, "has no 'arctic' key"),
         (wire_body({}, {"prompts": [[1]]}, "FwdBwdRequest"), RequestError, "holds a 'FwdBwdRequest' message but this operation takes a GenerateRequest"),
         (wire_body({}, {"prompts": [["a"]]}, "GenerateRequest"), RequestError, "prompts.0.0: Input should be a valid integer"),
+        # Token ids are strict ints: lax ones would take true as 1, "2" and 2.0 as 2.
+        (wire_body({}, {"prompts": [[1, True]]}, "GenerateRequest"), RequestError, "prompts.0.1: Input should be a valid integer"),
+        (wire_body({}, {"prompts": [[1], ["2"]]}, "GenerateRequest"), RequestError, "prompts.1.0: Input should be a valid integer"),
+        (wire_body({}, {"prompts": [[2.0]]}, "GenerateRequest"), RequestError, "prompts.0.0: Input should be a valid integer"),
+        (wire_body({}, {"prompts": [[-1]]}, "GenerateRequest"), RequestError, "prompts.0.0: Input should be greater than or equal to 0"),
+        (wire_body({}, {"prompts": [[1]], "params": {"stop_token_ids": [False]}}, "GenerateRequest"), RequestError,
+         "params.stop_token_ids.0: Input should be a valid integer"),
         (wire_body({}, {}, "GenerateRequest"), RequestError, "prompts: Field required"),
         (wire_body({"batch.prompt_ids": torch.ones(1, 1)}, {"prompts": [[1]]}, "GenerateRequest"), RequestError, "unexpected tensor 'batch.prompt_ids' in a GenerateRequest"),
         (wire_body({}, {"prompts": [[1]], "parms": {}}, "GenerateRequest"), RequestError, r"parms: unknown key \(did you mean 'params'\?\); valid keys: params, prompts"),

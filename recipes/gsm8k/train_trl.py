@@ -46,7 +46,7 @@ def load_config(path: Path, overrides: list[str]) -> dict:
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> GRPOTrainer:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a local model folder (e.g. from huggingface-cli download)")
+    parser.add_argument("--model", required=True, help="a local model folder or a Hugging Face Hub model id")
     parser.add_argument("--data", required=True, type=Path, help="the folder prepare_data wrote")
     parser.add_argument("--out", required=True, help="TRL's output_dir")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)

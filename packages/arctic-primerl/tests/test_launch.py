@@ -27,6 +27,7 @@ REFUSED = {
     "two trainer GPUs": ("[deployment]\nnum_train_gpus = 2\n", "deployment.num_train_gpus = 2"),
     "context parallel": ("[trainer.model]\ncp = 2\n", "trainer.model.cp"),
     "steps disagree": ("[trainer]\nmax_steps = 7\n", "max_steps differs between sections"),
+    "skip_optimizer": ("[ckpt]\nskip_optimizer = true\n", "ckpt.skip_optimizer: not supported by arctic-primerl"),
     "unknown scheduler key": ("[trainer.scheduler]\ntype = 'cosine'\ndecay_steps = 3\n", r"unknown key\(s\) \['decay_steps'\]"),
 }
 
@@ -41,6 +42,107 @@ def test_settings_arctic_does_not_reproduce_are_refused_by_name(case, tmp_path, 
         extra = ""
     toml.write_text(text + "\n" + extra)
     with pytest.raises(ConfigError, match=message):
+        read_run(toml)
+
+
+# (a line of the base file, what replaces it or, with no line, a table to append; the message)
+UNKNOWN = {
+    "top level": ("max_steps = 2\n", "max_steps = 2\nmax_step = 3\n",
+                  "max_step: unknown key at the top level (did you mean 'max_steps'?); valid keys: arctic, ckpt, "),
+    "PRIME-RL's slurm": ("", "[slurm]\njob_name = 'x'\n", "slurm: unknown key at the top level; valid keys: "),
+    "[trainer]": ("", "[trainer]\nenable_router_replya = false\n",
+                  "trainer.enable_router_replya: unknown key in [trainer] (did you mean 'enable_router_replay'?)"),
+    "[trainer.optim]": ("[trainer.optim]\n", "[trainer.optim]\nmax_nrom = 1.0\n",
+                        "trainer.optim.max_nrom: unknown key in [trainer.optim] (did you mean 'max_norm'?); "
+                        "valid keys: betas1, betas2, lr, max_norm, type, weight_decay"),
+    "[ckpt]": ("", "[ckpt]\nkeep_lst = 2\n", "ckpt.keep_lst: unknown key in [ckpt] (did you mean 'keep_last'?)"),
+    "[trainer.resume]": ("", "[trainer.resume]\nstpe = 2\n",
+                         "trainer.resume.stpe: unknown key in [trainer.resume] (did you mean 'step'?)"),
+    "[run]": ('name = "run"\n', 'nmae = "run"\n', "run.nmae: unknown key in [run] (did you mean 'name'?)"),
+    "[log]": ("", "[log]\nlevl = 'debug'\n", "log.levl: unknown key in [log] (did you mean 'level'?)"),
+    "[deployment]": ("", "[deployment]\nnum_train_gpu = 1\n",
+                     "deployment.num_train_gpu: unknown key in [deployment] (did you mean 'num_train_gpus'?)"),
+}
+
+
+@pytest.mark.parametrize("case", UNKNOWN, ids=list(UNKNOWN))
+def test_unknown_keys_in_the_tables_read_are_named_with_their_table(case, tmp_path, policy):
+    """As PRIME-RL's launcher refuses keys its config lacks: one line naming the key and its table,
+    with the closest key there when one is close."""
+    line, replacement, message = UNKNOWN[case]
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run")
+    text = toml.read_text()
+    toml.write_text(text.replace(line, replacement, 1) if line else text + replacement)
+    with pytest.raises(ConfigError) as refused:
+        read_run(toml)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_keys_of_prime_rl_that_are_read_or_ignored_pass(tmp_path, policy):
+    """PRIME-RL's keys that the adapter reads, hands to the orchestrator, or ignores (the speed and
+    memory settings of PRIME-RL's own trainer) pass the key check; tables handed to PRIME-RL whole
+    are not checked here."""
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", extra="""
+[trainer]
+dist_timeout_seconds = 600
+matmul_precision = "high"
+
+[trainer.model]
+seq_len = 256
+impl = "custom"
+
+[trainer.model.compile]
+
+[weight_broadcast]
+type = "filesystem"
+
+[deployment]
+type = "single_node"
+gpus_per_node = 8
+
+[log]
+level = "debug"
+json_logging = false
+
+[monitors.wandb]
+project = "x"
+
+[orchestrator.sampling]
+temperature = 0.7
+""")
+    text = toml.read_text().replace("max_steps = 2\n", "max_steps = 2\nclean = true\n")
+    toml.write_text(text.replace("lr = 1e-3\nweight_decay = 0.0\n", "max_norm = 0.5\nbetas2 = 0.99\n"))
+    run = read_run(toml)
+    assert run.optimizer["max_grad_norm"] == 0.5 and run.optimizer["betas"] == (0.9, 0.99) and run.clean
+    assert run.orchestrator_config()["sampling"] == {"temperature": 0.7}
+
+
+def test_env_vars_go_to_the_processes_of_their_sections_as_prime_rls_launcher_sets_them(tmp_path, policy):
+    """[env_vars] everywhere; [orchestrator.env_vars] in the orchestrator and env servers; the
+    trainer's and inference server's in this process, which trains and samples in their stead.
+    A skip_* checkpoint key left false (PRIME-RL's default) is Arctic's behaviour and passes."""
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", extra="""
+[env_vars]
+TRITON_CACHE_DIR = "/tmp/triton"
+SHARED = "top"
+
+[trainer.env_vars]
+SHARED = "trainer"
+
+[inference.env_vars]
+VLLM_CACHE = "/tmp/vllm"
+
+[orchestrator.env_vars]
+SHARED = "orchestrator"
+
+[ckpt]
+skip_optimizer = false
+""")
+    run = read_run(toml)
+    assert run.process_env == {"TRITON_CACHE_DIR": "/tmp/triton", "SHARED": "orchestrator"}
+    assert run.backend_env == {"TRITON_CACHE_DIR": "/tmp/triton", "SHARED": "trainer", "VLLM_CACHE": "/tmp/vllm"}
+    toml.write_text(toml.read_text().replace('SHARED = "trainer"', "SHARED = 1"))
+    with pytest.raises(ConfigError, match="trainer.env_vars: a table of environment variables with string values"):
         read_run(toml)
 
 

@@ -15,7 +15,8 @@ CASES = {
     "critic": (("trainer.critic.model.path=/somewhere", "trainer.algorithm.advantage_estimator=gae"),
                "trainer.critic.model.path='/somewhere': a critic (value model) is not served"),
     "stop strings": (("generator.sampling_params.stop=['###']",), "generator.sampling_params.stop=['###']"),
-    "unknown arctic key": (("arctic.urll=http://x",), "Invalid fields {'urll'} for ArcticSection"),
+    "unknown arctic key": (("arctic.urll=http://x",),
+                           "arctic.urll: unknown key in the arctic section (did you mean 'url'?)"),
     "unreachable server": (("arctic.url=http://127.0.0.1:9",), "127.0.0.1:9"),
     "missing model": (("trainer.policy.model.path=/no/such/model",), "/no/such/model"),
 }

@@ -108,7 +108,7 @@ def serve(
 
         check_token(token, "--token / ARCTIC_RL_TOKEN")  # before the engines spend their start-up time
     with config_errors_from(config):
-        arctic_config.check_model_folders()
+        arctic_config = arctic_config.with_local_models()
         import uvicorn
 
         from arctic_core.serving.http import create_app

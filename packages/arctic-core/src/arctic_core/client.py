@@ -39,6 +39,12 @@ def _request[M: BaseModel](schema: type[M], **fields: Any) -> M:
         raise RequestError(format_validation_error(exc, f"request ({schema.__name__})", schema)) from None
 
 
+def _token_ids(prompt: Sequence[int]) -> list[Any]:
+    """A prompt's token ids as a list. A tensor's or an array's (``return_tensors="pt"``) through
+    ``tolist()``: iterating it gives torch or numpy scalars, which token ids (strict ints) refuse."""
+    return prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+
+
 def _loss_terms(loss: LossSpec | Sequence[LossSpec]) -> list[Any]:
     if isinstance(loss, (str, dict, LossTermConfig)):
         items = [loss]
@@ -63,7 +69,8 @@ class _Calls:
     def generate(self, prompts: Prompts, params: SamplingParams | dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Sample ``params.n`` responses per prompt -> ``GenerateResult`` (``.batch`` is a RolloutBatch)."""
         params = _request(SamplingParams, **{**_as_dict(params), **kwargs})
-        return self._call("generate", _request(GenerateRequest, prompts=[list(p) for p in prompts], params=params))
+        ids = [_token_ids(p) for p in prompts]
+        return self._call("generate", _request(GenerateRequest, prompts=ids, params=params))
 
     def log_probs(
         self,

@@ -8,6 +8,7 @@ backend's own model (see e.g. ``arctic_zorro.torch_backend.TorchOptions``).
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
@@ -15,9 +16,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from arctic_core.errors import ConfigError
+from arctic_core.model_folders import model_folder
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+# Strict: a bool, a float or a numeric string is a caller's bug, not a token id (lax ints would take
+# True as 1, "2" and 2.0 as 2).
+TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
 Seed = Annotated[int, Field(ge=0, lt=2**63)]  # torch's generators take 64-bit seeds
 AdamBeta = Annotated[float, Field(ge=0, lt=1)]
 
@@ -28,21 +32,19 @@ class StrictModel(BaseModel):
 
 
 class ModelConfig(StrictModel):
-    """Which weights to load: a local Hugging Face folder (``save_pretrained`` layout)."""
+    """Which weights to load: a local Hugging Face folder (``save_pretrained`` layout) or a Hub model."""
 
-    path: str = Field(description="Folder with config.json, weights and tokenizer files.")
+    path: str = Field(description=(
+        "Folder with config.json, weights and tokenizer files, or a model id on the Hugging Face Hub "
+        "(e.g. Qwen/Qwen3-1.7B), fetched once into the Hub's cache at start."))
     dtype: Dtype = Field("float32", description="Precision of the weights the engines hold (bfloat16 on GPUs).")
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
                         description="'auto' picks cuda when available, else cpu; or cpu, cuda, cuda:N, mps.")
 
-    def check_folder(self, where: str = "model") -> None:
-        """Refuse, naming the setting, a path that is no local model folder (before any engine starts)."""
-        folder = Path(self.path)
-        if not (folder / "config.json").is_file():
-            why = "does not exist" if not folder.exists() else "has no config.json"
-            raise ConfigError(
-                f"{where}.path: {self.path!r} {why}; it must be a local Hugging Face model folder "
-                "(the save_pretrained layout; `arctic-rl tiny-model DIR` writes a tiny one to try things with)")
+    def local(self, where: str = "model") -> ModelConfig:
+        """This model with ``path`` a local folder (a Hub model fetched; see :mod:`arctic_core.model_folders`);
+        anything else refused naming the setting ``where``, before any engine starts."""
+        return self.model_copy(update={"path": model_folder(self.path, f"{where}.path")})
 
 
 # AdamW moves each weight by up to about lr per step: a larger rate is a typo, and one far larger
@@ -172,11 +174,13 @@ class ArcticConfig(StrictModel):
         "need and wakes those it does, so one engine's memory is resident at a time (weight sync wakes both)."))
     seed: Seed = Field(0, description="Seeds weights' random parts, sampling without a request seed, and the engines.")
 
-    def check_model_folders(self) -> None:
-        """Every model path names a local model folder (see :meth:`ModelConfig.check_folder`)."""
-        self.model.check_folder("model")
-        if self.reference is not None and self.reference.model is not None:
-            self.reference.model.check_folder("reference.model")
+    def with_local_models(self) -> ArcticConfig:
+        """This config with every model path a local folder: Hub models fetched into the Hub's cache
+        (later starts find them there), anything else refused naming its setting."""
+        reference = self.reference
+        if reference is not None and reference.model is not None:
+            reference = reference.model_copy(update={"model": reference.model.local("reference.model")})
+        return self.model_copy(update={"model": self.model.local("model"), "reference": reference})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ArcticConfig:
@@ -264,12 +268,18 @@ def _unknown_key(model: type[BaseModel], loc: tuple[str | int, ...]) -> str:
     parent = _model_at(model, loc[:-1])
     if parent is None:
         return "unknown key"
-    valid = sorted(parent.model_fields)
-    if not valid:
+    if not parent.model_fields:
         return "unknown key; this takes no options"
-    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+    return unknown_key(str(loc[-1]), parent.model_fields)
+
+
+def unknown_key(key: str, valid: Iterable[str], where: str = "") -> str:
+    """Why ``key`` is refused where only the ``valid`` keys are taken: the closest valid key as a
+    suggestion, then all of them. ``where`` (" in [trainer]") follows "unknown key"."""
+    valid = sorted(valid)
+    close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown key{hint}; valid keys: {', '.join(valid)}"
+    return f"unknown key{where}{hint}; valid keys: {', '.join(valid)}"
 
 
 def _model_at(model: type[BaseModel] | None, loc: tuple[str | int, ...]) -> type[BaseModel] | None:

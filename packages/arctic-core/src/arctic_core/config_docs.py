@@ -50,8 +50,9 @@ def config_reference(registry: Registry, plugins: Collection[str] | None = None)
         for item in sorted(registry.all(), key=lambda p: p.name):
             if item.kind != kind or (plugins is not None and item.plugin not in plugins):
                 continue
-            factory = item.factory.load() if isinstance(item.factory, Lazy) else item.factory
-            options = getattr(factory, "options_model", None)
+            options = item.options_model()  # declared: no engine module imported to document it
+            if options is None and isinstance(item.factory, Lazy):  # a lazy product that declares none
+                options = getattr(item.factory.load(), "options_model", None)
             lines += [f"### `{item.name}` ({item.plugin}): {item.summary}", ""]
             if options is None or not options.model_fields:
                 lines += ["No options.", ""]

@@ -41,8 +41,10 @@ def rl(
     paths = [c for c in config if c != "@"]
     if len(paths) != 1:
         exit_with(NAME, "give one config: arctic-primerl rl @ rl.toml")
+    launch_env = dict(os.environ)  # PRIME-RL's processes get theirs on top of this, not this process's
     try:
         run = read_run(Path(paths[0]))
+        os.environ.update(run.backend_env)  # before torch meets the GPUs and the checks fetch a model
         token, processes = preflight(run)
     except (ArcticError, OSError) as exc:
         exit_with(NAME, str(exc))
@@ -50,10 +52,10 @@ def rl(
         for process in processes:
             typer.echo(" ".join(process.command))
         return
-    _run(run, processes, token)
+    _run(run, processes, token, {**launch_env, **run.process_env})
 
 
-def _run(run, processes, token) -> None:
+def _run(run, processes, token, process_env: dict[str, str]) -> None:
     import torch
 
     from arctic_primerl.launch import EXIT_WAIT_S, Watchdog
@@ -74,7 +76,7 @@ def _run(run, processes, token) -> None:
     watchdog = Watchdog(processes, service.trainer.settings.stop, lambda: service.trainer.awaited)
     try:
         for process in processes:
-            process.start(dict(os.environ))
+            process.start(process_env)
         watchdog.start()
         service.train()
         if not watchdog.reason:

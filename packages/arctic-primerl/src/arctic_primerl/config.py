@@ -6,7 +6,8 @@ model, steps, sequence length, run folder); ``[trainer]`` and the shared keys co
 trainer; ``[inference]`` is replaced by Arctic's sampler. A setting whose math Arctic does not
 reproduce is refused by name; settings of PRIME-RL's own trainer and vLLM server that only tune
 their speed or memory (compilation, activation checkpointing, offloading, attention kernels) have
-no meaning here and are ignored (Arctic's are under ``[arctic.config]``).
+no meaning here and are ignored (Arctic's are under ``[arctic.config]``). Any other key, in the
+tables read here, is refused by name, as PRIME-RL's launcher refuses a key its config lacks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pydantic import Field
 
 from arctic_core.adapters.settings import BackendSettings
 from arctic_core.adapters.translation import overlay
-from arctic_core.config import ArcticConfig, StrictModel, validate
+from arctic_core.config import ArcticConfig, StrictModel, unknown_key, validate
 from arctic_core.errors import ConfigError
 from arctic_primerl.loss import loss_terms
 from arctic_primerl.schedule import LRSchedule
@@ -49,6 +50,13 @@ REFUSED = {
     ("data", "fake"): "a fake data loader",
 }
 
+# Keys of [trainer] that only tune the speed, memory or profiling of PRIME-RL's own trainer process:
+# accepted and ignored, as those of [trainer.model] are (see the module's docstring).
+TRAINER_IGNORED = {"matmul_precision", "gc", "memory_profiler_path", "trace_path", "dist_timeout_seconds"}
+
+# Keys of [ckpt] and [trainer.ckpt] refused by name: Arctic saves and loads its checkpoints whole.
+CKPT_REFUSED = ("output_dir", "skip_progress", "skip_scheduler", "skip_dataloader", "skip_optimizer")
+
 
 class RunSettings(StrictModel):
     """What ``arctic-primerl rl`` needs from the toml, validated."""
@@ -69,6 +77,11 @@ class RunSettings(StrictModel):
     resume_step: int | None = None
     clean: bool = False
     """Remove an earlier run's steps from the run folder before starting (PRIME-RL's ``clean``)."""
+    process_env: dict[str, str] = {}
+    """Environment variables of the orchestrator and env servers ([env_vars], [orchestrator.env_vars])."""
+    backend_env: dict[str, str] = {}
+    """Environment variables of this process, which trains and samples in PRIME-RL's trainer's and
+    inference server's stead ([env_vars], [trainer.env_vars], [inference.env_vars])."""
     orchestrator: dict[str, Any]
     arctic: ArcticSection
 
@@ -100,6 +113,9 @@ def read_run(path: Path) -> RunSettings:
             raise ConfigError(f"trainer.{'.'.join(keys)}: {what} is not supported by arctic-primerl")
     _check_transports(raw, trainer, orchestrator)
     _check_deployment(raw.get("deployment", {}), trainer)
+    if _get(trainer, ("optim", "type")) not in (None, "adamw"):
+        raise ConfigError(f"trainer.optim.type = {trainer['optim']['type']!r}: arctic-primerl trains with AdamW")
+    _check_keys(raw)  # after the refusals: a refused setting's keys are named by its refusal, not as unknown
     model_name = _shared(raw, ("model", "name"), trainer, orchestrator)
     max_steps = _shared(raw, ("max_steps",), trainer, orchestrator)
     if model_name is None or max_steps is None:
@@ -107,18 +123,14 @@ def read_run(path: Path) -> RunSettings:
     if type(max_steps) is not int or max_steps < 1:
         raise ConfigError(f"max_steps = {max_steps!r}: a number of steps, at least 1")
     seq_len = _shared(raw, ("seq_len",), {"seq_len": _get(trainer, ("model", "seq_len"))}, orchestrator) or 2048
-    optim = dict(trainer.get("optim", {}))
-    if optim.pop("type", "adamw") != "adamw":
-        raise ConfigError(f"trainer.optim.type = {trainer['optim']['type']!r}: arctic-primerl trains with AdamW")
-    lr = optim.pop("lr", 1e-6)
-    optimizer = {"lr": lr, "weight_decay": optim.pop("weight_decay", 0.01), "max_grad_norm": optim.pop("max_norm", 1.0),
-                 "betas": (optim.pop("betas1", 0.9), optim.pop("betas2", 0.999))}
-    if optim:
-        raise ConfigError(f"trainer.optim: unknown key(s) {sorted(optim)}")
+    optim = trainer.get("optim", {})
+    lr = optim.get("lr", 1e-6)
+    optimizer = {"lr": lr, "weight_decay": optim.get("weight_decay", 0.01), "max_grad_norm": optim.get("max_norm", 1.0),
+                 "betas": (optim.get("betas1", 0.9), optim.get("betas2", 0.999))}
     ckpt = {**raw.get("ckpt", {}), **trainer.get("ckpt", {})}
     resume = {**raw.get("resume", {}), **trainer.get("resume", {})}
-    for key in ("output_dir", "skip_progress", "skip_scheduler", "skip_dataloader"):
-        if key in ckpt:
+    for key in CKPT_REFUSED:
+        if ckpt.get(key) not in (None, False):
             raise ConfigError(f"ckpt.{key}: not supported by arctic-primerl (checkpoints go under the run folder, whole)")
     if "dir" in resume:
         raise ConfigError("resume.dir: arctic-primerl resumes from this run's own checkpoints (resume.step)")
@@ -135,6 +147,7 @@ def read_run(path: Path) -> RunSettings:
         checkpoints="ckpt" in raw or "ckpt" in trainer, ckpt_interval=ckpt.get("interval"),
         ckpt_keep_last=ckpt.get("keep_last"), ckpt_keep_interval=ckpt.get("keep_interval"), resume_step=resume_step,
         clean=bool(raw.get("clean", False)), orchestrator=with_shared_sections(raw, orchestrator),
+        process_env=_env_vars(raw, "orchestrator"), backend_env=_env_vars(raw, "trainer", "inference"),
         arctic=validate(ArcticSection, raw.get("arctic", {}), "[arctic] table", prefix="arctic."),
     )
 
@@ -183,6 +196,55 @@ def with_shared_sections(raw: dict[str, Any], orchestrator: dict[str, Any]) -> d
     if "monitors" in raw:
         shared["monitors"] = raw["monitors"]
     return overlay(shared, orchestrator)
+
+
+# The keys read_run takes in each table it reads: to use, to refuse by name, to hand to PRIME-RL's
+# orchestrator, or (TRAINER_IGNORED) to ignore. Tables not checked here: [orchestrator] and [monitors]
+# go to PRIME-RL's orchestrator whole, which validates them itself when it starts; [inference]
+# configures PRIME-RL's vLLM server, which Arctic's sampler replaces (only server.port is read);
+# [trainer.model] holds PRIME-RL's many model settings, of which REFUSED and the seq_len and
+# parallelism checks read a few and the rest (speed, memory) are ignored; [trainer.loss] and
+# [trainer.scheduler] are checked by type where they are read (loss.py, schedule.py).
+_CKPT_KEYS = {"interval", "keep_last", "keep_interval", *CKPT_REFUSED}
+_TRANSPORT_KEYS = {"type"}  # the filesystem transports have no other (other types are refused first)
+KNOWN_KEYS: dict[tuple[str, ...], set[str]] = {
+    (): {"trainer", "orchestrator", "inference", "arctic", "model", "max_steps", "seq_len", "output_dir", "run",
+         "clean", "ckpt", "resume", "log", "tokenizer", "monitors", "weight_broadcast", "rollout_transport",
+         "deployment", "env_vars"},
+    ("trainer",): {"model", "data", "loss", "optim", "scheduler", "max_steps", "ckpt", "resume", "weight_broadcast",
+                   "rollout_transport", "enable_router_replay", "env_vars", *TRAINER_IGNORED},
+    ("trainer", "data"): {"fake"},
+    ("trainer", "optim"): {"type", "lr", "weight_decay", "max_norm", "betas1", "betas2"},
+    ("ckpt",): _CKPT_KEYS, ("trainer", "ckpt"): _CKPT_KEYS,
+    ("resume",): {"step", "dir"}, ("trainer", "resume"): {"step", "dir"},
+    ("model",): {"name"}, ("run",): {"name", "dir"},
+    ("deployment",): {"type", "gpus_per_node", "num_train_gpus", "num_infer_gpus"},
+    ("log",): set(SHARED_WITH_ORCHESTRATOR["log"]), ("tokenizer",): set(SHARED_WITH_ORCHESTRATOR["tokenizer"]),
+    ("weight_broadcast",): _TRANSPORT_KEYS, ("rollout_transport",): _TRANSPORT_KEYS,
+    ("trainer", "weight_broadcast"): _TRANSPORT_KEYS, ("trainer", "rollout_transport"): _TRANSPORT_KEYS,
+}
+
+
+def _check_keys(raw: dict[str, Any]) -> None:
+    """The first key of a table in KNOWN_KEYS that is not known there, named with its table."""
+    for path, known in KNOWN_KEYS.items():
+        table = _get(raw, path)
+        for key in table if isinstance(table, dict) else ():
+            if key not in known:
+                where = f" in [{'.'.join(path)}]" if path else " at the top level"
+                raise ConfigError(f"{'.'.join((*path, key))}: {unknown_key(key, known, where)}")
+
+
+def _env_vars(raw: dict[str, Any], *sections: str) -> dict[str, str]:
+    """[env_vars] overlaid with each section's own ``env_vars``, as PRIME-RL's launcher sets them in
+    the processes of those sections (strings only: they become environment variables)."""
+    merged: dict[str, str] = {}
+    for path in (("env_vars",), *((section, "env_vars") for section in sections)):
+        table = _get(raw, path) or {}
+        if not isinstance(table, dict) or not all(isinstance(value, str) for value in table.values()):
+            raise ConfigError(f"{'.'.join(path)}: a table of environment variables with string values")
+        merged.update(table)
+    return merged
 
 
 def _get(table: dict[str, Any], keys: tuple[str, ...]) -> Any:

@@ -7,13 +7,15 @@ The keys mean what :class:`~arctic_core.adapters.settings.BackendSettings` docum
 """
 
 # No `from __future__ import annotations`: SkyRL builds its config from the field types.
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
+from omegaconf import DictConfig
 from skyrl.train.config.config import BaseConfig, SkyRLTrainConfig
 
 from arctic_core.adapters.settings import BackendSettings
-from arctic_core.config import validate
+from arctic_core.config import unknown_key, validate
+from arctic_core.errors import ConfigError
 
 
 @dataclass
@@ -33,6 +35,18 @@ class ArcticSkyRLConfig(SkyRLTrainConfig):
     """SkyRL's root config with the ``arctic`` section."""
 
     arctic: ArcticSection = field(default_factory=ArcticSection)
+
+    @classmethod
+    def from_dict_config(cls, cfg: DictConfig) -> "ArcticSkyRLConfig":
+        """SkyRL's build of the parsed command line, after a check of the ``arctic`` keys: SkyRL's
+        own refusal of a misspelt one ("Invalid fields {'urll'} for ArcticSection") suggests none."""
+        arctic = cfg.get("arctic")
+        if isinstance(arctic, DictConfig):
+            valid = [f.name for f in fields(ArcticSection)]
+            for key in arctic:
+                if key not in valid:
+                    raise ConfigError(f"arctic.{key}: {unknown_key(str(key), valid, ' in the arctic section')}")
+        return super().from_dict_config(cfg)
 
 
 def read_settings(cfg: ArcticSkyRLConfig) -> BackendSettings:

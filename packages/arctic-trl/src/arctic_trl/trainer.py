@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrained
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
+from arctic_core.model_folders import model_folder
 from arctic_core.serving.server import HF_EXPORT
 from arctic_trl.mapping import (MicroBatch, arctic_config, loss_terms, policy_loss, regroup_is_exact, sampling_params,
                                 truncated_sampling_caveat, unsupported, unsupported_model)
@@ -91,8 +92,8 @@ class ArcticOptimizer(torch.optim.Optimizer):
 
 
 class GRPOTrainer(trl.GRPOTrainer):
-    """Drop-in for ``trl.GRPOTrainer``. ``model`` is a local model folder (or a loaded model, which
-    is saved to a temporary folder for the backend). ``arctic``: an ``ArcticClient``, an
+    """Drop-in for ``trl.GRPOTrainer``. ``model`` is a local model folder, a Hub model id (fetched
+    into the Hub's cache) or a loaded model (saved to a temporary folder for the backend). ``arctic``: an ``ArcticClient``, an
     ``http://`` URL of ``arctic-rl serve``, or a dict of ArcticConfig overrides for the in-process
     backend (default: DeepSpeed + ZoRRo trainer and the embedded FCA sampler on this machine)."""
 
@@ -374,10 +375,8 @@ TRL_METRICS = {"kl/kl": "kl", "entropy/entropy": "entropy", "ppo/clip_low_frac":
 
 
 def _model_folder(model: str | PreTrainedModel) -> str:
-    if isinstance(model, str):
-        if not Path(model).is_dir():
-            raise ValueError(f"arctic_trl needs a local model folder (the backend loads it); {model!r} is not one")
-        return model
+    if isinstance(model, str):  # a folder, or a Hub model fetched into the Hub's cache: the backend loads it
+        return model_folder(model, "GRPOTrainer's model")
     folder = tempfile.mkdtemp(prefix="arctic-trl-policy-")  # a loaded model: hand its weights to the backend
     model.save_pretrained(folder)
     return folder

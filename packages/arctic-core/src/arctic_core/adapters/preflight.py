@@ -16,6 +16,7 @@ from arctic_core.client import ArcticClient
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import ArcticError
 from arctic_core.hf import max_positions
+from arctic_core.model_folders import cached_model_folder
 from arctic_core.plugins.checks import check_plugins
 from arctic_core.plugins.registry import default_registry
 
@@ -35,7 +36,8 @@ def check_server(settings: BackendSettings, model_path: str, model_key: str, ref
     finally:
         client.close()
     served_model = str(served.get("model", {}).get("path", ""))
-    if served_model and _real(served_model) != _real(model_path):
+    ours = {_real(path) for path in (model_path, cached_model_folder(model_path)) if path}  # a Hub id: its snapshot
+    if served_model and _real(served_model) not in ours:
         raise ArcticError(f"the server at {settings.url} serves {served_model}, but {model_key} is {model_path}: "
                           "the framework's tokenizer and data must match the served model")
     if reference_needed_by and served.get("reference") is None:
@@ -44,22 +46,24 @@ def check_server(settings: BackendSettings, model_path: str, model_key: str, ref
 
 
 def check_backend(config: ArcticConfig) -> None:
-    """The backend an adapter would start: its model folders exist, and every plugin it names is
-    installed and takes the options given (checked without importing any engine)."""
-    config.check_model_folders()
+    """The backend an adapter would start: its models are local folders (Hub models fetched here,
+    where the backend finds them), and every plugin it names is installed and takes the options
+    given (checked without importing any engine)."""
+    config.with_local_models()
     check_plugins(config, default_registry())
 
 
 def check_positions(model_path: str, tokens: int, what: str) -> None:
     """A sequence of ``tokens`` (the framework's prompt and response limits, named by ``what``) fits
     the positions of the model in the folder ``model_path``: past them every request would fail.
-    Checked wherever that folder is here (the framework's tokenizer folder, whichever backend serves
-    the model); a missing one is the folder checks' to report."""
+    Checked wherever that folder is here (a local folder, or a Hub model in the cache; whichever
+    backend serves it); a missing one is the folder checks' to report."""
     from transformers import AutoConfig  # noqa: PLC0415 (heavy; only where a folder is checked)
 
-    if not os.path.isdir(model_path):
+    folder = cached_model_folder(model_path)
+    if folder is None:
         return
-    positions = max_positions(AutoConfig.from_pretrained(model_path))
+    positions = max_positions(AutoConfig.from_pretrained(folder))
     if tokens > positions:
         raise ArcticError(f"{what} = {tokens} tokens, more than the model's max_position_embeddings={positions} "
                           f"({model_path}): lower them")

@@ -55,8 +55,9 @@ class ArcticServer:
     """Engines behind the five calls (plus lifecycle); transports call :meth:`handle`."""
 
     def __init__(self, config: ArcticConfig, registry: Registry | None = None) -> None:
-        config.check_model_folders()  # before any engine spends seconds starting
-        self.config = config
+        # Local folders (Hub models fetched) before any engine spends seconds starting: engines load
+        # only local folders.
+        self.config = config = config.with_local_models()
         self.registry = registry or default_registry()
         self.policy_version = 0
         self.step_count = 0
