@@ -93,6 +93,22 @@ def test_tiny_model_refuses_a_path_that_is_a_file(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
+def test_the_demo_reuses_an_earlier_runs_folder_and_refuses_any_other(tmp_path):
+    from arctic_core.demo.grpo import clear_earlier_run
+
+    earlier = tmp_path / "earlier"
+    for name in ("tensorboard/events.out", "checkpoint/arctic_state.json", "summary.json"):
+        (earlier / name).parent.mkdir(parents=True, exist_ok=True)
+        (earlier / name).write_text("{}")
+    clear_earlier_run(earlier)
+    assert list(earlier.iterdir()) == []  # the next run's curves start alone
+    (tmp_path / "model" / "config.json").parent.mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    assert_one_line_error(arctic_rl("demo", "--out", str(tmp_path / "model")),
+                          f"the demo's folder {tmp_path / 'model'} holds ['config.json'], which no demo run wrote")
+    assert (tmp_path / "model" / "config.json").read_text() == "{}"
+
+
 @pytest.mark.slow
 def test_demo_stdout_is_one_json_line_and_progress_goes_to_stderr(tmp_path):
     proc = arctic_rl("demo", "--out", str(tmp_path / "demo"), "--steps", "2", "--warmup-steps", "2")

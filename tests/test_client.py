@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -160,6 +161,49 @@ def test_checkpoint_resume_reproduces_the_next_step(arctic_config, tmp_path):
         assert_same_weights(weights(resumed), after, rtol=1e-6)
 
 
+# A checkpoint's hyperparameters (those of OLD) and a config changed since (NEW): two decay groups
+# in both, so the optimizer state fits; clipping well under the gradient norm, so it acts.
+OLD = {"optimizer": {"lr": 1e-5, "weight_decay": 0.01, "decay": "transformers"}}
+NEW = {"optimizer": {"lr": 1e-2, "weight_decay": 0.1, "decay": "transformers", "betas": [0.8, 0.95], "eps": 1e-6,
+                     "max_grad_norm": 1e-3},
+       "scheduler": {"name": "cosine", "total_steps": 10}}
+
+
+def train(client: ArcticClient, batch: RolloutBatch, steps: int) -> tuple[list[tuple[int, float]], dict]:
+    """Each step's (number, lr), and the weights after the last."""
+    done = []
+    for _ in range(steps):
+        client.fwd_bwd(batch, "ppo")
+        metrics = client.step().metrics
+        assert metrics["grad_norm"] > NEW["optimizer"]["max_grad_norm"]
+        done.append((int(metrics["step"]), metrics["lr"]))
+    return done, weights(client)
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_a_loaded_checkpoint_trains_with_the_configured_hyperparameters(arctic_config, tmp_path, backend):
+    """A load restores the weights, the optimizer's moments and the schedule's position; the
+    configured lr schedule, weight decays, betas, eps and clipping apply from the next step, not
+    those the checkpoint was saved with."""
+    from arctic_zorro.lr_schedule import lr_factor
+
+    new = arctic_config(trainer={"backend": backend, **NEW})
+    with ArcticClient.in_process(arctic_config(trainer={"backend": backend, **OLD})) as client:
+        batch = rollout(client)
+        client.save_checkpoint(str(tmp_path / "start"))  # position 0, no moments yet
+        train(client, batch, 2)
+        client.save_checkpoint(str(tmp_path / "step2"))
+    with ArcticClient.in_process(new) as fresh:
+        expected_lrs, expected_weights = train(fresh, batch, 2)
+    with ArcticClient.in_process(new) as resumed:
+        resumed.load_checkpoint(str(tmp_path / "start"))
+        lrs, after = train(resumed, batch, 2)  # as a fresh server with this config trains, bit for bit
+        assert lrs == expected_lrs and all(torch.equal(after[name], expected_weights[name]) for name in after)
+        assert resumed.load_checkpoint(str(tmp_path / "step2")).step == 2
+        schedule = lr_factor(new.trainer.scheduler)  # resumed at its third step
+        assert train(resumed, batch, 2)[0] == [(3, 1e-2 * schedule(2)), (4, 1e-2 * schedule(3))]
+
+
 def test_the_hf_export_holds_the_tokenizer_and_generates_what_the_server_does(arctic_config, tiny_policy, tmp_path):
     """``export_hf`` writes a folder transformers loads whole: model, tokenizer with its chat
     template, generation config; greedy decoding there gives the server's tokens."""
@@ -185,7 +229,7 @@ def test_the_hf_export_holds_the_tokenizer_and_generates_what_the_server_does(ar
 def test_sleep_refuses_work_until_wake(arctic_config):
     with ArcticClient.in_process(arctic_config()) as client:
         client.sleep(["sampler"])
-        with pytest.raises(RequestError, match="asleep"):
+        with pytest.raises(RequestError, match=re.escape("the sampler is asleep; call wake(['sampler']) first")):
             client.generate(PROMPTS, n=1, max_tokens=2)
         client.wake(["sampler"])
         assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3
@@ -193,6 +237,24 @@ def test_sleep_refuses_work_until_wake(arctic_config):
             client.sleep(["reference"])
         client.sleep([])  # no engine named: none sleeps (None means every engine)
         assert client.generate(PROMPTS, n=1, max_tokens=2).batch.num_responses == 3
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_a_sleeping_trainer_or_reference_is_named_as_wake_takes_it(arctic_config, backend):
+    engines = {"trainer": {"backend": backend}, "reference": {"backend": backend}}
+    with ArcticClient.in_process(arctic_config(**engines)) as client:
+        batch = rollout(client)
+        client.fwd_bwd(batch, "ppo")
+        client.sleep(["trainer", "reference"])
+        asleep = "the {0} is asleep; call wake(['{0}']) first"
+        for call in (lambda: client.log_probs(batch), lambda: client.fwd_bwd(batch, "ppo"), client.step):
+            with pytest.raises(RequestError, match=re.escape(asleep.format("trainer"))):
+                call()
+        with pytest.raises(RequestError, match=re.escape(asleep.format("reference"))):
+            client.log_probs(batch, model="reference")
+        client.wake(["trainer", "reference"])
+        assert client.step().metrics["step"] == 1.0
+        client.log_probs(batch, model="reference")
 
 
 def test_colocated_engines_sleep_between_calls_and_give_the_same_results(arctic_config):
@@ -257,14 +319,29 @@ def test_prompt_token_ids_are_strict_ints_and_tensor_prompts_become_them():
     sent = client.generate(torch.tensor([[1, 2], [3, 4]]), stop_token_ids=[5]).prompts
     assert sent == [[1, 2], [3, 4]] and all(type(t) is int for p in sent for t in p)
     assert client.generate([np.array([7, 8], dtype=np.int32), (9,)]).prompts == [[7, 8], [9]]
+    assert client.generate([list(np.array([3, 4])), [torch.tensor(5)]]).prompts == [[3, 4], [5]]  # integer scalars
     for prompts, where in (([[1, True]], "prompts.0.1"), ([[1], ["2"]], "prompts.1.0"), ([[2.0]], "prompts.0.0"),
-                           ([torch.tensor([True])], "prompts.0.0"), ([[np.int64(3)]], "prompts.0.0")):
+                           ([torch.tensor([True])], "prompts.0.0"), ([[np.float64(3)]], "prompts.0.0")):
         with pytest.raises(RequestError, match=rf"{where}: Input should be a valid integer"):
             client.generate(prompts)
     with pytest.raises(RequestError, match="prompts.0.0: Input should be greater than or equal to 0"):
         client.generate([[-1]])
     with pytest.raises(RequestError, match="stop_token_ids.0: Input should be a valid integer"):
         client.generate([[1]], stop_token_ids=[True])
+
+
+def test_text_or_a_single_unwrapped_prompt_is_one_short_error():
+    """The two mistakes a tokenizer-less first call makes: text, and one prompt's ids not wrapped
+    in a list of prompts. A request with many bad values lists ten of them."""
+    client = ArcticClient(Recorder())
+    with pytest.raises(RequestError, match=r"^prompts\[1\] is text: generate\(\) takes token ids \(tokenize first"):
+        client.generate([[1, 2], "What is 12 * 7?"])
+    with pytest.raises(RequestError, match=r"^prompts is a list of token ids: .* \(one prompt: \[\[\.\.\.\]\]\)"):
+        client.generate([1, 20, 30])
+    with pytest.raises(RequestError) as many:
+        client.generate([[0.5] * 100])
+    lines = str(many.value).splitlines()
+    assert len(lines) == 12 and lines[-1] == "  ... and 90 more problems"
 
 
 @pytest.mark.parametrize("sampler", ["embedded", "hf-generate"])

@@ -45,7 +45,9 @@ def test_yaml_round_trip(tmp_path):
          "trainer.optimizer.betas.1: Input should be less than 1"),
         ({"model": {"path": "/m"}, "seed": 2**70}, "seed: Input should be less than 9223372036854775808"),
         ({"model": {"path": "/m"}, "trainer": {"optimizer": {"lr": float("inf")}}},
-         "trainer.optimizer.lr: Input should be less than or equal to 1"),
+         "trainer.optimizer.lr: Input should be a finite number"),
+        ({"model": {"path": "/m"}, "trainer": {"optimizer": {"lr": float("nan")}}},
+         "trainer.optimizer.lr: Input should be a finite number"),
         # A value that fits none of a field's types: one line, without pydantic's tags of the types.
         ({"model": {"path": "/m"}, "trainer": {"checkpoint_layers": "all"}},
          "invalid ArcticConfig:\n  trainer.checkpoint_layers: Input should be a valid integer, unable to parse "
@@ -87,6 +89,10 @@ def test_bad_yaml_file_is_reported_with_its_path(tmp_path):
         ArcticConfig.from_yaml(path)
     with pytest.raises(ConfigError, match="cannot read config"):
         ArcticConfig.from_yaml(tmp_path / "missing.yaml")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"model:\n  path: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="cannot read config .*binary.yaml: 'utf-8' codec can't decode"):
+        ArcticConfig.from_yaml(binary)
 
 
 def test_scheduler_and_sampling_params_bounds():

@@ -120,6 +120,14 @@ def test_save_checkpoint_refuses_a_path_it_would_clobber_and_changes_nothing(tin
         assert client.load_checkpoint(str(tmp_path / "empty")).step == 0
 
 
+def test_a_checkpoint_path_is_the_servers_with_its_home_expanded(tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with ArcticClient.in_process(config_of(tiny_policy)) as client:
+        client.save_checkpoint("~/checkpoints/start")
+        assert (tmp_path / "checkpoints" / "start" / STATE_FILE).is_file() and not (tmp_path / "~").exists()
+        assert client.load_checkpoint("~/checkpoints/start").step == 0
+
+
 def test_keep_last_keeps_the_checkpoint_just_saved_and_leaves_damaged_ones_alone(tiny_policy, tmp_path):
     with ArcticClient.in_process(config_of(tiny_policy)) as client:
         batch = rollout(client)

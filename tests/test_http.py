@@ -289,6 +289,18 @@ def test_waiting_for_a_server_that_never_answers_raises_a_remote_error():
         wait_until_serving(url, timeout=60, alive=lambda: False)
 
 
+def test_a_call_that_times_out_says_it_may_still_run_on_the_server():
+    """The request went out and no answer came in time: the server may still be running it."""
+    with socket.socket() as silent:  # accepts connections (the backlog) and never answers
+        silent.bind((HOST, 0))
+        silent.listen()
+        url = f"http://{HOST}:{silent.getsockname()[1]}"
+        with ArcticClient.http(url, timeout=0.5) as client, pytest.raises(RemoteError) as info:
+            client.generate([[1, 2]], max_tokens=2)
+    assert info.value.status is None and "ReadTimeout" in str(info.value)
+    assert "the call may still run on the server: check status() before repeating it" in str(info.value)
+
+
 def raw_body(header: str) -> bytes:
     """A safetensors-shaped body: the 8-byte length, then ``header`` as its JSON header."""
     data = header.encode()
@@ -527,23 +539,58 @@ def test_serve_refuses_a_public_host_without_a_token():
     assert result.exit_code != 0 and "without a token" in result.output
 
 
-@pytest.mark.timeout(120)
-def test_serve_command_answers_with_the_env_token_and_exits_after_shutdown(config, tmp_path):
+def test_serve_refuses_ray_options_without_ray():
+    result = CliRunner().invoke(cli_app, ["serve", "--ray-workers", "4"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "take effect with --ray only" in result.output
+
+
+def test_serve_on_a_taken_port_is_one_error_before_any_engine_starts(config, tmp_path):
     path = tmp_path / "arctic.yaml"
     path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-    port = unused_port()
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "arctic_core.cli", "serve", "--config", str(path), "--port", str(port)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --port: cannot serve on {HOST}:{port}: Address "
+                                                           "already in use")
+    assert "serving on" not in proc.stderr and "deepspeed" not in proc.stderr.lower()
+
+
+def serving_url(proc: subprocess.Popen, timeout: float = 90) -> str:
+    """The URL ``serve`` announces on stderr (the bound port, also for --port 0)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line, "serve ended before announcing its URL"
+        if "Arctic RL serving on " in line:
+            return line.split("Arctic RL serving on ")[1].split()[0]
+    raise AssertionError("serve did not announce its URL")
+
+
+@pytest.mark.timeout(120)
+def test_serve_command_answers_with_the_env_token_and_exits_after_shutdown(config, tmp_path):
+    """On the port the OS picks (--port 0, announced), with the token from the environment; stdout
+    stays empty (logs go to stderr); after a shutdown call the process ends and frees the port."""
+    path = tmp_path / "arctic.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     env = {**os.environ, "ARCTIC_RL_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "arctic_core.cli", "serve", "--config", str(path), "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "arctic_core.cli", "serve", "--config", str(path), "--port", "0"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        url = f"http://{HOST}:{port}"
+        url = serving_url(proc)
+        assert not url.endswith(":0")
         wait_until_serving(url, timeout=90, alive=lambda: proc.poll() is None)
         assert httpx.post(f"{url}/v1/status", content=b"").status_code == 401
         with ArcticClient.http(url, token=TOKEN) as client:
             assert client.generate(PROMPTS, n=2, max_tokens=2).batch.num_responses == 6
             client.shutdown()
         # The engines are gone: the process ends by itself and nothing listens on the port.
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr[-3000:]
+        assert stdout == "" and '"POST /v1/generate HTTP/1.1" 200' in stderr  # the access log is a log
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health")
     finally:

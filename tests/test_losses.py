@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -575,6 +576,16 @@ def test_invalid_option_values_raise_config_error() -> None:
     assert PPOLoss(log_ratio_bounds=(None, 10)) and CISPOLoss(ratio_floor=0.8, ratio_cap=1.2)
 
 
+@pytest.mark.parametrize("options", [{"log_ratio_bounds": (float("nan"), 1.0)}, {"entropy_floor": float("nan")},
+                                     {"off_policy_threshold": float("nan")}, {"clip_high": float("inf")}])
+def test_nan_or_infinite_options_are_refused_naming_them(options) -> None:
+    """A NaN bound would mask every token (nothing trained) or make a NaN loss whose gradient poisons
+    what earlier calls accumulated: refused like any other bad value ("no bound" is None)."""
+    name = next(iter(options))
+    with pytest.raises(ConfigError, match=rf"{name}(\.0)?: Input should be a finite number"):
+        PPOLoss(**options)
+
+
 def test_gspo_under_token_mean_weighs_each_sequence_by_its_tokens() -> None:
     """Any aggregation: the sequence's loss is carried by each of its tokens (TRL's broadcast), so
     token-mean gives sum_i len_i * L_i / tokens and the gradient of each sequence's ratio."""
@@ -896,3 +907,64 @@ def test_build_objective_unknown_loss_lists_registered_names() -> None:
         build_objective(default_registry(), [LossTermConfig(name="nope")])
     assert "'nope'" in str(info.value)
     assert "kl" in str(info.value)
+
+
+class _Returns:
+    """A third party's loss term that returns ``value`` (and reads the log-probs)."""
+
+    requires = ("logprobs",)
+
+    def __init__(self, value=None) -> None:
+        self.value = value
+
+    def __call__(self, outputs, batch, ctx):
+        return self.value(outputs["logprobs"]) if callable(self.value) else self.value
+
+
+def _plugin_registry(**losses):
+    import types
+
+    from arctic_core import hookimpl
+    from arctic_core.plugins.registry import build_registry
+
+    module = types.ModuleType("mine")
+    module.arctic_losses = hookimpl(lambda: losses)
+
+    class NoTemperature:
+        outputs = ("logprobs",)
+
+    module.arctic_processors = hookimpl(lambda: {"no_temperature": NoTemperature})
+    return build_registry({"mine": module})
+
+
+def test_a_plugin_term_that_breaks_the_loss_contract_is_named_before_any_gradient() -> None:
+    """Each broken plugin names itself and the rule, at the dry run that precedes any engine's
+    work, instead of failing deep inside the backward with the engine's error."""
+    from helpers import random_grpo_batch
+
+    batch = random_grpo_batch(64)
+    broken = {
+        "a float": (lambda lp: 0.5, "returned a float, not a pair (loss, metrics)"),
+        "a tensor alone": (lambda lp: lp.sum(), "returned a tensor of shape [], not a pair (loss, metrics)"),
+        "per-token losses": (lambda lp: (lp, {}), "returned a loss that is a tensor of shape [15, "),
+        "a text metric": (lambda lp: (lp.sum(), {"note": "ok"}), "returned metrics ['note'] that are not 0-dim"),
+    }
+    for case, (value, message) in broken.items():
+        objective = build_objective(_plugin_registry(mine=lambda v=value: _Returns(v)), [LossTermConfig(name="mine")])
+        with pytest.raises(RequestError, match=re.escape(f"loss term 'mine' {message}")) as refused:
+            objective.check(batch, LossContext.of(batch))
+        assert "a term returns (0-dim loss tensor, {metric: 0-dim tensor or number})" in str(refused.value), case
+    good = build_objective(_plugin_registry(mine=lambda: _Returns(lambda lp: (lp.sum(), {"n": 1}))),
+                           [LossTermConfig(name="mine")])
+    good.check(batch, LossContext.of(batch))
+
+    class NoRequires:
+        def __call__(self, outputs, batch, ctx):
+            return torch.zeros(()), {}
+
+    with pytest.raises(RequestError, match="loss term 'mine' declares no `requires`"):
+        build_objective(_plugin_registry(mine=NoRequires), [LossTermConfig(name="mine")])
+    from arctic_core.losses.objective import build_processors
+
+    with pytest.raises(RequestError, match="processor 'no_temperature' cannot be built as processors are"):
+        build_processors(_plugin_registry(), ["no_temperature"], 1.0)

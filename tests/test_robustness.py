@@ -207,6 +207,8 @@ def test_a_step_over_non_finite_gradients_or_an_empty_batch_changes_nothing(back
         before = weights(client)
         client.fwd_bwd(batch.select([]), LOSS)  # no response: nothing ran, nothing to apply
         assert client.step().metrics["skipped"] == 1.0
+        outputs = client.log_probs(batch.select([]), processors=["logprobs", "entropy"]).outputs
+        assert {name: tuple(t.shape) for name, t in outputs.items()} == {"logprobs": (0, 0), "entropy": (0, 0)}
         # A NaN gradient, as an overflow inside the model gives: the step is skipped (every backend,
         # every ZeRO stage) and the gradients are dropped.
         hook = next(server_of(client).trainer.model.parameters()).register_hook(lambda grad: grad * float("nan"))

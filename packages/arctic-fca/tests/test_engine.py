@@ -522,7 +522,7 @@ def test_models_the_fused_decoder_does_not_take_run_on_transformers_modules(toke
 
 def test_bad_requests_and_unsupported_models_get_clear_errors(tokenizer):
     engine, _ = make_engine(tokenizer, max_num_seqs=4, kv_cache_tokens=64)
-    with pytest.raises(RequestError, match="n=8 exceeds the engine's max_num_seqs=4"):
+    with pytest.raises(RequestError, match=r"n=8 samples of one prompt exceed the 4 sequences the sampler runs at once \(sampler.max_batch_size"):
         engine.generate([[5, 6]], SamplingParams(n=8))
     with pytest.raises(RequestError, match=r"prompts\[0\] with n=2 and max_tokens=100 needs 16 KV blocks; the cache has 3"):
         engine.generate([[5] * 20], SamplingParams(n=2, max_tokens=100))

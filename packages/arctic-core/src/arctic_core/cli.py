@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -100,6 +101,9 @@ def serve(
             "or pass --allow-public-without-token if the network is trusted",
             param_hint="--host",
         )
+    if not ray and (ray_workers, ray_samplers, address) != (2, 1, None):
+        raise typer.BadParameter("--ray-workers, --ray-samplers and --address take effect with --ray only",
+                                 param_hint="--ray")
     arctic_config = ArcticConfig.from_yaml(config) if config else embedded_default_config()
     if ray:
         arctic_config = ray_config(arctic_config, ray_workers, ray_samplers, address)
@@ -109,6 +113,16 @@ def serve(
         check_token(token, "--token / ARCTIC_RL_TOKEN")  # before the engines spend their start-up time
     with config_errors_from(config):
         arctic_config = arctic_config.with_local_models()
+    # The port is taken before the engines spend minutes starting (a busy one is an error now, not
+    # after), and listened on only once they serve: until then a health poll finds nothing here.
+    listener = bind_port(host, port)
+    with stdout_to_stderr():  # stdout stays empty: DeepSpeed's banners and uvicorn's access log are logs
+        _serve(arctic_config, config, listener, token, max_body_mb)
+
+
+def _serve(arctic_config: ArcticConfig, config: Path | None, listener: socket.socket, token: str | None,
+           max_body_mb: float) -> None:
+    with config_errors_from(config):
         import uvicorn
 
         from arctic_core.serving.http import create_app
@@ -117,15 +131,35 @@ def serve(
         _quiet_model_loading()
         server = ArcticServer(arctic_config)
     # After a shutdown call the engines are gone: exit once it is answered, freeing the port and the
-    # memory (http_server is bound below, before any call can arrive).
+    # memory.
     app_ = create_app(server, token=token, max_body_bytes=int(max_body_mb * 2**20),
                       on_shutdown=lambda: setattr(http_server, "should_exit", True))
-    http_server = uvicorn.Server(uvicorn.Config(app_, host=host, port=port, log_level="info"))
-    typer.echo(f"Arctic RL serving on http://{host}:{port} (API: /openapi.json, /docs; token {'required' if token else 'off'})", err=True)
+    http_server = uvicorn.Server(uvicorn.Config(app_, log_level="info"))
+    host, port = listener.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"  # the bound port, also for --port 0
+    typer.echo(f"Arctic RL serving on {url} (API: /openapi.json, /docs; token {'required' if token else 'off'})",
+               err=True)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C stops the server cleanly, as in uvicorn.run
-        http_server.run()
-    if not http_server.started:  # e.g. the port is taken; uvicorn has logged why
+        http_server.run(sockets=[listener])
+    if not http_server.started:  # uvicorn could not start; it has logged why
         raise SystemExit(3)
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening); a taken port is an ArcticError."""
+    from arctic_core.errors import ArcticError
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    # proto=IPPROTO_TCP as asyncio's own server sockets: only then does asyncio set TCP_NODELAY.
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        listener.bind(address)
+    except OSError as exc:
+        listener.close()
+        raise ArcticError(f"--port: cannot serve on {host}:{port}: {exc.strerror} (another server there? choose "
+                          "another --port)") from None
+    return listener
 
 
 def ray_config(config: ArcticConfig, workers: int, samplers: int, address: str | None) -> ArcticConfig:

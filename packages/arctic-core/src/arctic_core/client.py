@@ -39,10 +39,18 @@ def _request[M: BaseModel](schema: type[M], **fields: Any) -> M:
         raise RequestError(format_validation_error(exc, f"request ({schema.__name__})", schema)) from None
 
 
-def _token_ids(prompt: Sequence[int]) -> list[Any]:
-    """A prompt's token ids as a list. A tensor's or an array's (``return_tensors="pt"``) through
-    ``tolist()``: iterating it gives torch or numpy scalars, which token ids (strict ints) refuse."""
-    return prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+def _token_ids(prompt: Sequence[int], index: int) -> list[Any]:
+    """A prompt's token ids as a list of Python scalars (a tensor's or an array's through ``tolist()``,
+    numpy or torch scalars through ``item()``), which the request then checks as strict ints: an
+    integer scalar passes, a bool, float or string is refused."""
+    if isinstance(prompt, (str, bytes)):
+        raise RequestError(f"prompts[{index}] is text: generate() takes token ids (tokenize first, e.g. "
+                           "tokenizer(text).input_ids)")
+    if isinstance(prompt, int):
+        raise RequestError("prompts is a list of token ids: generate() takes a list of prompts, each a list of "
+                           "token ids (one prompt: [[...]])")
+    ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+    return [t.item() if hasattr(t, "item") else t for t in ids]
 
 
 def _loss_terms(loss: LossSpec | Sequence[LossSpec]) -> list[Any]:
@@ -69,7 +77,7 @@ class _Calls:
     def generate(self, prompts: Prompts, params: SamplingParams | dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """Sample ``params.n`` responses per prompt -> ``GenerateResult`` (``.batch`` is a RolloutBatch)."""
         params = _request(SamplingParams, **{**_as_dict(params), **kwargs})
-        ids = [_token_ids(p) for p in prompts]
+        ids = [_token_ids(p, i) for i, p in enumerate(prompts)]
         return self._call("generate", _request(GenerateRequest, prompts=ids, params=params))
 
     def log_probs(

@@ -28,7 +28,10 @@ AdamBeta = Annotated[float, Field(ge=0, lt=1)]
 
 class StrictModel(BaseModel):
     # Unknown keys are errors; a docstring under a field is its description (the config reference shows it).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # No setting is NaN or infinite (a NaN threshold would silently mask every token or poison the
+    # gradients already accumulated): "no bound" is None. Plugins' options models inherit this.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
 
 class ModelConfig(StrictModel):
@@ -255,7 +258,13 @@ def format_validation_error(exc: ValidationError, what: str, model: type[BaseMod
             message = _unknown_key(model, err["loc"])
         problems.setdefault(where, []).append(message)
     # A value that fits none of a field's types gets one line: each type's complaint, joined by "or".
-    return "\n".join([f"invalid {what}:", *(f"  {where}: {' or '.join(messages)}" for where, messages in problems.items())])
+    lines = [f"  {where}: {' or '.join(messages)}" for where, messages in problems.items()]
+    if len(lines) > MAX_PROBLEMS:  # e.g. a text where token ids belong: one problem per character
+        lines[MAX_PROBLEMS:] = [f"  ... and {len(lines) - MAX_PROBLEMS} more problems"]
+    return "\n".join([f"invalid {what}:", *lines])
+
+
+MAX_PROBLEMS = 10  # problems an error lists
 
 
 def _union_member(part: str | int) -> bool:
@@ -324,6 +333,6 @@ def load_yaml[M: BaseModel](model: type[M], path: str | Path) -> M:
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:  # missing, binary, or not YAML
         raise ConfigError(f"cannot read config {path}: {exc}") from None
     return validate(model, data or {}, f"config {path}")

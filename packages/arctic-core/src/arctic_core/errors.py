@@ -32,6 +32,12 @@ class RequestError(ArcticError, ValueError):
     """A client request is invalid (bad parameters, unknown op, wrong state)."""
 
 
+def engine_asleep(engine: str) -> RequestError:
+    """The refusal of a call to an engine put to sleep, naming it as the client's ``sleep`` and
+    ``wake`` do ("trainer", "sampler", "reference"): every engine says it in the same words."""
+    return RequestError(f"the {engine} is asleep; call wake([{engine!r}]) first")
+
+
 class RemoteError(ArcticError, RuntimeError):
     """The server refused or failed a call for a reason with no Arctic error class."""
 

@@ -10,7 +10,7 @@ import torch
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate_options
-from arctic_core.errors import RequestError
+from arctic_core.errors import engine_asleep
 from arctic_core.hf import check_prompts, copy_weights_, load_causal_lm, max_positions, stop_tokens
 from arctic_core.plugins.interfaces import NamedTensors
 
@@ -37,7 +37,7 @@ class HFGenerateSampler:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         if self.asleep:
-            raise RequestError("the sampler is asleep; call wake() first")
+            raise engine_asleep("sampler")
         check_prompts(prompts, self.model.config.vocab_size, params, max_positions(self.model))
         stops = sorted(stop_tokens(self.model, params))
         per_chunk = max(1, self.config.max_batch_size // params.n)

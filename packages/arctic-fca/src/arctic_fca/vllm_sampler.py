@@ -25,7 +25,7 @@ from pydantic import Field
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, StrictModel, validate_options
-from arctic_core.errors import ConfigError, RequestError
+from arctic_core.errors import ConfigError, engine_asleep
 from arctic_core.hf import check_prompts
 from arctic_core.plugins.interfaces import NamedTensors
 
@@ -85,7 +85,7 @@ class VllmSampler:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         if self.asleep:
-            raise RequestError("the vllm sampler is asleep; call wake() first")
+            raise engine_asleep("sampler")
         model = self.llm.llm_engine.model_config  # refused here by name, not deep inside vLLM
         check_prompts(prompts, model.get_vocab_size(), params, model.max_model_len)
         # vLLM refuses greedy decoding with n > 1; the n greedy samples are one sequence repeated.

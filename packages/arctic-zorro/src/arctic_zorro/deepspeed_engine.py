@@ -23,12 +23,13 @@ import torch
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, TrainerConfig, validate_options
-from arctic_core.errors import ConfigError, RequestError
+from arctic_core.errors import ConfigError, RequestError, engine_asleep
 from arctic_core.hf import check_batch_fits, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_core.ports import free_port
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.fused_elementwise import apply_compile_elementwise
+from arctic_zorro.hyperparameters import Hyperparameters
 from arctic_zorro.lr_schedule import lr_factor, lr_for_step
 from arctic_zorro.param_groups import param_group_shapes, param_groups
 from arctic_zorro.saved_state import PARAM_GROUPS, TrainerState, check_layout, validated
@@ -192,6 +193,8 @@ class DeepSpeedLogProbEngine:
     """Forward-only engine over a transformers model wrapped by DeepSpeed."""
 
     options_model: type[DeepSpeedLogProbOptions] = DeepSpeedLogProbOptions
+    role = "reference"
+    """The server's and the client's name for this engine (what ``sleep``/``wake`` take)."""
 
     def __init__(self, config: LogProbConfig | TrainerConfig, model: ModelConfig, *, seed: int) -> None:
         self.options = validate_options(self.options_model, config, "deepspeed")
@@ -259,7 +262,7 @@ class DeepSpeedLogProbEngine:
 
     def _check(self, batch: RolloutBatch) -> None:
         if self.asleep:
-            raise RequestError(f"{type(self).__name__} is asleep; call wake() first")
+            raise engine_asleep(self.role)
         check_batch_fits(batch, self.model)
 
 
@@ -268,6 +271,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
 
     options_model = DeepSpeedTrainerOptions
     options: DeepSpeedTrainerOptions
+    role = "trainer"
 
     def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
         self.config = config
@@ -276,6 +280,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
             self.engine.train()  # transformers only checkpoints in training mode
         self.train_forward = training_forward(self.engine, config, self.model, self.device, self.options.zorro,
                                               agree=True)
+        self.configured = Hyperparameters.of(self.engine.optimizer, self.engine.lr_scheduler)  # a load keeps them
         self.steps = 0
         self.has_gradients = False  # a backward ran since the last step (DeepSpeed cannot step without one)
         self.partly_loaded: Path | None = None  # a checkpoint whose load failed part-way: calls are refused
@@ -308,7 +313,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
 
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         if self.asleep:
-            raise RequestError("DeepSpeedTrainer is asleep; call wake() first")
+            raise engine_asleep(self.role)
         if not self.has_gradients:
             # DeepSpeed's ZeRO 1/2 step fails on an empty accumulation and stays broken after it:
             # no gradient means no update, and the schedule does not advance.
@@ -400,7 +405,8 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
         """All of the checkpoint, or a RequestError. DeepSpeed loads the weights before it finds out
         that the optimizer state does not fit, so what it needs to match is compared first, and a
         checkpoint that does not fit changes nothing. A load that still fails part-way (a damaged
-        file) leaves the trainer refusing to train, sync or save until a checkpoint loads whole."""
+        file) leaves the trainer refusing to train, sync or save until a checkpoint loads whole. The
+        configured hyperparameters replace the saved ones (see :mod:`arctic_zorro.hyperparameters`)."""
         check_layout(self._saved_state(path).layout, self._layout(), path)
         try:
             loaded, client_state = self.engine.load_checkpoint(str(path), tag=CHECKPOINT_TAG)
@@ -411,6 +417,7 @@ class DeepSpeedTrainer(DeepSpeedLogProbEngine):
             raise RequestError(f"loading the checkpoint in {path} failed part-way ({type(exc).__name__}: {exc}); "
                                "the trainer is partly restored and refuses to train, sync or save until a "
                                "checkpoint loads whole: load an intact checkpoint, or restart the server") from exc
+        self.configured.restore(self.engine.optimizer, self.engine.lr_scheduler)
         self.partly_loaded = None
         self.steps = state.steps
         torch.set_rng_state(state.rng)

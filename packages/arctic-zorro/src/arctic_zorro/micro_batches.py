@@ -7,7 +7,7 @@ outputs``) and, for training, its backward; the loss normalisers come from the w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -94,14 +94,17 @@ def _padded_plan(batch: RolloutBatch, token_budget: int) -> list[list[int]]:
 
 
 def assemble_outputs(
-    batch: RolloutBatch, parts: list[tuple[list[int], dict[str, torch.Tensor]]]
+    batch: RolloutBatch, parts: list[tuple[list[int], dict[str, torch.Tensor]]], names: Iterable[str]
 ) -> dict[str, torch.Tensor]:
-    """Stitch micro-batch outputs back into ``[B, Lr]`` tensors in the batch's row order."""
+    """Stitch micro-batch outputs back into ``[B, Lr]`` tensors in the batch's row order: one per
+    output of ``names``, also when no micro-batch ran (a batch of no responses: ``[0, 0]``)."""
     out: dict[str, torch.Tensor] = {}
     for rows, outputs in parts:
         for name, values in outputs.items():
             full = out.setdefault(name, torch.zeros(tuple(batch.response_ids.shape), dtype=values.dtype))
             full[rows, : values.shape[1]] = values.cpu()
+    for name in names:
+        out.setdefault(name, torch.zeros(tuple(batch.response_ids.shape)))
     return out
 
 
@@ -115,7 +118,7 @@ def micro_log_probs(
     parts = [(rows, forward(batch.select(rows), processors)) for rows in plan]
     for _ in range(_idle_passes(plan, align)):  # join the other ranks' gathers; outputs unused
         forward(batch.select(plan[0]), processors)
-    return assemble_outputs(batch, parts)
+    return assemble_outputs(batch, parts, processors)
 
 
 def _idle_passes(plan: list[list[int]], align: Align | None) -> int:

@@ -16,11 +16,12 @@ import torch
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import LogProbConfig, ModelConfig, StrictModel, TrainerConfig, validate_options
-from arctic_core.errors import ConfigError, RequestError
+from arctic_core.errors import ConfigError, RequestError, engine_asleep
 from arctic_core.hf import check_batch_fits, check_weights, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.fused_elementwise import apply_compile_elementwise
+from arctic_zorro.hyperparameters import Hyperparameters
 from arctic_zorro.packed_forward import ZorroOptions, select_forward
 from arctic_zorro.lr_schedule import lr_factor, lr_for_step
 from arctic_zorro.param_groups import param_group_shapes, param_groups
@@ -43,6 +44,8 @@ class TorchLogProbEngine:
     """Forward-only engine over a transformers model."""
 
     options_model = TorchOptions
+    role = "reference"
+    """The server's and the client's name for this engine (what ``sleep``/``wake`` take)."""
 
     def __init__(self, config: LogProbConfig | TrainerConfig, model: ModelConfig, *, seed: int) -> None:
         options = validate_options(self.options_model, config, "torch")
@@ -84,12 +87,14 @@ class TorchLogProbEngine:
 
     def _check(self, batch: RolloutBatch) -> None:
         if self.asleep:
-            raise RequestError(f"{type(self).__name__} is asleep; call wake() first")
+            raise engine_asleep(self.role)
         check_batch_fits(batch, self.model)
 
 
 class TorchTrainer(TorchLogProbEngine):
     """Trainable torch engine; gradients accumulate across ``forward_backward`` calls."""
+
+    role = "trainer"
 
     def __init__(self, config: TrainerConfig, model: ModelConfig, *, seed: int) -> None:
         super().__init__(config, model, seed=seed)
@@ -102,6 +107,7 @@ class TorchTrainer(TorchLogProbEngine):
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(param_groups(self.model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.scheduler))
+        self.configured = Hyperparameters.of(self.optimizer, self.scheduler)  # a load keeps them
         self.steps = 0
 
     def forward_backward(
@@ -115,7 +121,7 @@ class TorchTrainer(TorchLogProbEngine):
 
     def optimizer_step(self, lr: float | None = None) -> dict[str, float]:
         if self.asleep:
-            raise RequestError("TorchTrainer is asleep; call wake() first")
+            raise engine_asleep(self.role)
         max_norm = self.config.optimizer.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
         with lr_for_step(self.optimizer, self.scheduler, lr):
@@ -188,7 +194,8 @@ class TorchTrainer(TorchLogProbEngine):
 
     def _load_optimizer(self, state: TorchTrainerState, path: Path) -> None:
         """The optimizer's and the LR scheduler's state, both or neither. Torch checks the optimizer's
-        groups before it changes anything; the scheduler's few numbers are put back if it refuses."""
+        groups before it changes anything; the scheduler's few numbers are put back if it refuses.
+        The configured hyperparameters replace the saved ones (see :mod:`arctic_zorro.hyperparameters`)."""
         scheduler_before = self.scheduler.state_dict()
         try:
             self.scheduler.load_state_dict(state.scheduler)
@@ -197,6 +204,7 @@ class TorchTrainer(TorchLogProbEngine):
             self.scheduler.load_state_dict(scheduler_before)
             raise RequestError(f"the optimizer state in {path / STATE_FILE} does not fit this trainer: "
                                f"{type(exc).__name__}: {exc}") from exc
+        self.configured.restore(self.optimizer, self.scheduler)
 
     def _layout(self) -> dict[str, Any]:
         return {PARAM_GROUPS: param_group_shapes(self.model, self.config.optimizer)}

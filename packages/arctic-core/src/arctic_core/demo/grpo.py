@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from arctic_core.config import ArcticConfig, LogProbConfig, ModelConfig, Optimiz
 from arctic_core.demo.metrics import MetricsLogger, plot_rewards
 from arctic_core.demo.task import CountingTask, Problem, is_well_formed
 from arctic_core.demo.tiny_model import save_tiny_policy
+from arctic_core.errors import ConfigError
 from arctic_core.serving.server import HF_EXPORT
 
 
@@ -158,9 +160,32 @@ class GRPODemo:
         return self.tokenizer.encode(text, add_special_tokens=False) + [self.eos]
 
 
+# What a run writes into its folder: an earlier run's are replaced by the next run there.
+DEMO_OUTPUTS = {"policy", "sft", "tensorboard", "checkpoint", "reward_curve.png", "summary.json"}
+
+
 def run_demo(out: Path, settings: DemoSettings) -> dict[str, object]:
+    clear_earlier_run(out)
     out.mkdir(parents=True, exist_ok=True)
     return GRPODemo(out, settings).run()
+
+
+def clear_earlier_run(out: Path) -> None:
+    """Make ``out`` ready for a run: new, empty, or an earlier run's folder (its outputs removed, so
+    that its TensorBoard curves do not mix with this run's). A folder holding anything else is
+    refused, never written into."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"the demo's folder {out} is a file")
+    entries = list(out.iterdir()) if out.is_dir() else []
+    others = sorted(entry.name for entry in entries if entry.name not in DEMO_OUTPUTS)
+    if others:
+        raise ConfigError(f"the demo's folder {out} holds {others[:3]}, which no demo run wrote: choose a new or "
+                          "empty folder (an earlier run's folder is reused)")
+    for entry in entries:
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def warmed_up_policy(out: Path, ops: tuple[str, ...], steps: int = 20) -> Path:

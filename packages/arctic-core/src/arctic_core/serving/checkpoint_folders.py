@@ -35,10 +35,11 @@ class CheckpointState(BaseModel):
 
 
 def checkpoint_path(path: str) -> Path:
-    """``path`` as a checkpoint folder; refused unless it names one (not empty, ``.``, ``..`` or ``/``)."""
+    """``path`` as a checkpoint folder of the server's file system (``~`` its user's home, a relative
+    path from its working directory); refused unless it names one (not empty, ``.``, ``..`` or ``/``)."""
     if "\0" in path:
         raise RequestError(f"checkpoint path {path!r} contains a NUL byte")
-    folder = Path(path)
+    folder = Path(path).expanduser()
     if folder.name in ("", ".."):
         raise RequestError(f"checkpoint path {path!r} does not name a folder; give e.g. 'checkpoints/step-100'")
     return folder

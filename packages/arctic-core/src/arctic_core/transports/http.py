@@ -145,7 +145,12 @@ def _error(response: httpx.Response) -> Exception:
 
 
 def _unreachable(base_url: str, op: str, exc: httpx.HTTPError) -> RemoteError:
-    return RemoteError(None, type(exc).__name__, f"{op} to the Arctic server at {base_url} failed: {exc}")
+    message = f"{op} to the Arctic server at {base_url} failed: {exc}"
+    if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        # The request went out: the server runs it to its end (a fwd_bwd still adds its gradient).
+        message += (" (the call may still run on the server: check status() before repeating it; a longer "
+                    "timeout= for ArcticClient.http waits longer)")
+    return RemoteError(None, type(exc).__name__, message)
 
 
 async def _maybe_offload[T](fn: Callable[..., T], *args: Any, big: bool) -> T:

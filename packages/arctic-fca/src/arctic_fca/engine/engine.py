@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from arctic_core.config import SamplingParams, StrictModel
-from arctic_core.errors import RequestError
+from arctic_core.errors import engine_asleep
 from arctic_core.hf import check_prompts, stop_tokens
 from arctic_core.host_copy import HostCopy
 from arctic_fca.engine.blocks import BlockPool
@@ -169,7 +169,7 @@ class EmbeddedEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
         """``n`` samples per prompt, in prompt-major order (prompt 0's samples first)."""
         if self.asleep:
-            raise RequestError("the sampler is asleep; call wake() first")
+            raise engine_asleep("sampler")
         check_prompts(prompts, self.model.config.vocab_size, params, self.max_model_len)
         self.scheduler.check(prompts, params)
         self._warn_of_waves(prompts, params)

@@ -47,7 +47,8 @@ class Scheduler:
     def check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Refuse a request that could never be admitted, naming the prompt and the setting to raise."""
         if params.n > self.max_num_seqs:
-            raise RequestError(f"n={params.n} exceeds the engine's max_num_seqs={self.max_num_seqs}")
+            raise RequestError(f"n={params.n} samples of one prompt exceed the {self.max_num_seqs} sequences the "
+                               "sampler runs at once (sampler.max_batch_size, or sampler.options.max_num_seqs)")
         for i, prompt in enumerate(prompts):
             needed = self.worst_case_blocks(len(prompt), params.n, params.max_tokens)
             if needed > self.pool.capacity:
