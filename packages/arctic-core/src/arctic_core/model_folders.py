@@ -37,10 +37,10 @@ def hub_id(path: str) -> str | None:
     return path
 
 
-def model_folder(path: str, setting: str) -> str:
+def model_folder(path: str, setting: str, fetch: bool = True) -> str:
     """The local folder of the model at ``path`` (given as ``setting``): ``path`` itself when it is a
-    model folder, the cached snapshot of a Hub model id (fetched first when not cached). Anything
-    else is a :class:`ConfigError` naming ``setting``."""
+    model folder, the cached snapshot of a Hub model id (fetched first when not cached, unless not
+    ``fetch``). Anything else is a :class:`ConfigError` naming ``setting``."""
     if is_model_folder(path):
         return path
     repo = hub_id(path)
@@ -50,7 +50,7 @@ def model_folder(path: str, setting: str) -> str:
                           "save_pretrained layout; `arctic-rl tiny-model DIR` writes a tiny one to try things with) "
                           "or a model id on the Hugging Face Hub")
     try:
-        return _snapshot(repo)
+        return _snapshot(repo, local_only=not fetch)
     except Exception as exc:  # noqa: BLE001 (offline, unknown or gated model, network: each named below)
         raise ConfigError(f"{setting}: nothing is at {path!r} here, and fetching it as a model id from the "
                           f"Hugging Face Hub failed: {type(exc).__name__}: {_one_line(exc)}") from exc
@@ -59,14 +59,9 @@ def model_folder(path: str, setting: str) -> str:
 def cached_model_folder(path: str) -> str | None:
     """The local folder of ``path`` without fetching anything: the folder itself, or a Hub model's
     snapshot already in the cache (None when neither is here)."""
-    if is_model_folder(path):
-        return path
-    repo = hub_id(path)
-    if repo is None:
-        return None
     try:
-        return _snapshot(repo, local_only=True)
-    except Exception:  # noqa: BLE001 (not cached, or not a model)
+        return model_folder(path, "model.path", fetch=False)
+    except ConfigError:  # not here, or not cached
         return None
 
 
