@@ -162,6 +162,22 @@ def test_non_finite_values_are_refused_where_a_loss_reads_them_and_zeroed_elsewh
         batch.replace(old_logprobs=torch.where(batch.loss_mask, float("-inf"), 0.0))
 
 
+def test_log_probs_that_cannot_be_any_are_refused():
+    """Negative log-likelihoods or probabilities passed as log-probs would train silently (the PPO
+    ratio's clipping hides them): one above 1, or all above 0, is refused with where it is."""
+    batch = ragged_batch()
+    plausible = torch.where(batch.loss_mask, -0.5, 7.0)  # padding is never read
+    plausible[0, 0] = 0.01  # rounding near 0 (bf16 logits) is accepted
+    assert torch.equal(batch.replace(ref_logprobs=plausible).ref_logprobs, plausible)
+    with pytest.raises(BatchError, match=r"old_logprobs must be log-probabilities \(at most 0\), got "
+                                         r"old_logprobs\[1, 0\] = 2.5; were negative log-likelihoods"):
+        batch.replace(old_logprobs=torch.where(batch.loss_mask, -0.5, 0.0).index_put_((torch.tensor(1), torch.tensor(0)),
+                                                                                   torch.tensor(2.5)))
+    probabilities = torch.where(batch.loss_mask, 0.3, 0.0)
+    with pytest.raises(BatchError, match=r"sampling_logprobs must be log-probabilities.*= 0.3 and no entry below 0"):
+        batch.replace(sampling_logprobs=probabilities)
+
+
 def test_from_tensors_names_unknown_and_missing_fields():
     tensors = ragged_batch().to_tensors()
     with pytest.raises(BatchError, match="unknown batch field"):

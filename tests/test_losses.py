@@ -82,7 +82,7 @@ def assert_rows(actual: list[list[float]], expected: list[list[float]], tol: flo
 #     0.5 : below 0.8, clipped at 1-clip_low: max(2*0.5, 2*0.8)           loss  1.6   (clipped)
 #     1.1 : inside                                                        loss  2.2
 # sums: row 0 = -3.03, row 1 = 3.8, all = 0.77; tokens 5, clipped 2.
-PPO_OLD = [[-1.0, -0.5, -2.0], [-1.5, -0.25]]
+PPO_OLD = [[-1.0, -0.5, -2.0], [-1.5, -1.75]]
 PPO_RATIOS = [[1.25, 1.5, 0.5], [0.5, 1.1]]
 PPO_ADV = [1.0, -2.0]
 PPO_OPTS = {"clip_low": 0.2, "clip_high": 0.28}

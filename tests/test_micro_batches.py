@@ -119,7 +119,7 @@ def test_extreme_metrics_are_the_extreme_over_micro_batches_and_the_rest_their_s
     responses = [torch.randint(3, 50, (5 + i % 3,), generator=gen).tolist() for i in range(6)]
     batch = RolloutBatch.from_lists(prompts, responses, [i // 2 for i in range(6)])
     batch = batch.replace(advantages=torch.tensor(advantages),
-                          old_logprobs=torch.randn(batch.response_ids.shape, generator=gen) * 2.0)
+                          old_logprobs=-(torch.randn(batch.response_ids.shape, generator=gen) * 2.0).abs())
     weight = torch.tensor(0.01, requires_grad=True)
     objective = build_objective(default_registry(), [LossTermConfig(name="ppo")])
     ctx = LossContext.of(batch)

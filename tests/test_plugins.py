@@ -3,6 +3,7 @@ any engine loads)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import pytest
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import ConfigError, PluginConflictError, PluginNotFoundError
 from arctic_core.plugins.hookspecs import hookimpl
-from arctic_core.plugins.registry import Lazy, build_registry, default_registry, installed_entry_points
+from arctic_core.plugins.registry import (Lazy, build_registry, default_registry, installed_entry_points,
+                                         unmet_requirements)
 from arctic_core.serving.server import ArcticServer
 from arctic_zorro.torch_backend import TorchTrainer
 
@@ -199,13 +201,14 @@ def arctic_losses():
 '''
 
 
-def install(root, package: str, entry_name: str, source: str) -> None:
+def install(root, package: str, entry_name: str, source: str, requires: tuple[str, ...] = ()) -> None:
     """A package installed as pip would leave it: its module and a dist-info folder holding its
-    ``arctic`` entry point (found by importlib.metadata on the path)."""
+    ``arctic`` entry point (found by importlib.metadata on the path) and its ``Requires-Dist``."""
     (root / f"{package}.py").write_text(source)
     info = root / f"{package}-0.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+    requires_dist = "".join(f"Requires-Dist: {line}\n" for line in requires)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n{requires_dist}")
     (info / "entry_points.txt").write_text(f"[arctic]\n{entry_name} = {package}\n")
 
 
@@ -244,3 +247,44 @@ def test_a_broken_or_clashing_plugin_is_refused_by_name(tmp_path, case):
     result = cli(tmp_path, "plugins")
     assert result.returncode != 0
     assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+NEEDY_PLUGIN = '''
+from arctic_core import Lazy, hookimpl
+
+
+@hookimpl
+def arctic_sampling_backends():
+    return {"fast": Lazy("fastsamp_engine:Sampler", "A sampler on an optional stack.", needs="fastsamp[gpu]")}
+'''
+
+
+def test_a_backend_whose_optional_packages_are_missing_is_refused_before_any_engine_is_built(tmp_path):
+    """A backend's ``needs`` (its extra's packages, with the versions its metadata states) are
+    checked with the config: an uninstalled or wrong-version package is named with what to install,
+    before the trainer spends minutes loading; ``arctic-rl plugins`` shows it too."""
+    requires = ("pydantic>=2", "not-a-real-package>=1.2; extra == 'gpu'", "pydantic<2; extra == 'gpu'",
+                "typer<0.1; extra == 'other'")
+    install(tmp_path, "fastsamp", "fastsamp", NEEDY_PLUGIN, requires)
+    code = ("from arctic_core.config import ArcticConfig; from arctic_core.plugins.checks import check_plugins\n"
+            "from arctic_core.plugins.registry import default_registry\n"
+            "config = ArcticConfig.from_dict({'model': {'path': 'm'}, 'sampler': {'backend': 'fast'}})\n"
+            "check_plugins(config, default_registry())\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    checked = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    found = importlib.metadata.version("pydantic")
+    expected = (f"sampling backend 'fast' needs not-a-real-package>=1.2 (not installed); pydantic<2 (found {found}): "
+                "pip install 'fastsamp[gpu]'")
+    assert checked.returncode != 0 and f"ConfigError: {expected}" in checked.stderr
+    assert "fastsamp_engine" not in checked.stderr  # refused before the engine's module is imported
+    listed = cli(tmp_path, "plugins")
+    assert listed.returncode == 0 and "not-a-real-package>=1.2 (not installed)" in " ".join(listed.stdout.split())
+
+
+def test_the_vllm_sampler_states_what_it_needs():
+    """The names the guides use declare their optional stacks (checked against the environment)."""
+    registry = default_registry()
+    assert registry.provided("sampling_backend", "vllm").needs == "arctic-fca[vllm]"
+    assert {registry.provided(kind, "ray").needs for kind in ("training_backend", "logprob_backend",
+                                                              "sampling_backend")} == {"arctic-core[ray]"}
+    assert unmet_requirements("arctic-core[ray]") == []  # installed in the test environment

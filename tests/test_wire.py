@@ -35,7 +35,7 @@ def full_batch() -> RolloutBatch:
     """Every optional field set, one tensor reused for two fields, an empty response, extras."""
     batch = RolloutBatch.from_lists([[1, 2, 3], [4, 5]], [[6, 7], [], [8, 9, 10]], [0, 0, 1])
     rewards = torch.tensor([1.0, -0.5, 0.25])
-    token = torch.randn(3, 3, dtype=torch.float64)
+    token = -torch.rand(3, 3, dtype=torch.float64)
     return batch.replace(
         old_logprobs=token, ref_logprobs=token * 2, sampling_logprobs=token.float(),
         advantages=rewards, rewards=rewards,  # shared storage: safetensors alone would refuse it

@@ -374,6 +374,7 @@ class RolloutBatch:
                 if tuple(value.shape) != shape:
                     raise BatchError(f"{name} must be [B, Lr] = {list(shape)}, got {list(value.shape)}")
                 value = _finite_where_read(name, value, self.loss_mask)
+                _check_log_probabilities(name, value, self.loss_mask)
             setattr(self, name, value)
 
     def _check_row_fields(self) -> None:
@@ -422,6 +423,21 @@ def _finite_where_read(name: str, value: torch.Tensor, read: torch.Tensor) -> to
         raise BatchError(f"{name} must be finite (padding and masked-out tokens excepted); "
                          f"{name}{list(at)} = {value[at].item()}")
     return value.masked_fill(~finite, 0.0)
+
+
+def _check_log_probabilities(name: str, value: torch.Tensor, read: torch.Tensor) -> None:
+    """Refuse log-probs that cannot be any: one above 1 (rounding in bf16 moves a log-prob near 0 by
+    far less), or all of them above 0. Negative log-likelihoods or probabilities passed by mistake
+    would otherwise train silently on ratios that clipping hides."""
+    read_values = value[read.to(value.device)]
+    if read_values.numel() == 0:
+        return
+    largest, none_below_zero = int(read_values.argmax()), bool((read_values > 0).all())
+    if float(read_values[largest]) > 1.0 or none_below_zero:
+        at = tuple(int(i) for i in read.nonzero()[largest])
+        also = " and no entry below 0" if none_below_zero else ""
+        raise BatchError(f"{name} must be log-probabilities (at most 0), got {name}{list(at)} = {value[at].item():.4g}"
+                         f"{also}; were negative log-likelihoods or probabilities passed?")
 
 
 def _as_integers(name: str, value: object, dims: int) -> torch.Tensor:

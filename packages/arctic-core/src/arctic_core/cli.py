@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -225,7 +226,9 @@ def plugins() -> None:
     for column in ("plugin", "kind", "name", "what"):
         table.add_column(column)
     for item in sorted(registry.all(), key=lambda p: (p.plugin, p.kind, p.name)):
-        table.add_row(item.plugin, item.kind.replace("_", " "), item.name, item.summary)
+        missing = item.missing()
+        what = escape(item.summary) + (f" [red](needs {escape(missing)})[/red]" if missing else "")
+        table.add_row(item.plugin, item.kind.replace("_", " "), item.name, what)
     Console(width=160).print(table)
 
 

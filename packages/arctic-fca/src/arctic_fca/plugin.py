@@ -16,5 +16,5 @@ def arctic_sampling_backends():
                             options="arctic_fca.hf_sampler:HFSamplerOptions"),
         "vllm": Lazy("arctic_fca.vllm_sampler:VllmSampler",
                      "vLLM 0.24.x: prefix caching, in-place weight updates, sleep mode (the 'vllm' extra).",
-                     options="arctic_fca.vllm_sampler:VllmOptions"),
+                     options="arctic_fca.vllm_sampler:VllmOptions", needs="arctic-fca[vllm]"),
     }

@@ -38,20 +38,20 @@ def arctic_processors():
 def arctic_training_backends():
     return {"ray": Lazy("arctic_core.ray.trainer:RayDataParallelTrainer",
                         "Data parallel over Ray actors: one rank of an inner training backend per worker.",
-                        options="arctic_core.ray.trainer:RayTrainerOptions")}
+                        options="arctic_core.ray.trainer:RayTrainerOptions", needs="arctic-core[ray]")}
 
 
 @hookimpl
 def arctic_logprob_backends():
     return {"ray": Lazy("arctic_core.ray.logprob:RayLogProbEngine", "An inner log-prob backend in a Ray actor of its own.",
-                        options="arctic_core.ray.logprob:RayLogProbOptions")}
+                        options="arctic_core.ray.logprob:RayLogProbOptions", needs="arctic-core[ray]")}
 
 
 @hookimpl
 def arctic_sampling_backends():
     return {"ray": Lazy("arctic_core.ray.sampler:RaySampler",
                         "Replicas of an inner sampling backend, one Ray actor each.",
-                        options="arctic_core.ray.sampler:RaySamplerOptions")}
+                        options="arctic_core.ray.sampler:RaySamplerOptions", needs="arctic-core[ray]")}
 
 
 @hookimpl

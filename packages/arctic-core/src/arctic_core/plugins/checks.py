@@ -1,6 +1,7 @@
-"""A config's plugins checked before any engine is built: every plugin it names is registered and
-takes the options it is given. A misspelt option then fails in seconds, before the first engine
-spends minutes loading (and, in an adapter, before its framework starts Ray)."""
+"""A config's plugins checked before any engine is built: every plugin it names is registered, has
+the optional packages it needs installed, and takes the options it is given. A misspelt option or
+a missing package then fails in seconds, before the first engine spends minutes loading (and, in an
+adapter, before its framework starts Ray)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,17 @@ def check_plugins(config: ArcticConfig, registry: Registry) -> None:
         engine = getattr(config, section)
         if engine is not None:
             _check_options(registry, kind, engine.backend, engine.options, f"{section}.options")
-    model = registry.provided("weight_transport", config.weight_sync.transport).options_model()
+    transport = registry.provided("weight_transport", config.weight_sync.transport)
+    transport.check_installed()
+    model = transport.options_model()
     if model is not None:
         config.weight_sync.checked_options(model)
 
 
 def _check_options(registry: Registry, kind: str, name: str, options: dict[str, Any], path: str) -> None:
-    model = registry.provided(kind, name).options_model()
+    provided = registry.provided(kind, name)
+    provided.check_installed()
+    model = provided.options_model()
     if model is None:
         return
     checked = validate(model, options, f"{path} of backend {name!r}", prefix=f"{path}.")

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
+from packaging.requirements import Requirement
 
 from arctic_core.plugins import hookspecs
-from arctic_core.errors import PluginConflictError, PluginError, PluginNotFoundError
+from arctic_core.errors import ConfigError, PluginConflictError, PluginError, PluginNotFoundError
 
 ENTRY_POINT_GROUP = "arctic"
 
@@ -46,6 +47,10 @@ class Lazy:
     options: str | None = None
     """``"module:attribute"`` of the options model, in a module light to import: a config's options
     are then checked before any engine module is imported (None: when the product is built)."""
+    needs: str | None = None
+    """The optional dependencies the product imports, as a pip requirement with extras
+    (``"arctic-fca[vllm]"``): the extra's packages are checked against the installed versions
+    before any engine is built, so a missing one fails at once rather than after the others load."""
 
     def load(self) -> Callable[..., Any]:
         return _resolve(self.target)
@@ -82,6 +87,48 @@ class Provided:
         if isinstance(self.factory, Lazy):
             return self.factory.options_model()
         return getattr(self.factory, "options_model", None)
+
+    @property
+    def needs(self) -> str | None:
+        return self.factory.needs if isinstance(self.factory, Lazy) else None
+
+    def missing(self) -> str | None:
+        """What of the product's ``needs`` this environment lacks, and what to install; None when
+        nothing is missing."""
+        unmet = unmet_requirements(self.needs) if self.needs else []
+        return f"{'; '.join(unmet)}: pip install '{self.needs}'" if unmet else None
+
+    def check_installed(self) -> None:
+        """Raise :class:`~arctic_core.errors.ConfigError` naming each package of the product's
+        ``needs`` that is missing or of another version, and what to install."""
+        missing = self.missing()
+        if missing:
+            raise ConfigError(f"{self.kind.replace('_', ' ')} {self.name!r} needs {missing}")
+
+
+def unmet_requirements(needs: str) -> list[str]:
+    """The packages an installed distribution's extras (``"arctic-fca[vllm]"``) require that this
+    environment lacks, each as ``"vllm>=0.24,<0.25 (not installed)"`` or ``"... (found 0.23.1)"``;
+    the versions come from the distribution's own metadata, so they are stated once, in its
+    pyproject."""
+    wanted = Requirement(needs)
+    try:
+        requirements = [Requirement(line) for line in importlib.metadata.requires(wanted.name) or []]
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree: the build will tell
+        return []
+    unmet = []
+    for requirement in requirements:
+        marker = requirement.marker
+        if marker is None or not any(marker.evaluate({"extra": extra}) for extra in wanted.extras):
+            continue  # a base dependency (installed with the distribution) or another extra's
+        try:
+            found = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            unmet.append(f"{requirement.name}{requirement.specifier} (not installed)")
+            continue
+        if not requirement.specifier.contains(found, prereleases=True):
+            unmet.append(f"{requirement.name}{requirement.specifier} (found {found})")
+    return unmet
 
 
 @dataclass
