@@ -121,7 +121,8 @@ def test_a_moved_batch_holds_every_field_on_the_new_device_without_checking_them
     ("change", "message"),
     [
         ({"prompt_index": torch.tensor([0, 0, 1, 2, 3])}, "prompt_index must lie in"),
-        ({"response_lens": torch.tensor([2, 1, 0, 5, 2])}, "response_lens must lie in"),
+        ({"response_lens": torch.tensor([2, 1, 0, 5, 2])}, r"response_lens\[3\] = 5: over the padded width 4"),
+        ({"response_lens": torch.tensor([2, 1, -1, 4, 2])}, r"response_lens\[2\] = -1: response 2 is negative"),
         ({"old_logprobs": torch.zeros(5, 3)}, "old_logprobs must be"),
         ({"old_logprobs": torch.zeros(5, 4, dtype=torch.long)}, "old_logprobs must be a float16, bfloat16, float32"),
         ({"old_logprobs": torch.zeros(5, 4, dtype=torch.float8_e4m3fn)}, "got dtype torch.float8_e4m3fn"),
@@ -139,6 +140,13 @@ def test_a_moved_batch_holds_every_field_on_the_new_device_without_checking_them
 def test_bad_fields_are_named(change, message):
     with pytest.raises(BatchError, match=message):
         ragged_batch().replace(**change)
+
+
+def test_an_empty_prompt_or_lists_for_padded_tensors_are_named():
+    with pytest.raises(BatchError, match=r"prompt_lens\[1\] = 0: prompt 1 is empty"):
+        RolloutBatch.from_lists([[1], []], [[3], [4]], [0, 1])
+    with pytest.raises(BatchError, match=r"input_ids must be a \[B, T\] tensor, got list \(from_lists takes"):
+        RolloutBatch.from_padded([[1, 2]], torch.ones(1, 2), 1)
 
 
 def test_narrow_integer_ids_are_widened_and_float_ids_refused():

@@ -8,11 +8,12 @@ import re
 import numpy as np
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient, AsyncArcticClient
-from arctic_core.errors import PluginNotFoundError, RequestError
+from arctic_core.errors import ConfigError, PluginNotFoundError, RequestError
 
 from helpers import PROMPTS, server_of, trainer_of, weights
 
@@ -32,6 +33,17 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=1e-6, msg=name)
+
+
+def test_a_client_takes_a_yaml_file_as_its_config(arctic_config, tmp_path):
+    config = arctic_config()
+    path = tmp_path / "arctic.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    with ArcticClient.in_process(str(path)) as from_file, ArcticClient.in_process(config) as from_config:
+        assert from_file.generate(PROMPTS, n=2, max_tokens=4, seed=1).batch.response_ids.tolist() == \
+            from_config.generate(PROMPTS, n=2, max_tokens=4, seed=1).batch.response_ids.tolist()
+    with pytest.raises(ConfigError, match="a config is an ArcticConfig, a dict or the path of a YAML file, got list"):
+        ArcticClient.in_process([config])
 
 
 def test_generate_returns_n_grouped_samples_with_sampling_logprobs(arctic_config):

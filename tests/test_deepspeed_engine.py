@@ -432,4 +432,9 @@ def test_a_build_lock_left_by_a_killed_build_is_named(tmp_path, monkeypatch, cap
     with caplog.at_level("WARNING", logger=deepspeed_engine.__name__):
         deepspeed_engine.warn_of_stale_build_locks()
     named = [r.getMessage() for r in caplog.records if r.name == deepspeed_engine.__name__]
-    assert len(named) == 1 and named[0].startswith(f"{stale} is 60 minutes old")
+    assert len(named) == 1 and named[0].startswith(f"{stale} is 3600 s old: this process waits")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=deepspeed_engine.__name__):  # once a start has waited on them
+        deepspeed_engine.warn_of_stale_build_locks(older_than=0.0)
+    named = sorted(r.getMessage() for r in caplog.records if r.name == deepspeed_engine.__name__)
+    assert [m.split(" is ")[0] for m in named] == [str(stale), str(fresh)]

@@ -27,10 +27,10 @@ from typer.testing import CliRunner
 
 from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
-from arctic_core.cli import app as cli_app
+from arctic_core.cli import app as cli_app, bind_port
 from arctic_core.client import ArcticClient, AsyncArcticClient
 from arctic_core.config import ArcticConfig
-from arctic_core.errors import BatchError, ConfigError, PluginNotFoundError, RequestError
+from arctic_core.errors import ArcticError, BatchError, ConfigError, PluginNotFoundError, RequestError
 from arctic_core.serving.http import create_app
 from arctic_core.transports.http import wait_until_serving
 from arctic_core.protocol import OPS, GenerateRequest
@@ -287,6 +287,19 @@ def test_waiting_for_a_server_that_never_answers_raises_a_remote_error():
     assert info.value.status is None
     with pytest.raises(RemoteError, match=f"ServerExited .*{url} ended before it answered /health"):
         wait_until_serving(url, timeout=60, alive=lambda: False)
+
+
+def test_a_url_without_a_scheme_or_a_bad_timeout_is_refused_at_once_and_none_waits_without_limit(shared):
+    for url in (f"{HOST}:8000", f"htp://{HOST}:8000", "http:///v1"):
+        with pytest.raises(ConfigError, match="must start with http:// or https:// and name a host"):
+            wait_until_serving(url, timeout=60)  # it retried for the whole timeout
+        with pytest.raises(ConfigError, match="must start with http:// or https://"):
+            ArcticClient.http(url)
+    with pytest.raises(ConfigError, match="timeout must be a positive number of seconds or None"):
+        ArcticClient.http(f"http://{HOST}:8000", timeout=0)
+    _, live = shared
+    with ArcticClient.http(live.url + "/", timeout=None) as client:  # httpx's "no limit"
+        assert client.status().policy_version >= 0
 
 
 def test_a_call_that_times_out_says_it_may_still_run_on_the_server():
@@ -557,6 +570,16 @@ def test_serve_on_a_taken_port_is_one_error_before_any_engine_starts(config, tmp
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --port: cannot serve on {HOST}:{port}: Address "
                                                            "already in use")
     assert "serving on" not in proc.stderr and "deepspeed" not in proc.stderr.lower()
+
+
+@pytest.mark.parametrize(("host", "message"), [
+    ("no-such-host.invalid", "--host: 'no-such-host.invalid' is no address of this machine"),
+    ("192.0.2.1", "--host: cannot serve on 192.0.2.1: Cannot assign requested address (not an address of this machine"),
+])
+def test_serve_on_a_host_that_is_not_this_machines_names_the_host(host, message):
+    with pytest.raises(ArcticError) as info:
+        bind_port(host, 0)
+    assert str(info.value).startswith(message)
 
 
 def serving_url(proc: subprocess.Popen, timeout: float = 90) -> str:

@@ -16,6 +16,7 @@ from arctic_core.client import ArcticClient
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import ArcticError, ConfigError
 from arctic_core.model_folders import cached_model_folder, hub_id
+from arctic_core.serving.checkpoint_folders import HF_EXPORT, STATE_FILE
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 
@@ -53,7 +54,14 @@ def test_a_hub_model_that_cannot_be_fetched_is_one_error_naming_the_setting(hub_
 
 def test_local_paths_are_never_taken_for_hub_ids(tmp_path, tiny_policy):
     (tmp_path / "empty").mkdir()
-    for path, why in ((tmp_path / "absent", "does not exist"), (tmp_path / "empty", "has no config.json")):
+    checkpoint, exported = tmp_path / "ckpt", tmp_path / "exported"
+    checkpoint.mkdir()
+    (checkpoint / STATE_FILE).write_text("{}")
+    shutil.copytree(checkpoint, exported)
+    shutil.copytree(tiny_policy, exported / HF_EXPORT)
+    for path, why in ((tmp_path / "absent", "does not exist"), (tmp_path / "empty", "has no config.json"),
+                      (checkpoint, "is an Arctic checkpoint saved without export_hf=True, so it holds no model folder .*"),
+                      (exported, f"is an Arctic checkpoint .*; its model folder is '{exported / HF_EXPORT}'")):
         with pytest.raises(ConfigError, match=f"model.path: '{path}' {why}; it must be a local Hugging Face model "
                            "folder .* or a model id on the Hugging Face Hub"):
             ArcticConfig.from_dict({"model": {"path": str(path)}}).with_local_models()

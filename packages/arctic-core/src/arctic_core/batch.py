@@ -164,6 +164,10 @@ class RolloutBatch:
         output masked out; it defaults to the response part of ``attention_mask``.
         Per-token ``fields`` are ``[B, R]``; per-row ones ``[B]``.
         """
+        for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+            if not isinstance(value, torch.Tensor):
+                raise BatchError(f"{name} must be a [B, T] tensor, got {type(value).__name__} (from_lists takes "
+                                 "token lists)")
         if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
             raise BatchError(
                 f"input_ids and attention_mask must both be [B, T]; got {tuple(input_ids.shape)} "
@@ -348,10 +352,8 @@ class RolloutBatch:
         _check_len("prompt_lens", self.prompt_lens, num_p, "prompts")
         _check_len("response_lens", self.response_lens, num_b, "responses")
         _check_len("prompt_index", self.prompt_index, num_b, "responses")
-        if num_p and (self.prompt_lens.min() < 1 or self.prompt_lens.max() > self.prompt_ids.shape[1]):
-            raise BatchError(f"prompt_lens must lie in [1, {self.prompt_ids.shape[1]}]")
-        if num_b and (self.response_lens.min() < 0 or self.response_lens.max() > self.response_ids.shape[1]):
-            raise BatchError(f"response_lens must lie in [0, {self.response_ids.shape[1]}]")
+        _check_lens("prompt_lens", self.prompt_lens, 1, self.prompt_ids.shape[1], "prompt {} is empty")
+        _check_lens("response_lens", self.response_lens, 0, self.response_ids.shape[1], "response {} is negative")
         if num_b and (self.prompt_index.min() < 0 or self.prompt_index.max() >= num_p):
             raise BatchError(f"prompt_index must lie in [0, {num_p}) (the number of prompts)")
         if (self.prompt_ids < 0).any() or (self.response_ids < 0).any():
@@ -404,6 +406,16 @@ class RolloutBatch:
             raise BatchError("this loss needs advantages, but the batch has none")
         adv = self.advantages
         return adv[:, None].expand_as(self.response_ids).to(torch.float32) if adv.dim() == 1 else adv
+
+
+def _check_lens(name: str, lens: torch.Tensor, low: int, high: int, below: str) -> None:
+    """Each of ``lens`` in ``[low, high]``; the first outside is named (``below``: what one under
+    ``low`` means)."""
+    outside = ((lens < low) | (lens > high)).nonzero()
+    if len(outside):
+        row = int(outside[0])
+        what = below.format(row) if lens[row] < low else f"over the padded width {high}"
+        raise BatchError(f"{name}[{row}] = {int(lens[row])}: {what}")
 
 
 def _prefix_mask(lens: torch.Tensor, width: int) -> torch.Tensor:

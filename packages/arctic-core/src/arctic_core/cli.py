@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import json
 import logging
@@ -150,7 +151,10 @@ def bind_port(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not yet listening); a taken port is an ArcticError."""
     from arctic_core.errors import ArcticError
 
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ArcticError(f"--host: {host!r} is no address of this machine: {exc.strerror}") from None
     # proto=IPPROTO_TCP as asyncio's own server sockets: only then does asyncio set TCP_NODELAY.
     listener = socket.socket(family, kind, proto)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
@@ -158,6 +162,9 @@ def bind_port(host: str, port: int) -> socket.socket:
         listener.bind(address)
     except OSError as exc:
         listener.close()
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ArcticError(f"--host: cannot serve on {host}: {exc.strerror} (not an address of this machine; "
+                              "0.0.0.0 binds them all)") from None
         raise ArcticError(f"--port: cannot serve on {host}:{port}: {exc.strerror} (another server there? choose "
                           "another --port)") from None
     return listener

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from arctic_core.batch import RolloutBatch
-from arctic_core.config import ArcticConfig, LossTermConfig, SamplingParams, format_validation_error
+from arctic_core.config import ArcticConfig, ConfigSource, LossTermConfig, SamplingParams, format_validation_error
 from arctic_core.errors import RequestError
 from arctic_core.protocol import (
     CheckpointRequest,
@@ -161,18 +161,18 @@ class ArcticClient(_Calls):
         return self.transport.call(op, request)
 
     @classmethod
-    def in_process(cls, config: ArcticConfig | dict[str, Any]) -> ArcticClient:
+    def in_process(cls, config: ConfigSource) -> ArcticClient:
         return cls(_in_process_transport(config))
 
     @classmethod
-    def http(cls, url: str, token: str | None = None, timeout: float = 600.0) -> ArcticClient:
+    def http(cls, url: str, token: str | None = None, timeout: float | None = 600.0) -> ArcticClient:
         """A client of the ``arctic-rl serve`` server at ``url``; ``token`` defaults to ``$ARCTIC_RL_TOKEN``."""
         from arctic_core.transports.http import HttpTransport
 
         return cls(HttpTransport(url, token=token, timeout=timeout))
 
     @classmethod
-    def ray(cls, config: ArcticConfig | dict[str, Any] | None = None, *, name: str = "arctic-server",
+    def ray(cls, config: ConfigSource | None = None, *, name: str = "arctic-server",
             address: str | None = None, num_gpus: float = 0.0, num_cpus: float = 1.0) -> ArcticClient:
         """With ``config``: start the server as the Ray actor ``name`` (with those resources);
         without: connect to it."""
@@ -204,18 +204,18 @@ class AsyncArcticClient(_Calls):
         return self.transport.acall(op, request)
 
     @classmethod
-    def in_process(cls, config: ArcticConfig | dict[str, Any]) -> AsyncArcticClient:
+    def in_process(cls, config: ConfigSource) -> AsyncArcticClient:
         return cls(_in_process_transport(config))
 
     @classmethod
-    def http(cls, url: str, token: str | None = None, timeout: float = 600.0) -> AsyncArcticClient:
+    def http(cls, url: str, token: str | None = None, timeout: float | None = 600.0) -> AsyncArcticClient:
         """An async client of the server at ``url``; calls are truly async (httpx.AsyncClient)."""
         from arctic_core.transports.http import HttpTransport
 
         return cls(HttpTransport(url, token=token, timeout=timeout))
 
     @classmethod
-    def ray(cls, config: ArcticConfig | dict[str, Any] | None = None, *, name: str = "arctic-server",
+    def ray(cls, config: ConfigSource | None = None, *, name: str = "arctic-server",
             address: str | None = None, num_gpus: float = 0.0, num_cpus: float = 1.0) -> AsyncArcticClient:
         """As :meth:`ArcticClient.ray`; calls await the actor's results."""
         return cls(_ray_transport(config, name, address, num_gpus, num_cpus))
@@ -247,20 +247,17 @@ def _owns_server(transport: Transport) -> bool:
     return getattr(transport, "owns_server", True)
 
 
-def _ray_transport(config: ArcticConfig | dict[str, Any] | None, name: str, address: str | None,
+def _ray_transport(config: ConfigSource | None, name: str, address: str | None,
                    num_gpus: float, num_cpus: float) -> Transport:
     from arctic_core.transports.ray import RayTransport
 
     if config is None:
         return RayTransport.connect(name, address)
-    config = config if isinstance(config, ArcticConfig) else ArcticConfig.from_dict(config)
-    return RayTransport.start(config, name, address, num_gpus, num_cpus)
+    return RayTransport.start(ArcticConfig.of(config), name, address, num_gpus, num_cpus)
 
 
-def _in_process_transport(config: ArcticConfig | dict[str, Any]) -> Transport:
+def _in_process_transport(config: ConfigSource) -> Transport:
     from arctic_core.serving.server import ArcticServer
     from arctic_core.transports.inprocess import InProcessTransport
 
-    if not isinstance(config, ArcticConfig):
-        config = ArcticConfig.from_dict(config)
-    return InProcessTransport(ArcticServer(config))
+    return InProcessTransport(ArcticServer(ArcticConfig.of(config)))

@@ -193,6 +193,22 @@ class ArcticConfig(StrictModel):
     def from_yaml(cls, path: str | Path) -> ArcticConfig:
         return load_yaml(cls, path)
 
+    @classmethod
+    def of(cls, source: ConfigSource) -> ArcticConfig:
+        """``source`` as a config: a config as it is, a dict validated, a path read as YAML."""
+        if isinstance(source, ArcticConfig):
+            return source
+        if isinstance(source, str | Path):
+            return cls.from_yaml(source)
+        if not isinstance(source, dict):
+            raise ConfigError(f"a config is an ArcticConfig, a dict or the path of a YAML file, got "
+                              f"{type(source).__name__}")
+        return cls.from_dict(source)
+
+
+type ConfigSource = ArcticConfig | dict[str, Any] | str | Path
+"""What the clients and :meth:`ArcticConfig.of` take as a config: the config, its dict, or a YAML file."""
+
 
 # Logits divided by a tinier temperature or repetition penalty overflow to inf (and the log-probs
 # to NaN); vLLM treats temperatures below the same value as numerically unsafe.

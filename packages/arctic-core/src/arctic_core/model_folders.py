@@ -45,8 +45,8 @@ def model_folder(path: str, setting: str, fetch: bool = True) -> str:
         return path
     repo = hub_id(path)
     if repo is None:
-        why = "does not exist" if not Path(path).expanduser().exists() else "has no config.json"
-        raise ConfigError(f"{setting}: {path!r} {why}; it must be a local Hugging Face model folder (the "
+        raise ConfigError(f"{setting}: {path!r} {_why_not_a_model(Path(path).expanduser())}; it must be a local "
+                          "Hugging Face model folder (the "
                           "save_pretrained layout; `arctic-rl tiny-model DIR` writes a tiny one to try things with) "
                           "or a model id on the Hugging Face Hub")
     try:
@@ -54,6 +54,20 @@ def model_folder(path: str, setting: str, fetch: bool = True) -> str:
     except Exception as exc:  # noqa: BLE001 (offline, unknown or gated model, network: each named below)
         raise ConfigError(f"{setting}: nothing is at {path!r} here, and fetching it as a model id from the "
                           f"Hugging Face Hub failed: {type(exc).__name__}: {_one_line(exc)}") from exc
+
+
+def _why_not_a_model(folder: Path) -> str:
+    from arctic_core.serving.checkpoint_folders import HF_EXPORT, STATE_FILE  # it imports the config, which imports us
+
+    if not folder.exists():
+        return "does not exist"
+    if (folder / STATE_FILE).is_file():  # a checkpoint of the trainer: its model folder is inside, if exported
+        exported = folder / HF_EXPORT
+        return ("is an Arctic checkpoint (load_checkpoint resumes from it); its model folder is "
+                f"{str(exported)!r}" if is_model_folder(str(exported)) else
+                "is an Arctic checkpoint saved without export_hf=True, so it holds no model folder "
+                "(load_checkpoint resumes from it)")
+    return "has no config.json"
 
 
 def cached_model_folder(path: str) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -69,16 +70,25 @@ def init_distributed() -> None:
     """Initialise torch.distributed once per process (every engine in it shares the group)."""
     if not deepspeed.comm.is_initialized():
         warn_of_stale_build_locks()
-        deepspeed.init_distributed(verbose=False)  # on the CPU it builds DeepSpeed's shared-memory op
+        # A lock younger than a build (one killed a minute ago) is named once this start has waited.
+        watchdog = threading.Timer(BUILD_WAIT_S, warn_of_stale_build_locks, kwargs={"older_than": 0.0})
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            deepspeed.init_distributed(verbose=False)  # on the CPU it builds DeepSpeed's shared-memory op
+        finally:
+            watchdog.cancel()
 
 
 STALE_BUILD_LOCK_S = 600.0
+BUILD_WAIT_S = 120.0  # the CPU communication op builds in ~40 s on 2 cores
 
 
-def warn_of_stale_build_locks() -> None:
+def warn_of_stale_build_locks(older_than: float = STALE_BUILD_LOCK_S) -> None:
     """torch builds an op (DeepSpeed's CPU communication op, its fused optimizers) under a ``lock``
     file in the op's build folder; a build that was killed leaves it behind, and every later build
-    of that op waits for it to go, forever and silently. Name any lock older than a build takes."""
+    of that op waits for it to go, forever and silently. Name any lock older than ``older_than``
+    seconds (by default, longer than a build takes)."""
     from torch.utils.cpp_extension import get_default_build_root  # noqa: PLC0415
 
     # torch's own rule: TORCH_EXTENSIONS_DIR/<op>, else <default root>/<python>_<cuda>/<op>
@@ -88,9 +98,9 @@ def warn_of_stale_build_locks() -> None:
     now = time.time()
     for lock in Path(root).glob(pattern):
         age = now - lock.stat().st_mtime
-        if age > STALE_BUILD_LOCK_S:
-            log.warning("%s is %.0f minutes old: a build of that op was probably killed, and this process will "
-                        "wait for the lock until it is deleted. If no build is running, delete it.", lock, age / 60)
+        if age > older_than:
+            log.warning("%s is %.0f s old: this process waits until that build lock is gone. A build that was "
+                        "killed leaves it behind: if no other process is building that op, delete it.", lock, age)
 
 
 def base_config(options: DeepSpeedLogProbOptions, model: ModelConfig) -> dict[str, Any]:

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "arctic_state.json"
 """Written last into every checkpoint folder: its presence marks a complete checkpoint."""
+HF_EXPORT = "hf"
+"""The checkpoint's subfolder holding the policy as a Hugging Face model (``export_hf=True``)."""
 
 
 class CheckpointState(BaseModel):

@@ -26,7 +26,7 @@ from arctic_core.hf import copy_tokenizer_files
 from arctic_core.plugins.interfaces import LossContext, LogProbBackend, SamplingBackend, TrainingBackend
 from arctic_core.losses.objective import build_objective, build_processors
 from arctic_core.serving import checkpoint_folders
-from arctic_core.serving.checkpoint_folders import STATE_FILE
+from arctic_core.serving.checkpoint_folders import HF_EXPORT, STATE_FILE
 from arctic_core.protocol import (
     CheckpointRequest,
     Empty,
@@ -47,8 +47,6 @@ from arctic_core.plugins.checks import check_plugins
 from arctic_core.plugins.registry import Registry, default_registry
 
 log = logging.getLogger(__name__)
-
-HF_EXPORT = "hf"
 
 
 class ArcticServer:

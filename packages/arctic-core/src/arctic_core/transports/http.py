@@ -30,21 +30,24 @@ class HttpTransport:
     """Talks to ``base_url`` (e.g. ``http://127.0.0.1:8000``); ``token`` defaults to ``$ARCTIC_RL_TOKEN``.
 
     ``timeout`` bounds each call in seconds once sent, including the time it waits on the server
-    behind other clients' calls (the server runs one call at a time). The server belongs to whoever started it, so
+    behind other clients' calls (the server runs one call at a time); None waits as long as a call
+    takes. The server belongs to whoever started it, so
     closing a client does not shut it down (``owns_server`` is False).
     """
 
     owns_server = False
 
-    def __init__(self, base_url: str, token: str | None = None, timeout: float = 600.0) -> None:
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, base_url: str, token: str | None = None, timeout: float | None = 600.0) -> None:
+        self.base_url = checked_url(base_url)
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(f"timeout must be a positive number of seconds or None (no limit), got {timeout!r}")
         source = TOKEN_ENV if token is None else "the token argument"
         token = os.environ.get(TOKEN_ENV) if token is None else token
         self._headers = {"Content-Type": wire.CONTENT_TYPE, "Accept": wire.CONTENT_TYPE}
         if token:  # an empty one means none
             check_token(token, source)
             self._headers["Authorization"] = f"Bearer {token}"
-        self._timeout = httpx.Timeout(timeout, connect=min(timeout, 10.0))
+        self._timeout = httpx.Timeout(timeout, connect=10.0 if timeout is None else min(timeout, 10.0))
         self._client: httpx.Client | None = None
         self._aclient: httpx.AsyncClient | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -105,11 +108,13 @@ class HttpTransport:
 def wait_until_serving(base_url: str, timeout: float = 120.0, alive: Callable[[], bool] = lambda: True) -> None:
     """Wait until the server at ``base_url`` answers ``GET /health`` (a script that starts
     ``arctic-rl serve`` and then connects); ``alive`` says whether the server process still runs.
-    Raises :class:`RemoteError` after ``timeout`` seconds, or at once when ``alive()`` turns False."""
+    Raises :class:`RemoteError` after ``timeout`` seconds, or at once when ``alive()`` turns False
+    (e.g. ``alive=lambda: process.poll() is None`` for a ``subprocess.Popen``)."""
+    base_url = checked_url(base_url)
     deadline = time.monotonic() + timeout
     while alive():
         try:
-            if httpx.get(f"{base_url.rstrip('/')}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -117,6 +122,19 @@ def wait_until_serving(base_url: str, timeout: float = 120.0, alive: Callable[[]
             raise RemoteError(None, "Timeout", f"the Arctic server at {base_url} did not answer /health within {timeout:g} s")
         time.sleep(0.2)
     raise RemoteError(None, "ServerExited", f"the Arctic server process for {base_url} ended before it answered /health")
+
+
+def checked_url(base_url: str) -> str:
+    """``base_url`` without its trailing slash; a ConfigError unless it is an http(s) URL with a host
+    (``localhost:8000`` would otherwise fail every call, or be retried until a timeout)."""
+    try:
+        url = httpx.URL(base_url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ConfigError(f"the server URL {base_url!r} is not a URL: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ConfigError(f"the server URL {base_url!r} must start with http:// or https:// and name a host, "
+                          "e.g. http://127.0.0.1:8000")
+    return base_url.rstrip("/")
 
 
 def check_token(token: str, source: str) -> None:
