@@ -18,7 +18,10 @@ def parse_value(text: str) -> object:
     (``--set trl.save_strategy=no`` means the string)."""
     if text.strip().lower() in {"yes", "no", "on", "off", "y", "n"}:
         return text
-    return yaml.safe_load(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SystemExit(f"the value {text!r} is not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
 
 
 def read_records(path: str | Path) -> Iterator[tuple[int, object]]:
@@ -53,7 +56,9 @@ class PrepReport:
         self.kept += 1
 
     def reject(self, index: int, reason: str, record: object) -> None:
-        self.rejected[reason] += 1
+        """Count the record under its reason's first clause (the summary stays one line per kind of
+        problem) and keep the full reason (the SQLite error, the path) for the rejected file."""
+        self.rejected[reason.split(":")[0]] += 1
         self.rejects.append({"index": index, "reason": reason, "record": record})
 
     def withdraw(self, index: int, reason: str, record: object) -> None:
@@ -68,9 +73,10 @@ class PrepReport:
         return "\n".join(lines)
 
     def write_rejects(self, folder: Path, split: str) -> Path | None:
-        if not self.rejects:
-            return None
         path = folder / f"{split}.rejected.jsonl"
+        if not self.rejects:
+            path.unlink(missing_ok=True)  # an earlier run's rejects would be mistaken for this one's
+            return None
         with path.open("w", encoding="utf-8") as out:
             for row in self.rejects:
                 out.write(json.dumps(row, default=str) + "\n")
@@ -79,29 +85,57 @@ class PrepReport:
 
 def prepare_rows(path: str | Path, prepare) -> tuple[list, PrepReport]:
     """``prepare(record, index)`` over the records of ``path``; a ValueError rejects the record
-    with its message's first clause as the reason."""
+    with its message as the reason."""
     report, rows = PrepReport(str(path)), []
     for index, record in read_records(path):
         try:
             rows.append(prepare(record, index))
             report.keep()
         except ValueError as exc:
-            report.reject(index, str(exc).split(":")[0], record)
+            report.reject(index, str(exc), record)
     return rows, report
+
+
+def text_field(record: dict, key: str, *, required: bool = True) -> str:
+    """``record[key]`` stripped; ValueError naming the field when it is not text (or, when
+    ``required``, missing or blank). An optional field that is absent or null is ``""``."""
+    value = record.get(key)
+    if value is None and not required:
+        return ""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"malformed {key}: expected text, got {type(value).__name__}")
+    if required and not (value or "").strip():
+        raise ValueError(f"missing {key}")
+    return value.strip()
+
+
+def list_field(record: dict, key: str) -> list:
+    """``record[key]`` when it is a list (``[]`` when absent); ValueError naming the field otherwise."""
+    value = record.get(key, [])
+    if not isinstance(value, list):
+        raise ValueError(f"malformed {key}: expected a list, got {type(value).__name__}")
+    return value
 
 
 def write_split(rows: list[dict], folder: str | Path, split: str, report: PrepReport) -> None:
     """``<split>.jsonl`` and ``<split>.parquet`` of ``rows``, the rejected records beside them, and
-    the report printed."""
+    the report printed. SystemExit when no record was kept: an empty split is a wrong source or
+    databases folder far more often than a wanted result, and training on it would fail later."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    with (folder / f"{split}.jsonl").open("w", encoding="utf-8") as out:
-        for row in rows:
-            out.write(json.dumps(row) + "\n")
-    if rows:
-        pq.write_table(pa.Table.from_pylist(rows), folder / f"{split}.parquet")
+    outputs = (folder / f"{split}.jsonl", folder / f"{split}.parquet")
+    for path in outputs:  # never leave an earlier run's rows beside this run's report
+        path.unlink(missing_ok=True)
     rejects = report.write_rejects(folder, split)
     print(report.summary() + (f"\n  rejected records: {rejects}" if rejects else ""))
+    if not rows:
+        why = f"each record's reason is in {rejects}" if rejects else "it holds no record"
+        raise SystemExit(f"{split}: no record of {report.source} could be used ({why}); "
+                         f"{outputs[0].name} and {outputs[1].name} were not written")
+    with outputs[0].open("w", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+    pq.write_table(pa.Table.from_pylist(rows), outputs[1])

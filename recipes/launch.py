@@ -9,11 +9,19 @@ relative to the repository root), ``verl`` (``main_ppo``'s settings as dotted ke
 and the like). ``--dry-run`` composes verl's config exactly as ``main_ppo`` would, runs
 arctic-verl's checks on it, validates every Ray engine's options, places the engines' Ray actors
 on the cluster's GPUs and prints that plan with the command; it needs verl's environment, no GPU.
+
+``--set KEY=VALUE`` (the value read as YAML) changes one setting: a verl key as on ``main_ppo``'s
+command line, except that ``trainer.nnodes`` and ``trainer.n_gpus_per_node`` (or ``cluster.nodes``,
+``cluster.gpus_per_node``) change ``cluster``, which the placement reads; ``arctic.<path>`` (or
+verl's spelling ``arctic.config.<path>``) a key of the ``arctic`` section; ``arctic.<setting>``
+for the server's settings (``num_gpus``, ``num_cpus``, ...) or ``arctic_server.<setting>`` a key
+of ``arctic_server``. The launcher adds Hydra's ``+`` to the arctic keys itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -60,17 +68,93 @@ def flatten(section: dict, prefix: str) -> list[str]:
     return items
 
 
+# verl's names for the cluster's settings: set through ``cluster`` so the placement sees them too.
+CLUSTER_KEYS = {"trainer.nnodes": "nodes", "trainer.n_gpus_per_node": "gpus_per_node"}
+SECTIONS = ("cluster", "arctic", "arctic_server")
+
+
 def load(path: Path, overrides: list[str]) -> dict:
+    """The recipe with the ``--set`` overrides applied; SystemExit naming what is wrong."""
     recipe = yaml.safe_load(path.read_text())
-    missing = {"cluster", "verl"} - set(recipe)
+    missing = {"cluster", "verl"} - set(recipe if isinstance(recipe, dict) else {})
     if missing:
         raise SystemExit(f"{path}: missing sections {sorted(missing)}")
-    for item in overrides:  # --set verl keys (dotted, as verl's own command line)
+    if not isinstance(recipe["verl"], dict):
+        raise SystemExit(f"{path}: verl must map verl's dotted keys to values, got {recipe['verl']!r}")
+    for key in recipe["verl"]:
+        if key.lstrip("+") in CLUSTER_KEYS:
+            raise SystemExit(f"{path}: set cluster.{CLUSTER_KEYS[key.lstrip('+')]} instead of verl's {key} "
+                             "(the placement reads cluster)")
+    for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--set {item!r}: expected key=value")
-        recipe["verl"][key] = parse_value(value)
+        section, keys = route(key.strip())
+        if section == "verl":
+            recipe["verl"][key.strip()] = parse_value(value)
+        else:
+            assign(recipe, section, keys, parse_value(value), item)
+    check_cluster(recipe["cluster"], path)
     return recipe
+
+
+def route(key: str) -> tuple[str, list[str]]:
+    """The recipe section a ``--set`` key edits and the key's path inside it (``verl``: the key)."""
+    name = key.lstrip("+")  # the launcher adds Hydra's + to the arctic keys itself
+    if name in CLUSTER_KEYS:
+        return "cluster", [CLUSTER_KEYS[name]]
+    head, _, rest = name.partition(".")
+    if head == "arctic":
+        first, _, inner = rest.partition(".")
+        if first == "config":  # verl's own spelling of the arctic section
+            return "arctic", inner.split(".")
+        return ("arctic_server" if first in server_settings() else "arctic"), rest.split(".")
+    if head in SECTIONS:
+        return head, rest.split(".")
+    return "verl", [key]
+
+
+def server_settings() -> set[str]:
+    """The keys of verl's ``arctic`` section that configure the server rather than the backend."""
+    from arctic_verl.settings import ArcticSettings
+
+    return set(ArcticSettings.model_fields) - {"config"}
+
+
+def assign(recipe: dict, section: str, keys: list[str], value: object, item: str) -> None:
+    """``recipe[section][k1][k2]... = value``, creating the mappings on the way."""
+    if not all(keys):
+        raise SystemExit(f"--set {item!r}: name a key inside {section} (for example {section}.<key>=<value>)")
+    node = recipe.get(section) or {}
+    recipe[section] = node
+    for depth, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise SystemExit(f"--set {item!r}: {section}.{'.'.join(keys[:depth + 1])} is {child!r}, not a mapping")
+        node = child
+    node[keys[-1]] = value
+
+
+def check_cluster(cluster: object, path: Path) -> None:
+    if not isinstance(cluster, dict):
+        raise SystemExit(f"{path}: cluster must hold nodes and gpus_per_node, got {cluster!r}")
+    for key in ("nodes", "gpus_per_node"):
+        value = cluster.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            verl_key = next(k for k, v in CLUSTER_KEYS.items() if v == key)
+            raise SystemExit(f"cluster.{key} (verl's {verl_key}) must be a positive whole number, got {value!r}")
+
+
+def require_verl() -> None:
+    """The launcher runs ``main_ppo`` with this interpreter and the dry run imports verl here:
+    one line naming the environment to use when this one lacks verl or arctic-verl."""
+    missing = [name for name in ("verl", "arctic_verl") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"recipes.launch needs verl and arctic-verl, and this Python ({sys.executable}) has no "
+                         f"{' or '.join(missing)}: run it in verl's environment (UV_PROJECT_ENVIRONMENT=.venv-verl "
+                         "uv run --extra verl python -m recipes.launch ...) or install arctic-verl next to verl")
 
 
 def overrides(recipe: dict) -> list[str]:
@@ -128,14 +212,12 @@ def place(actors: list[Actor], nodes: int, gpus_per_node: int) -> dict[int, list
 def dry_run(recipe: dict) -> str:
     """Compose verl's config, run arctic-verl's checks and place the engines; the plan as text."""
     import verl
-    from hydra import compose, initialize_config_dir
 
     from arctic_verl.mapping import arctic_config, check_supported
     from arctic_verl.settings import read_settings
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose("ppo_trainer", overrides=overrides(recipe))
+    config = compose_verl(config_dir, overrides(recipe))
     settings = read_settings(config)
     check_supported(config, settings)
     arctic = arctic_config(config, settings, on_gpu=True)
@@ -151,12 +233,29 @@ def dry_run(recipe: dict) -> str:
     return "\n".join(lines)
 
 
+def compose_verl(config_dir: str, items: list[str]):
+    """verl's ``ppo_trainer`` config with ``items`` applied; SystemExit with Hydra's reason on one
+    line when an override does not apply (a misspelt or unknown key, a value of the wrong type)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            return compose("ppo_trainer", overrides=items)
+    except (HydraException, OmegaConfBaseException) as exc:
+        cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ and str(exc.__cause__) else ""
+        raise SystemExit(f"verl's config refused an override: {' '.join(str(exc).split())}{cause}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", type=Path, help="the recipe's YAML")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a verl setting")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a verl setting, or a recipe key (cluster., arctic., arctic_server.)")
     parser.add_argument("--dry-run", action="store_true", help="check the config and print the placement plan")
     args = parser.parse_args(argv)
+    require_verl()
     recipe = load(args.recipe, args.set)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(recipe)]
     if args.dry_run:

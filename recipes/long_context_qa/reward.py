@@ -1,6 +1,7 @@
 """Multi-hop QA's reward: the completion's answer against the gold answer and its aliases, by
 token F1 (or exact match) after the standard answer normalisation (SQuAD's: lower case, no
-punctuation, no articles, single spaces); the best over the gold answers.
+punctuation, no articles, single spaces; punctuation is ASCII's and any Unicode punctuation,
+such as curly quotes and "。"); the best over the gold answers.
 
 The answer is the text after the completion's last "Answer:" (else its last non-empty line).
 Entry points: ``reward`` for TRL (dataset column ``answers``) and ``compute_score`` for verl
@@ -9,16 +10,25 @@ Entry points: ``reward`` for TRL (dataset column ``answers``) and ``compute_scor
 
 from __future__ import annotations
 
+import functools
 import re
 import string
+import unicodedata
 from collections import Counter
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_punctuation(char: str) -> bool:
+    # string.punctuation also holds ASCII symbols ($, +, <, ...) that SQuAD strips and Unicode
+    # files under S*, not P*.
+    return char in string.punctuation or unicodedata.category(char).startswith("P")
 
 
 def normalize(text: str) -> str:
-    return " ".join(_ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split())
+    text = "".join(char for char in text.lower() if not _is_punctuation(char))
+    return " ".join(_ARTICLES.sub(" ", text).split())
 
 
 def extract_answer(completion: str) -> str:
@@ -44,9 +54,15 @@ def f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+METRICS = {"f1": f1, "em": exact_match}
+
+
 def score(completion: str, answers: list[str] | str, metric: str = "f1") -> float:
+    """The best ``metric`` ("f1" or "em") of the completion's answer over the gold ``answers``."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}: use one of {', '.join(map(repr, METRICS))}")
+    measure = METRICS[metric]
     answers = [answers] if isinstance(answers, str) else list(answers)
-    measure = f1 if metric == "f1" else exact_match
     prediction = extract_answer(completion)
     return max((measure(prediction, gold) for gold in answers), default=0.0)
 

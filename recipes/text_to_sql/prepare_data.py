@@ -17,7 +17,7 @@ import argparse
 import functools
 from pathlib import Path
 
-from recipes.common import PrepReport, prepare_rows, write_split
+from recipes.common import PrepReport, prepare_rows, text_field, write_split
 from recipes.text_to_sql.reward import execute
 
 DATA_SOURCE = "bird"
@@ -34,24 +34,23 @@ def schema(db_path: str) -> str:
 
 
 def prepare_record(record: object, index: int, split: str, databases: Path) -> dict:
+    """One prepared row; ValueError names what is wrong with the record."""
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
-    missing = [key for key in ("db_id", "question", "SQL") if not isinstance(record.get(key), str) or not record[key].strip()]
-    if missing:
-        raise ValueError(f"missing field: {', '.join(missing)}")
-    db_path = (databases / record["db_id"] / f"{record['db_id']}.sqlite").resolve()
+    db_id, question, gold_sql = (text_field(record, key) for key in ("db_id", "question", "SQL"))
+    evidence = text_field(record, "evidence", required=False)
+    db_path = (databases / db_id / f"{db_id}.sqlite").resolve()
     if not db_path.exists():
         raise ValueError(f"no database: {db_path}")
-    gold = execute(str(db_path), record["SQL"])
+    gold = execute(str(db_path), gold_sql)
     if not gold.ok:
         raise ValueError(f"the gold query fails: {gold.error}")
-    evidence = (record.get("evidence") or "").strip()
     content = (f"Database schema:\n{schema(str(db_path))}\n\n" + (f"Evidence: {evidence}\n" if evidence else "")
-               + f"Question: {record['question'].strip()}\n\n{INSTRUCTION}")
+               + f"Question: {question}\n\n{INSTRUCTION}")
     return {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": content}], "ability": "sql",
-            "gold_sql": record["SQL"], "db_path": str(db_path),
-            "reward_model": {"style": "rule", "ground_truth": record["SQL"]},
-            "extra_info": {"split": split, "index": index, "db_id": record["db_id"], "db_path": str(db_path)}}
+            "gold_sql": gold_sql, "db_path": str(db_path),
+            "reward_model": {"style": "rule", "ground_truth": gold_sql},
+            "extra_info": {"split": split, "index": index, "db_id": db_id, "db_path": str(db_path)}}
 
 
 def main(argv: list[str] | None = None) -> PrepReport:

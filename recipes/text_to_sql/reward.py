@@ -1,6 +1,7 @@
 """Text-to-SQL's reward: execution match. The predicted and the gold query both run on the task's
 SQLite database and the reward is 1.0 when they return the same set of rows (BIRD's execution
-accuracy), else 0.0.
+accuracy), else 0.0. An empty query (nothing but whitespace, semicolons and comments) scores 0.0:
+SQLite would run it and return no rows, matching every gold query that returns none.
 
 Every query runs in a child process of its own (this file, run as a script) that can only read:
 the database is opened read-only and immutable, ``PRAGMA query_only`` is on, and an authorizer
@@ -30,7 +31,11 @@ MAX_ROWS = 10_000
 MEMORY_BYTES = 2 << 30
 MAX_VALUE_BYTES = 10_000_000  # the longest string or blob a query may build
 KILL_MARGIN_S = 1.0  # the parent kills a child still running this long past its own limit
-_FENCE = re.compile(r"```(?:sql|sqlite)?\s*\n?(.*?)```", re.IGNORECASE | re.DOTALL)
+_FENCE = re.compile(r"```(.*?)```", re.DOTALL)
+# A fence line's info string (```sqlite3, ```postgresql, ...): one word alone on the opening line.
+# A query's first keyword is never a language tag, so "```SELECT\n* FROM t```" keeps its SELECT.
+_LANGUAGE_TAG = re.compile(r"[ \t]*(?!(?:select|with|values)\b)[^\s`]*[ \t]*\n", re.IGNORECASE)
+_COMMENT = re.compile(r"--[^\n]*|/\*.*?(?:\*/|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -41,17 +46,28 @@ class Execution:
 
 
 def extract_sql(completion: str) -> str:
-    """The query in a completion: its last fenced code block, else the text after a final
-    "SQL:", else the whole text."""
+    """The query in a completion: its last fenced code block (without the fence line's language
+    tag), else the text after a final "SQL:", else the whole text."""
     blocks = _FENCE.findall(completion)
     if blocks:
-        return blocks[-1].strip()
+        block = blocks[-1]
+        tag = _LANGUAGE_TAG.match(block)
+        return (block[tag.end() :] if tag else block).strip()
     marker = completion.rfind("SQL:")
     return (completion[marker + 4 :] if marker >= 0 else completion).strip()
 
 
+def is_empty(sql: str) -> bool:
+    """Whether ``sql`` holds no statement: only whitespace, semicolons and comments. SQLite runs
+    such a query and returns no rows, which would match every gold query that returns none."""
+    return not _COMMENT.sub(" ", sql).replace(";", " ").strip()
+
+
 def execute(db_path: str, sql: str, *, time_limit_s: float | None = None, max_rows: int = MAX_ROWS) -> Execution:
-    """Run ``sql`` on the database in a read-only child process (``TIME_LIMIT_S`` by default)."""
+    """Run ``sql`` on the database in a read-only child process (``TIME_LIMIT_S`` by default); an
+    empty query fails."""
+    if is_empty(sql):
+        return Execution(False, error="the query is empty")
     time_limit_s = time_limit_s or TIME_LIMIT_S
     request = json.dumps({"db": db_path, "sql": sql, "time_limit_s": time_limit_s, "max_rows": max_rows})
     try:

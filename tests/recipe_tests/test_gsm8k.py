@@ -39,6 +39,36 @@ def test_reward_cases(completion, reference, expected):
     assert compute_score("openai/gsm8k", completion, reference) == expected
 
 
+@pytest.mark.parametrize(("completion", "reference", "expected"), [
+    ("The answer is \u22123", "3", 0.0),  # U+2212, the minus sign
+    ("The answer is \u22123", "-3", 1.0),
+    # A comma separates thousands only between groups of three digits.
+    ("The possible values are 1,2,3", "123", 0.0),
+    ("The possible values are 1,2,3", "3", 1.0),
+    ("#### 12,34", "1234", 0.0),
+    ("#### 1,0000", "10000", 0.0),
+    # So does a no-break, narrow no-break or thin space, one kind throughout.
+    ("The answer is 1\u00a0000", "1", 0.0),
+    ("The answer is 1\u00a0000", "1000", 1.0),
+    ("The answer is 1\u202f234\u202f567", "1234567", 1.0),
+    ("The answer is 1\u2009000.5", "1000.5", 1.0),
+    ("The answer is 1,000\u00a0000", "1000000", 0.0),
+    # The exponent is read.
+    ("The answer is 3.0e2", "3", 0.0),
+    ("The answer is 3.0e2", "300", 1.0),
+    ("\\boxed{2.5E-1}", "0.25", 1.0),
+    ("The answer is 1e99999999999", "1", 0.0),  # too large to compute, not a misread 1
+    # A time of day is not a number answer.
+    ("The answer is 2:30 pm", "2", 0.0),
+    ("The answer is 2:30 pm", "30", 0.0),
+    ("#### 14:05:10", "14", 0.0),
+    ("We leave at 2:30 pm, so the answer is 45 minutes", "45", 1.0),
+    ("The ratio is 3:2, so the answer is 2", "2", 1.0),
+])
+def test_number_forms(completion, reference, expected):
+    assert score(completion, reference) == expected
+
+
 def test_reward_entry_points_take_trls_and_verls_shapes():
     chat = [[{"role": "assistant", "content": "#### 5"}], [{"role": "assistant", "content": "six"}]]
     assert reward(chat, answer=["5", "6"]) == [1.0, 0.0]

@@ -31,6 +31,13 @@ def digest(path) -> str:
 
 @pytest.mark.parametrize(("completion", "expected"), [
     ("```sql\nSELECT COUNT(id) FROM singer WHERE country='Peru'\n```", 1.0),
+    # Any language tag on the fence line is dropped, not only "sql": "```sqlite" is no "ite" query.
+    ("```sqlite\nSELECT COUNT(id) FROM singer WHERE country='Peru'\n```", 1.0),
+    ("```sqlite3\nSELECT COUNT(id) FROM singer WHERE country='Peru'\n```", 1.0),
+    ("```postgresql \nSELECT COUNT(id) FROM singer WHERE country='Peru'\n```", 1.0),
+    ("```SQL\nSELECT COUNT(id) FROM singer WHERE country='Peru'```", 1.0),
+    ("```\nSELECT COUNT(id) FROM singer WHERE country='Peru'\n```", 1.0),
+    ("```SELECT\nCOUNT(id) FROM singer WHERE country='Peru'\n```", 1.0),  # a query's first word is no tag
     ("Here it is. SQL: select count(*) from singer where country = 'Peru'", 1.0),
     ("select count(*) from singer where country = 'Japan'", 0.0),
     ("SELECT name FROM nowhere", 0.0),
@@ -48,6 +55,20 @@ def test_rows_compare_as_sets_and_trl_entry_point(database):
     assert extract_sql("text\n```sql\nSELECT 1\n```\nmore ```SELECT 2```") == "SELECT 2"
     with pytest.raises(ValueError, match="db_path"):
         compute_score("bird", "SELECT 1", GOLD, {})
+
+
+NO_ROWS = "SELECT name FROM singer WHERE country = 'Mars'"
+
+
+@pytest.mark.parametrize("completion", ["", "```sql\n```", "SQL: ;", "```sql\n-- no idea\n```",
+                                        "/* nothing */ ;", "```sql\n/* unterminated\n```"])
+def test_an_empty_query_scores_zero_even_when_the_gold_query_returns_no_rows(database, completion):
+    assert score(completion, NO_ROWS, database) == 0.0
+    assert not execute(database, extract_sql(completion)).ok
+
+
+def test_a_query_returning_no_rows_still_matches_a_gold_query_returning_none(database):
+    assert score("```sql\nSELECT name FROM singer WHERE age > 1000 -- nobody\n```", NO_ROWS, database) == 1.0
 
 
 ADVERSARIAL = [
@@ -96,20 +117,48 @@ def test_prepare_bird_records(tmp_path, database):
         {"db_id": "concert", "question": "Q?", "evidence": "", "SQL": "SELECT nope FROM singer"},
         {"db_id": "concert", "question": "", "SQL": "SELECT 1"},
         "a string",
+        {"db_id": "concert", "question": "Q?", "evidence": 5, "SQL": GOLD},
+        {"db_id": "concert", "question": "Q?", "evidence": None, "SQL": "-- only a comment"},
+        {"db_id": ["concert"], "question": "Q?", "SQL": GOLD},
     ]
     source = tmp_path / "train.json"
     source.write_text(json.dumps(records))
     report = prepare_data.main(["--records", str(source), "--databases", str(databases), "--split", "train",
                                 "--out", str(tmp_path / "out")])
     assert report.kept == 2
-    assert report.rejected == {"no database": 1, "the gold query fails": 1, "missing field": 1,
-                               "not a JSON object": 1}
+    assert report.rejected == {"no database": 1, "the gold query fails": 2, "missing question": 1,
+                               "not a JSON object": 1, "malformed evidence": 1, "malformed db_id": 1}
+    rejected = [json.loads(line) for line in (tmp_path / "out" / "train.rejected.jsonl").read_text().splitlines()]
+    reasons = {row["index"]: row["reason"] for row in rejected}  # in full, not only their first clause
+    assert reasons[2] == f"no database: {(databases / 'missing_db' / 'missing_db.sqlite').resolve()}"
+    assert reasons[3] == "the gold query fails: OperationalError: no such column: nope"
+    assert reasons[6] == "malformed evidence: expected text, got int"
+    assert reasons[7] == "the gold query fails: the query is empty"
     rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
     prompt = rows[0]["prompt"][0]["content"]
     assert "CREATE TABLE singer" in prompt and "Evidence: Peru is a country" in prompt and "How many" in prompt
     assert rows[0]["extra_info"]["db_path"] == database
     assert compute_score("bird", f"```sql\n{GOLD}\n```", rows[0]["reward_model"]["ground_truth"],
                          rows[0]["extra_info"]) == 1.0
+
+
+def test_a_split_with_no_usable_record_fails_and_leaves_no_rows_behind(tmp_path, database):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps([{"db_id": "concert", "question": "How many?", "SQL": GOLD}]))
+    out = tmp_path / "out"
+    prepare_data.main(["--records", str(good), "--databases", str(tmp_path), "--out", str(out)])
+    assert (out / "train.parquet").exists() and not (out / "train.rejected.jsonl").exists()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"db_id": "elsewhere", "question": "Q?", "SQL": GOLD}]))
+    refused = (r"train: no record of .*bad.json could be used \(each record's reason is in "
+               r".*train.rejected.jsonl\); train.jsonl and train.parquet were not written")
+    with pytest.raises(SystemExit, match=refused):
+        prepare_data.main(["--records", str(bad), "--databases", str(tmp_path), "--out", str(out)])
+    assert sorted(path.name for path in out.iterdir()) == ["train.rejected.jsonl"]  # the earlier rows are gone
+    bad.write_text("[]")
+    with pytest.raises(SystemExit, match="could be used \\(it holds no record\\)"):
+        prepare_data.main(["--records", str(bad), "--databases", str(tmp_path), "--out", str(out)])
+    assert not list(out.iterdir())
 
 
 def sft_on_the_answer_format(policy, out, prompts: list[list[dict]], steps: int = 80):

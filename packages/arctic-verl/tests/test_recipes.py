@@ -50,7 +50,7 @@ def prepared_rows(tmp_path: Path) -> list[dict]:
     sql_prep.main(["--records", str(bird), "--databases", str(tmp_path / "bird_db"), "--out", str(tmp_path / "sql_out")])
     hotpot = tmp_path / "hotpot.json"
     hotpot.write_text(json.dumps(qa_data.hotpot_records(1)))
-    qa_prep.main(["--records", str(hotpot), "--target-tokens", "90", "--out", str(tmp_path / "qa_out")])
+    qa_prep.main(["--records", str(hotpot), "--target-tokens", "130", "--out", str(tmp_path / "qa_out")])
     frames = [pd.read_parquet(tmp_path / folder / "train.parquet") for folder in ("gsm8k_out", "sql_out", "qa_out")]
     return [row for frame in frames for row in frame[["data_source", "prompt", "ability", "reward_model",
                                                        "extra_info"]].to_dict("records")]
@@ -99,3 +99,36 @@ def test_dry_run_refuses_what_does_not_fit_or_verl_cannot_honour(tmp_path):
     with pytest.raises(ArcticError, match="lora_rank"):
         launch.main([str(ROOT / "recipes/gsm8k/verl_1gpu.yaml"), "--dry-run",
                      "--set", "actor_rollout_ref.model.lora_rank=8"])
+
+
+def dry_run(capsys, path: Path, *sets: str) -> tuple[str, list[str]]:
+    """The dry run's plan and its command's items."""
+    assert launch.main([str(path), "--dry-run", *(arg for item in sets for arg in ("--set", item))]) == 0
+    plan, _, command = capsys.readouterr().out.partition("command: ")
+    return plan, command.split()
+
+
+def test_dry_run_plans_on_the_cluster_the_command_names(capsys):
+    plan, command = dry_run(capsys, ROOT / "recipes/gsm8k/verl_1gpu.yaml", "trainer.n_gpus_per_node=2")
+    assert "placement on 1 nodes x 2 GPUs" in plan and "node 0: 1/2 GPUs" in plan
+    assert [item for item in command if item.startswith("trainer.n_gpus_per_node=")] == ["trainer.n_gpus_per_node=2"]
+    with pytest.raises(SystemExit, match="the engines need 32 GPUs .* the cluster has 1 x 8"):
+        launch.main([str(ROOT / "recipes/text_to_sql/verl_32gpu.yaml"), "--dry-run", "--set", "trainer.nnodes=1"])
+
+
+@pytest.mark.parametrize("key", ["arctic.config.trainer.options.zero_stage",
+                                 "+arctic.config.trainer.options.zero_stage", "arctic.trainer.options.zero_stage"])
+def test_dry_run_takes_arctic_keys_in_verls_spelling_or_the_recipes(capsys, key):
+    plan, command = dry_run(capsys, ROOT / "recipes/gsm8k/verl_1gpu.yaml", f"{key}=3", "arctic.num_gpus=0.5")
+    assert "trainer: deepspeed {'zero_stage': 3}" in plan and "server[0]:0.5" in plan
+    assert [item for item in command if item.startswith("+arctic.config.trainer.")] == [
+        "+arctic.config.trainer.options.zero_stage=3"]
+    assert "+arctic.num_gpus=0.5" in command
+
+
+def test_an_override_verl_refuses_is_one_line():
+    with pytest.raises(SystemExit) as refused:
+        launch.main([str(ROOT / "recipes/gsm8k/verl_1gpu.yaml"), "--dry-run", "--set", "data.max_prompt_lenght=512"])
+    assert str(refused.value) == ("verl's config refused an override: Could not override 'data.max_prompt_lenght'. "
+                                  "To append to your config use +data.max_prompt_lenght=512 "
+                                  "(Key 'max_prompt_lenght' is not in struct)")
