@@ -968,3 +968,66 @@ def test_a_plugin_term_that_breaks_the_loss_contract_is_named_before_any_gradien
 
     with pytest.raises(RequestError, match="processor 'no_temperature' cannot be built as processors are"):
         build_processors(_plugin_registry(), ["no_temperature"], 1.0)
+
+
+def test_a_name_given_to_several_terms_reports_each_terms_metrics_and_no_term_reports_loss() -> None:
+    batch, logp = ppo_case(ref_logprobs=PPO_OLD)
+    terms = [LossTermConfig(name="kl", estimator="k1"), LossTermConfig(name="kl", estimator="k3", weight=0.5)]
+    total, metrics = build_objective(default_registry(), terms)({"logprobs": logp}, batch, LossContext.of(batch))
+    k1, k3 = metrics["kl/loss"], metrics["kl.2/loss"]
+    assert k1 != k3 and total.item() == pytest.approx(float(k1) + 0.5 * float(k3), abs=TOL)
+    objective = build_objective(_plugin_registry(mine=lambda: _Returns(lambda lp: (lp.sum(), {"loss": 1.0}))),
+                                [LossTermConfig(name="mine")])
+    with pytest.raises(RequestError, match=r"loss term 'mine' returned a metric named 'loss' \(the term's loss is"):
+        objective.check(batch, LossContext.of(batch))
+
+
+def test_a_loss_with_no_gradient_names_the_term_or_the_processor() -> None:
+    """A backward of a loss with no gradient fails naming nothing: the objective names the cause."""
+    batch, logp = ppo_case()
+    detached = build_objective(_plugin_registry(mine=lambda: _Returns(lambda lp: (lp.detach().sum(), {}))),
+                               [LossTermConfig(name="ppo"), LossTermConfig(name="mine")])
+    detached({"logprobs": logp}, batch, LossContext.of(batch))  # ppo's gradient carries the sum
+    alone = build_objective(_plugin_registry(mine=lambda: _Returns(lambda lp: (lp.detach().sum(), {}))),
+                            [LossTermConfig(name="mine")])
+    with pytest.raises(RequestError, match=r"no gradient: loss term\(s\) \['mine'\] returned a loss that does not"):
+        alone({"logprobs": logp}, batch, LossContext.of(batch))
+    ppo = build_objective(default_registry(), [LossTermConfig(name="ppo")])
+    with pytest.raises(RequestError, match=r"the processors' outputs \['logprobs'\] do not depend on the weights"):
+        ppo({"logprobs": logp.detach()}, batch, LossContext.of(batch))
+    with torch.no_grad():  # log-probs only: no gradient asked for
+        ppo({"logprobs": logp.detach()}, batch, LossContext.of(batch))
+
+
+class _Processor:
+    def __init__(self, outputs=("pout",), result=None, temperature: float = 1.0) -> None:
+        self.outputs, self.result = outputs, result
+
+    def __call__(self, logits, targets):
+        return self.result(logits, targets)
+
+
+def test_processors_that_clash_or_break_their_contract_are_named() -> None:
+    import types
+
+    from arctic_core import hookimpl
+    from arctic_core.losses.objective import build_processors, check_processor_outputs
+    from arctic_core.plugins.registry import build_registry
+
+    module = types.ModuleType("procs")
+    module.arctic_processors = hookimpl(lambda: {"fancy": lambda temperature: _Processor(("logprobs",)),
+                                                 "unnamed": lambda temperature: _Processor(("pout", 3))})
+    registry = build_registry({"procs": module})
+    with pytest.raises(RequestError, match="processors 'logprobs' and 'fancy' both produce 'logprobs'"):
+        build_processors(registry, ["logprobs", "fancy"], 1.0)
+    with pytest.raises(RequestError, match=r"processor 'unnamed' declares outputs \('pout', 3\)"):
+        build_processors(registry, ["unnamed"], 1.0)
+    logits, targets = torch.randn(10, 7), torch.randint(0, 7, (10,))
+    gathered = logits.gather(1, targets[:, None]).squeeze(1)
+    check_processor_outputs(_Processor(), {"pout": gathered}, 10)
+    for produced, message in (({"other": gathered}, r"returned \['other'\]: a processor returns a dict of exactly"),
+                              ({"pout": logits}, r"returned 'pout' as a tensor of shape \[10, 7\] of torch.float32"),
+                              ({"pout": targets}, r"returned 'pout' .* of torch.int64: each output is a float tensor of shape \[N\]"),
+                              ([gathered], "returned list")):
+        with pytest.raises(RequestError, match=r"processor _Processor \(outputs \('pout',\)\) " + message):
+            check_processor_outputs(_Processor(), produced, 10)

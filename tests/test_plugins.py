@@ -12,7 +12,9 @@ import types
 import pytest
 
 from arctic_core.config import ArcticConfig
-from arctic_core.errors import ConfigError, PluginConflictError, PluginNotFoundError
+from arctic_core.config_docs import BUILTIN_PLUGINS, PRODUCT_SECTIONS, config_reference
+from arctic_core.errors import ConfigError, PluginConflictError, PluginError, PluginNotFoundError
+from arctic_core.plugins.checks import check_plugins
 from arctic_core.plugins.hookspecs import hookimpl
 from arctic_core.plugins.registry import (Lazy, build_registry, default_registry, installed_entry_points,
                                          unmet_requirements)
@@ -107,6 +109,36 @@ def test_example_plugin_loss_and_processor_run():
     logp = torch.tensor([[-1.0, -3.0]])
     loss, _ = registry.get("loss", "reinforce")()({"logprobs": logp}, batch, LossContext.of(batch))
     assert loss.item() == pytest.approx(-(2.0 * -1.0 + 2.0 * -3.0) / 2)
+    loss, _ = registry.get("loss", "reinforce")(baseline=1.5)({"logprobs": logp}, batch, LossContext.of(batch))
+    assert loss.item() == pytest.approx(-(0.5 * -1.0 + 0.5 * -3.0) / 2)
+
+
+def test_the_example_loss_validates_its_options_as_the_guide_says():
+    """A typo in a term's options is a config error naming the option and the closest one (a 400
+    for an HTTP client), and the reference lists the options the term takes."""
+    reinforce = default_registry().get("loss", "reinforce")
+    with pytest.raises(ConfigError, match=r"options of loss 'reinforce':\n  basline: unknown key "
+                                          r"\(did you mean 'baseline'\?\)"):
+        reinforce(basline=0.1)
+    with pytest.raises(ConfigError, match="baseline: Input should be a finite number"):
+        reinforce(baseline=float("nan"))
+    reference = config_reference(default_registry(), ["example"])
+    assert "| `baseline` | float | `0.0` | Subtracted from every advantage. |" in reference
+
+
+def test_the_reference_lists_the_options_of_every_product_that_declares_them():
+    """Backends, loss terms and weight transports alike: each product whose options model has a
+    field is in the generated reference with each of its keys."""
+    registry = default_registry()
+    reference = config_reference(registry, BUILTIN_PLUGINS)
+    declared = [(item, item.options_model()) for item in registry.all() if item.plugin in BUILTIN_PLUGINS]
+    documented = [(item, model) for item, model in declared if model is not None and model.model_fields]
+    assert {"safetensors-files", "torch-broadcast"} <= {item.name for item, _ in documented}
+    for item, model in documented:
+        kind_section = reference.split(f"\n## {PRODUCT_SECTIONS[item.kind][0]}\n", 1)[1].split("\n## ", 1)[0]
+        section = kind_section.split(f"### `{item.name}` ({item.plugin}):", 1)[1].split("\n### ", 1)[0]
+        for key in model.model_fields:
+            assert f"| `{key}` |" in section, (item.kind, item.name, key)
 
 
 def test_cli_lists_builtins_and_the_example_plugin():
@@ -195,9 +227,25 @@ class Scaled:
     requires = ("logprobs",)
 
 
+class ChunkedCopyOptions(StrictModel):
+    chunk_mb: int = 64
+    """Megabytes copied at a time."""
+
+
+class ChunkedCopy:
+    """A third party's weight transport: copies in chunks."""
+
+    options_model = ChunkedCopyOptions
+
+
 @hookimpl
 def arctic_losses():
     return {"scaled_logprob": Scaled}
+
+
+@hookimpl
+def arctic_weight_transports():
+    return {"chunked-copy": ChunkedCopy}
 '''
 
 
@@ -224,11 +272,13 @@ def test_a_third_party_plugin_is_listed_with_its_options(tmp_path):
     reference = cli(tmp_path, "config-reference").stdout
     assert "### `scaled_logprob` (thirdp): A third party's loss term: factor times the mean log-prob." in reference
     assert "What the log-probs are multiplied by." in reference
+    assert "### `chunked-copy` (thirdp): A third party's weight transport: copies in chunks." in reference
+    assert "| `chunk_mb` | int | `64` | Megabytes copied at a time. |" in reference
     assert "scaled_logprob" not in cli(tmp_path, "config-reference", "--builtin").stdout
 
 
 @pytest.mark.parametrize("case", ["entry point taken", "import fails", "misspelt hook", "hook answers a list",
-                                  "hook fails"])
+                                  "hook fails", "factory not callable", "hook not marked"])
 def test_a_broken_or_clashing_plugin_is_refused_by_name(tmp_path, case):
     source, entry_name, expected = {
         "entry point taken": (GOOD_PLUGIN, "example", "two packages name their 'arctic' entry point 'example': "
@@ -242,11 +292,56 @@ def test_a_broken_or_clashing_plugin_is_refused_by_name(tmp_path, case):
                                 "got list"),
         "hook fails": ("from arctic_core import hookimpl\n\n@hookimpl\ndef arctic_losses():\n    raise KeyError('x')\n",
                        "thirdp", "plugin 'thirdp': its arctic_losses hook failed: KeyError"),
+        "factory not callable": ("from arctic_core import hookimpl\n\n@hookimpl\ndef arctic_losses():\n"
+                                 "    return {'strloss': 'thirdp:Loss'}\n", "thirdp",
+                                 "plugin 'thirdp': arctic_losses provides 'strloss' as a str; a factory must be "
+                                 "callable, e.g. a class or Lazy("),
+        "hook not marked": ("def arctic_losses():\n    return {'undecorated': object}\n", "thirdp",
+                            "plugin 'thirdp': arctic_losses is not marked @hookimpl, so it would be ignored; "
+                            "decorate it with @hookimpl"),
     }[case]
     install(tmp_path, "thirdp", entry_name, source)
     result = cli(tmp_path, "plugins")
     assert result.returncode != 0
     assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+BROKEN_LAZY_PLUGIN = '''
+from arctic_core import Lazy, hookimpl
+
+
+@hookimpl
+def arctic_training_backends():
+    return {"lazyt": Lazy("lazybad_engine:Trainer", "A trainer whose options model is missing.",
+                          options="missing_mod:Opts")}
+
+
+@hookimpl
+def arctic_losses():
+    return {"lazyloss": Lazy("lazybad_engine:Loss", "A loss whose module is missing.")}
+'''
+
+
+def test_a_broken_lazy_names_its_plugin_and_product_and_hides_no_other_plugin(tmp_path):
+    """A Lazy whose options model or target cannot be imported fails as that plugin's product (at the
+    config check, or when the server builds it), and the reference marks it and lists the rest."""
+    module = types.ModuleType("lazybad")
+    exec(BROKEN_LAZY_PLUGIN, module.__dict__)
+    registry = build_registry({"lazybad": module})
+    config = ArcticConfig.from_dict({"model": {"path": "m"}, "trainer": {"backend": "lazyt"}})
+    with pytest.raises(PluginError, match="training backend 'lazyt' of plugin 'lazybad': its options model "
+                                          "'missing_mod:Opts' cannot be imported: ModuleNotFoundError"):
+        check_plugins(config, registry)
+    with pytest.raises(PluginError, match="loss 'lazyloss' of plugin 'lazybad': its target 'lazybad_engine:Loss' "
+                                          "cannot be imported: ModuleNotFoundError"):
+        registry.get("loss", "lazyloss")()
+    install(tmp_path, "lazybad", "lazybad", BROKEN_LAZY_PLUGIN)
+    install(tmp_path, "thirdp", "thirdp", GOOD_PLUGIN)
+    reference = cli(tmp_path, "config-reference")
+    assert reference.returncode == 0, reference.stderr
+    assert "Megabytes copied at a time." in reference.stdout and "### `torch` (zorro)" in reference.stdout
+    assert ("### `lazyt` (lazybad): A trainer whose options model is missing.\n\n**Options unavailable**: "
+            "training backend 'lazyt' of plugin 'lazybad': its options model 'missing_mod:Opts'") in reference.stdout
 
 
 NEEDY_PLUGIN = '''

@@ -45,6 +45,8 @@ class FailsMidway(PPOLoss):
     """PPO that raises on the second micro-batch that carries gradients: the first one's gradient
     has been added by then, as when an engine fails part-way through a call."""
 
+    error: type[Exception] = RuntimeError
+
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.graded_calls = 0
@@ -53,14 +55,21 @@ class FailsMidway(PPOLoss):
         if outputs["logprobs"].requires_grad:
             self.graded_calls += 1
             if self.graded_calls == 2:
-                raise RuntimeError("the engine failed half-way through fwd_bwd")
+                raise self.error("the engine failed half-way through fwd_bwd")
         return super().__call__(outputs, batch, ctx)
+
+
+class RefusesMidway(FailsMidway):
+    """The same failure as a refusal (a term checking the model's outputs): a gradient was added all
+    the same."""
+
+    error = BatchError
 
 
 class FaultPlugin:
     @hookimpl
     def arctic_losses(self):
-        return {"fails_midway": FailsMidway}
+        return {"fails_midway": FailsMidway, "refuses_midway": RefusesMidway}
 
 
 def build_client(config: ArcticConfig) -> ArcticClient:
@@ -235,8 +244,14 @@ def test_a_failed_fwd_bwd_discards_the_step_and_a_refused_one_changes_nothing(ti
         with pytest.raises(RuntimeError, match="half-way"):
             client.fwd_bwd(batch, "fails_midway")
         client.fwd_bwd(batch, LOSS)
-        with pytest.raises(BatchError, match="old_logprobs"):
-            client.fwd_bwd(batch.replace(old_logprobs=None), "ppo")
+        with pytest.raises(BatchError, match="half-way"):
+            client.fwd_bwd(batch, "refuses_midway")
+        client.fwd_bwd(batch, LOSS)
+        vocab = server_of(client).sampler.model.config.vocab_size
+        for refused, message in ((batch.replace(old_logprobs=None), "old_logprobs"),
+                                 (batch.replace(response_ids=batch.response_ids.clamp(max=0) + vocab), "vocab size")):
+            with pytest.raises(BatchError if message == "old_logprobs" else RequestError, match=message):
+                client.fwd_bwd(refused, "ppo")
         client.fwd_bwd(batch, LOSS, scale=0.5)
         client.step()
         clean.fwd_bwd(batch, LOSS)
@@ -271,6 +286,33 @@ def test_a_failed_step_drops_its_gradients_and_keeps_the_schedules_rate(backend,
             metrics = each.step().metrics
             assert metrics["skipped"] == 0.0 and metrics["step"] == 1.0 and metrics["lr"] == pytest.approx(0.5e-2)
         assert all(torch.equal(weights(clean)[k], v) for k, v in weights(client).items())
+
+
+def test_a_backend_or_transport_answering_outside_the_protocol_is_named_and_its_gradients_dropped(tiny_policy,
+                                                                                                  monkeypatch):
+    """A plugin's forward_backward, optimizer_step or sync that returns no dict of metrics is named
+    with the rule (the server failed later on it, naming nothing), and a fwd_bwd's gradient it may
+    have added is dropped: a client that repeats the call does not count the batch twice."""
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
+                                     "trainer": {**TRAINER, "backend": "torch"}})
+    with build_client(config) as client, build_client(config) as clean:
+        server = server_of(client)
+        batch = random_grpo_batch(server.sampler.model.config.vocab_size)
+        trainer_class = type(server.trainer)
+        forward_backward = trainer_class.forward_backward
+        monkeypatch.setattr(trainer_class, "forward_backward", lambda *a, **k: forward_backward(*a, **k) and None)
+        with pytest.raises(TypeError, match=r"TorchTrainer.forward_backward returned NoneType: it returns a dict"):
+            client.fwd_bwd(batch, LOSS)
+        monkeypatch.undo()
+        assert client.step().metrics["skipped"] == 1.0  # the gradient it added was dropped
+        for each in (client, clean):
+            each.fwd_bwd(batch, LOSS)
+            each.step()
+        assert all(torch.equal(weights(clean)[k], v) for k, v in weights(client).items())
+        monkeypatch.setattr(type(server.weight_transport), "sync", lambda *a, **k: None)
+        with pytest.raises(TypeError, match=r"InProcessWeightSync.sync returned NoneType"):
+            client.sync_weights()
+        assert client.status().policy_version == 0  # its retry sends the same version
 
 
 @pytest.mark.parametrize("lr", [float("inf"), float("nan"), -1.0, 2.0])

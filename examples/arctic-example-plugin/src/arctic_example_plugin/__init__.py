@@ -13,21 +13,30 @@ from collections.abc import Mapping
 import torch
 
 from arctic_core import LossContext, RolloutBatch, hookimpl
+from arctic_core.config import StrictModel, validate
 from arctic_core.losses.aggregation import aggregate
+
+
+class ReinforceOptions(StrictModel):
+    baseline: float = 0.0
+    """Subtracted from every advantage."""
 
 
 class Reinforce:
     """Vanilla REINFORCE: -advantage * log-prob, token-mean (no ratio, no clipping)."""
 
+    options_model = ReinforceOptions  # listed by `arctic-rl config-reference`
     requires = ("logprobs",)
 
-    def __init__(self, baseline: float = 0.0) -> None:
-        self.baseline = baseline
+    def __init__(self, **options: object) -> None:
+        # Validated rather than taken as keyword arguments: a typo ("basline") is then a ConfigError
+        # naming the option and the closest valid one, not a TypeError from inside the server.
+        self.options = validate(ReinforceOptions, options, "options of loss 'reinforce'")
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], batch: RolloutBatch, ctx: LossContext
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        adv = batch.token_advantages().to(outputs["logprobs"]) - self.baseline
+        adv = batch.token_advantages().to(outputs["logprobs"]) - self.options.baseline
         return aggregate(-adv * outputs["logprobs"], batch.loss_mask, ctx, "token-mean"), {}
 
 

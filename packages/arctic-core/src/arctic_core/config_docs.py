@@ -2,8 +2,8 @@
 
 ``arctic-rl config-reference`` prints it; ``docs/guides/configuration.md`` is its output for
 Arctic's own plugins (``--builtin``), and a test keeps the two equal. Sections: every section of
-:class:`ArcticConfig`, the sampling params of ``generate``, then the options of every backend and
-loss term the plugins register (each factory that declares an ``options_model``).
+:class:`ArcticConfig`, the sampling params of ``generate``, then the options of every backend, loss
+term and weight transport the plugins register (each factory that declares an ``options_model``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from arctic_core.config import ArcticConfig, SamplingParams
-from arctic_core.plugins.registry import Lazy, Registry
+from arctic_core.errors import PluginError
+from arctic_core.plugins.registry import Lazy, Provided, Registry
 
 BUILTIN_PLUGINS = ("core", "zorro", "fca")
 """Arctic's own packages: the plugins the reference in the docs lists."""
@@ -35,32 +36,47 @@ beside them.
 
 _BOUNDS = {annotated_types.Gt: ">", annotated_types.Ge: ">=", annotated_types.Lt: "<", annotated_types.Le: "<="}
 
+PRODUCT_SECTIONS: dict[str, tuple[str, str]] = {
+    "training_backend": ("Trainer backends", "in `trainer.options`"),
+    "logprob_backend": ("Log-prob backends", "in `reference.options`"),
+    "sampling_backend": ("Sampler backends", "in `sampler.options`"),
+    "loss": ("Loss terms", "beside `name` and `weight` in a loss term"),
+    "weight_transport": ("Weight transports", "in `weight_sync.options`"),
+}
+"""Each plugin kind whose products take options from a config: its section's title and where the
+options go. Processors are absent: a processor takes only the request's temperature."""
+
 
 def config_reference(registry: Registry, plugins: Collection[str] | None = None) -> str:
-    """The reference, with the backends and loss terms of ``plugins`` (None: every plugin)."""
+    """The reference, with the products of ``plugins`` that take options (None: every plugin)."""
     lines = [HEADER]
     for path, model in _sections("", ArcticConfig):
         lines += [f"## `{path}`" if path else "## Top level", "", *_doc(model), *_table(model), ""]
     lines += ["## Sampling params (`generate`)", "", *_table(SamplingParams), ""]
-    for kind, title, where in (("training_backend", "Trainer backends", "in `trainer.options`"),
-                               ("logprob_backend", "Log-prob backends", "in `reference.options`"),
-                               ("sampling_backend", "Sampler backends", "in `sampler.options`"),
-                               ("loss", "Loss terms", "beside `name` and `weight` in a loss term")):
+    for kind, (title, where) in PRODUCT_SECTIONS.items():
         lines += [f"## {title}", "", f"What each accepts {where}.", ""]
         for item in sorted(registry.all(), key=lambda p: p.name):
-            if item.kind != kind or (plugins is not None and item.plugin not in plugins):
-                continue
-            options = item.options_model()  # declared: no engine module imported to document it
-            if options is None and isinstance(item.factory, Lazy):  # a lazy product that declares none
-                options = getattr(item.factory.load(), "options_model", None)
-            lines += [f"### `{item.name}` ({item.plugin}): {item.summary}", ""]
-            if options is None or not options.model_fields:
-                lines += ["No options.", ""]
-                continue
-            for path, model in _sections("", options):  # nested option groups, e.g. `zorro`
-                lines += [f"`{path}`:", ""] if path else []
-                lines += [*_table(model), ""]
+            if item.kind == kind and (plugins is None or item.plugin in plugins):
+                lines += [f"### `{item.name}` ({item.plugin}): {item.summary}", "", *_product_options(item)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _product_options(item: Provided) -> list[str]:
+    """The tables of one product's options. A plugin whose options model cannot be imported is
+    marked instead, so one broken plugin does not hide every other plugin's options."""
+    try:
+        options = item.options_model()  # declared: no engine module imported to document it
+        if options is None and isinstance(item.factory, Lazy):  # a lazy product that declares none
+            options = getattr(item.factory.load(), "options_model", None)
+    except PluginError as exc:
+        return [f"**Options unavailable**: {exc}", ""]
+    if options is None or not options.model_fields:
+        return ["No options.", ""]
+    lines = []
+    for path, model in _sections("", options):  # nested option groups, e.g. `zorro`
+        lines += [f"`{path}`:", ""] if path else []
+        lines += [*_table(model), ""]
+    return lines
 
 
 def _sections(path: str, model: type[BaseModel]) -> list[tuple[str, type[BaseModel]]]:

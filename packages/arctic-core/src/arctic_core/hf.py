@@ -87,10 +87,11 @@ def max_positions(model: PreTrainedModel | PretrainedConfig) -> int:
     return getattr(config.get_text_config(), "max_position_embeddings", None) or 1 << 16
 
 
-def check_batch_fits(batch: RolloutBatch, model: PreTrainedModel) -> None:
+def check_batch_fits(batch: RolloutBatch, model: PreTrainedModel | PretrainedConfig) -> None:
     """Refuse a batch with token ids outside ``model``'s vocabulary or a sequence (prompt and
     response) longer than its positions: past them a model computes garbage or fails deep inside."""
-    vocab_size = model.config.vocab_size
+    config = model if isinstance(model, PretrainedConfig) else model.config
+    vocab_size = config.get_text_config().vocab_size
     check_token_ids(batch.prompt_ids, vocab_size, "prompts")
     check_token_ids(batch.response_ids, vocab_size, "responses")
     if batch.num_responses:

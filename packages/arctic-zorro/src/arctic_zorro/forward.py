@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from arctic_core.batch import RolloutBatch, to_device
+from arctic_core.losses.objective import check_processor_outputs
 from arctic_core.losses.processors import sharing
 from arctic_core.plugins.interfaces import Processor
 
@@ -58,7 +59,9 @@ def run_processors(logits: torch.Tensor, targets: torch.Tensor, processors: Mapp
     out: dict[str, torch.Tensor] = {}
     with sharing():  # log-probs and entropy from one kernel launch each way on a GPU
         for processor in dict.fromkeys(processors.values()):
-            out.update(processor(logits, targets))
+            produced = processor(logits, targets)
+            check_processor_outputs(processor, produced, targets.shape[0])
+            out.update(produced)
     return out
 
 

@@ -16,7 +16,8 @@ from arctic_core.plugins.registry import Registry
 
 @dataclass
 class WeightedObjective:
-    """``sum_k weight_k * term_k``; metrics come back as ``{term}/{metric}`` plus ``{term}/loss``.
+    """``sum_k weight_k * term_k``; metrics come back as ``{term}/{metric}`` plus ``{term}/loss``
+    (a name given to several terms: ``kl``, ``kl.2``, ...).
 
     A term of weight 0 is a metric only: computed and reported, but left out of the sum, so no
     backward runs through it (an entropy to log costs its forward alone). A list whose weights are
@@ -31,15 +32,40 @@ class WeightedObjective:
     ) -> tuple[torch.Tensor, Metrics]:
         total: torch.Tensor | None = None
         metrics: Metrics = {}
-        for index, (name, weight, term) in enumerate(self.terms):
+        values = []
+        for index, ((_, weight, term), label) in enumerate(zip(self.terms, self.labels, strict=True)):
             value, term_metrics = term(outputs, batch, ctx)
+            values.append(value)
             if weight != 0.0 or (total is None and index == len(self.terms) - 1):
                 total = weight * value if total is None else total + weight * value
-            metrics[f"{name}/loss"] = value.detach()
-            metrics.update({f"{name}/{k}": v for k, v in term_metrics.items()})
+            metrics[f"{label}/loss"] = value.detach()
+            metrics.update({f"{label}/{k}": v for k, v in term_metrics.items()})
         assert total is not None  # build_objective refuses an empty list
+        if torch.is_grad_enabled() and not total.requires_grad:
+            raise RequestError(self._no_gradient(outputs, values))
         metrics["loss"] = total.detach()
         return total, metrics
+
+    @property
+    def labels(self) -> list[str]:
+        """Each term's metric prefix: its name, numbered from its second use (``kl``, ``kl.2``)."""
+        seen: dict[str, int] = {}
+        labels = []
+        for name, _, _ in self.terms:
+            seen[name] = seen.get(name, 0) + 1
+            labels.append(name if seen[name] == 1 else f"{name}.{seen[name]}")
+        return labels
+
+    def _no_gradient(self, outputs: Mapping[str, torch.Tensor], values: list[torch.Tensor]) -> str:
+        """Why a training loss has no gradient (a backward of it would fail naming nothing)."""
+        detached = sorted(name for name, value in outputs.items() if not value.requires_grad)
+        if detached:
+            return (f"the loss has no gradient: the processors' outputs {detached} do not depend on the weights "
+                    "(computed under torch.no_grad or detached): a processor must keep the autograd graph")
+        constant = [label for label, (_, weight, _), value in zip(self.labels, self.terms, values, strict=True)
+                    if weight != 0.0 and not value.requires_grad]
+        return (f"the loss has no gradient: loss term(s) {constant} returned a loss that does not depend on the "
+                "outputs it reads (detached, or a constant)")
 
     @torch.no_grad()
     def check(self, batch: RolloutBatch, ctx: LossContext) -> None:
@@ -69,7 +95,9 @@ def _contract_problem(result: object) -> str | None:
     if not isinstance(metrics, Mapping):
         return f"returned metrics that are {_kind(metrics)}, not a dict"
     bad = [key for key, value in metrics.items() if not (isinstance(value, (int, float)) or _is_scalar_tensor(value))]
-    return f"returned metrics {bad} that are not 0-dim tensors or numbers" if bad else None
+    if bad:
+        return f"returned metrics {bad} that are not 0-dim tensors or numbers"
+    return "returned a metric named 'loss' (the term's loss is reported as '<term>/loss')" if "loss" in metrics else None
 
 
 def _is_scalar_tensor(value: object) -> bool:
@@ -94,6 +122,7 @@ class ProcessorSet(dict):
 def build_processors(registry: Registry, names: Sequence[str], temperature: float) -> ProcessorSet:
     """Instantiate the named processors at ``temperature``, keyed by each output they produce."""
     out = ProcessorSet(list(dict.fromkeys(names)), temperature)
+    producers: dict[str, str] = {}
     for name in dict.fromkeys(names):
         factory = registry.get("processor", name)
         try:
@@ -101,9 +130,32 @@ def build_processors(registry: Registry, names: Sequence[str], temperature: floa
         except TypeError as exc:  # a plugin's processor that does not take the temperature
             raise RequestError(f"processor {name!r} cannot be built as processors are, with temperature=: "
                                f"{exc}") from exc
-        for output in processor.outputs:
+        outputs = getattr(processor, "outputs", None)
+        if not (isinstance(outputs, (tuple, list)) and outputs and all(isinstance(o, str) for o in outputs)):
+            raise RequestError(f"processor {name!r} declares outputs {outputs!r}: a processor names what it "
+                               "returns, e.g. outputs = ('logprobs',)")
+        for output in outputs:
+            if output in producers:  # one would silently replace the other's values
+                raise RequestError(f"processors {producers[output]!r} and {name!r} both produce {output!r}")
+            producers[output] = name
             out[output] = processor
     return out
+
+
+def check_processor_outputs(processor: Processor, produced: object, tokens: int) -> None:
+    """A processor returns ``{output: [N] float tensor}`` for exactly the outputs it declares;
+    anything else is named with the rule (it would fail as a bare shape or key error, or come back
+    as zeros)."""
+    what = f"processor {type(processor).__name__} (outputs {tuple(processor.outputs)})"
+    if not isinstance(produced, Mapping) or set(produced) != set(processor.outputs):
+        found = sorted(produced) if isinstance(produced, Mapping) else type(produced).__name__
+        raise RequestError(f"{what} returned {found}: a processor returns a dict of exactly its declared outputs")
+    for output, value in produced.items():
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and tuple(value.shape) == (tokens,)):
+            raise RequestError(f"{what} returned {output!r} as {_kind(value)}"
+                               f"{f' of {value.dtype}' if isinstance(value, torch.Tensor) else ''}: each output is a "
+                               f"float tensor of shape [N] = [{tokens}], one value per token (e.g. gathered at "
+                               "the targets)")
 
 
 def build_objective(

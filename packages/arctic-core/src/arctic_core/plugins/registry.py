@@ -6,8 +6,9 @@ import difflib
 import functools
 import importlib
 import importlib.metadata
+import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pluggy
@@ -51,15 +52,28 @@ class Lazy:
     """The optional dependencies the product imports, as a pip requirement with extras
     (``"arctic-fca[vllm]"``): the extra's packages are checked against the installed versions
     before any engine is built, so a missing one fails at once rather than after the others load."""
+    product: str = field(default="", compare=False, repr=False)
+    """What it is registered as (``"loss 'x' of plugin 'y'"``), set by the registry so that an
+    import failure names the product and its plugin rather than only a module."""
 
     def load(self) -> Callable[..., Any]:
-        return _resolve(self.target)
+        return self._resolve(self.target, "target")
 
     def options_model(self) -> type | None:
-        return _resolve(self.options) if self.options else None
+        return self._resolve(self.options, "options model") if self.options else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.load()(*args, **kwargs)
+
+    def _resolve(self, target: str, role: str) -> Any:
+        # Any exception: importing a plugin's module may raise anything, and a bare traceback from
+        # deep inside an import names neither the plugin nor the product the config asked for.
+        try:
+            return _resolve(target)
+        except Exception as exc:
+            owner = self.product or f"Lazy({self.target!r})"
+            raise PluginError(f"{owner}: its {role} {target!r} cannot be imported: {type(exc).__name__}: {exc} "
+                              f"(a Lazy's {role} must be an importable 'module:attribute')") from exc
 
 
 def _resolve(target: str) -> Any:
@@ -177,6 +191,7 @@ def build_registry(extra_plugins: dict[str, object] | None = None) -> Registry:
             raise PluginConflictError(f"plugin name {name!r} is an installed entry point's; choose another")
         plugins[name] = module
     for name, module in plugins.items():
+        _refuse_unmarked_hooks(manager, name, module)
         try:
             manager.register(module, name=name)
         except pluggy.PluginValidationError as exc:  # a hook whose arguments are not the spec's
@@ -190,6 +205,16 @@ def build_registry(extra_plugins: dict[str, object] | None = None) -> Registry:
     for kind, hook_name in KINDS.items():
         registry.entries[kind] = _collect(manager, kind, hook_name)
     return registry
+
+
+def _refuse_unmarked_hooks(manager: pluggy.PluginManager, plugin: str, module: object) -> None:
+    """Pluggy registers only functions marked ``@hookimpl``: a provider hook without the mark would
+    be skipped without a word, and the plugin would provide nothing."""
+    for hook in KINDS.values():
+        found = inspect.getattr_static(module, hook, None)  # static: never runs a module __getattr__
+        if found is not None and manager.parse_hookimpl_opts(module, hook) is None:
+            raise PluginError(f"plugin {plugin!r}: {hook} is not marked @hookimpl, so it would be ignored; "
+                              "decorate it with @hookimpl (from arctic_core import hookimpl)")
 
 
 def _load_entry_points() -> dict[str, object]:
@@ -237,8 +262,19 @@ def _collect(manager: pluggy.PluginManager, kind: str, hook_name: str) -> dict[s
                 raise PluginConflictError(
                     f"{kind} {name!r} is provided by both plugin {out[name].plugin!r} and {plugin!r}"
                 )
-            out[name] = Provided(kind, name, factory, plugin)
+            out[name] = Provided(kind, name, _checked_factory(factory, kind, name, plugin, hook_name), plugin)
     return out
+
+
+def _checked_factory(factory: Any, kind: str, name: str, plugin: str, hook_name: str) -> Callable[..., Any]:
+    """``factory`` if the server can call it (a lazy one told what it is registered as, for its
+    errors); a string or other value would otherwise be listed and only fail when a config uses it."""
+    if isinstance(factory, Lazy):
+        return replace(factory, product=f"{kind.replace('_', ' ')} {name!r} of plugin {plugin!r}")
+    if not callable(factory):
+        raise PluginError(f"plugin {plugin!r}: {hook_name} provides {name!r} as a {type(factory).__name__}; a "
+                          "factory must be callable, e.g. a class or Lazy('module:attribute', 'summary')")
+    return factory
 
 
 @functools.cache

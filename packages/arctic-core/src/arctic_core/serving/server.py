@@ -8,6 +8,7 @@ can share one server without interleaving a ``fwd_bwd`` with a ``step``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import resource
@@ -19,10 +20,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from transformers import AutoConfig, PretrainedConfig
 
 from arctic_core.config import ArcticConfig
-from arctic_core.errors import ArcticError, RequestError
-from arctic_core.hf import copy_tokenizer_files
+from arctic_core.errors import ArcticError, RequestError, engine_asleep
+from arctic_core.hf import check_batch_fits, copy_tokenizer_files
 from arctic_core.plugins.interfaces import LossContext, LogProbBackend, SamplingBackend, TrainingBackend
 from arctic_core.losses.objective import build_objective, build_processors
 from arctic_core.serving import checkpoint_folders
@@ -142,9 +144,16 @@ class ArcticServer:
     def _op_fwd_bwd(self, req: FwdBwdRequest) -> Result:
         objective = build_objective(self.registry, req.loss, req.temperature)
         ctx = LossContext.of(req.batch, req.max_response_len)
-        objective.check(req.batch, ctx)  # bad input is refused before any gradient is touched
-        with self._gradients_dropped_on_failure():
-            metrics = self.trainer.forward_backward(req.batch, objective, ctx, req.scale)
+        # Bad input is refused here, before any gradient is touched: once the trainer computes,
+        # any failure (a loss term refusing a later micro-batch, one rank of several) may have
+        # added part of the gradient, and every gradient since the last step is dropped.
+        objective.check(req.batch, ctx)
+        if "trainer" in self.asleep:
+            raise engine_asleep("trainer")
+        check_batch_fits(req.batch, self.model_config)
+        with self._gradients_dropped_on_failure(refusals_change_nothing=False):
+            metrics = backend_metrics(self.trainer, "forward_backward",
+                                      self.trainer.forward_backward(req.batch, objective, ctx, req.scale))
         # A batch of responses whose tokens are all masked out still ran a backward (a zero gradient):
         # the next step() applies it as every framework's loop does (AdamW's momentum and weight decay
         # move the weights, the schedule advances). A batch of no response ran nothing.
@@ -159,7 +168,7 @@ class ArcticServer:
             # count stay as they are (an engine stepped with no gradient can be left broken).
             return Result(metrics={"grad_norm": 0.0, "skipped": 1.0, "step": float(self.step_count)})
         with self._gradients_dropped_on_failure():
-            metrics = self.trainer.optimizer_step(lr=req.lr)
+            metrics = backend_metrics(self.trainer, "optimizer_step", self.trainer.optimizer_step(lr=req.lr))
         self.gradients_pending = False
         # A backend skips a step whose gradients are not finite (and drops them): no step is counted.
         skipped = metrics.pop("skipped", 0.0)
@@ -168,7 +177,8 @@ class ArcticServer:
 
     def _op_sync_weights(self, req: Empty) -> SyncWeightsResult:
         version = self.policy_version + 1  # counted once the samplers have it: a failed sync is retried as it
-        metrics = self.weight_transport.sync(self.trainer, [self.sampler], version)
+        metrics = backend_metrics(self.weight_transport, "sync",
+                                  self.weight_transport.sync(self.trainer, [self.sampler], version))
         self.policy_version = version
         return SyncWeightsResult(policy_version=version, metrics=metrics)
 
@@ -263,15 +273,21 @@ class ArcticServer:
         for name in sorted(needed & configured & self.asleep):
             self._set_awake(name, True)
 
+    @functools.cached_property
+    def model_config(self) -> PretrainedConfig:
+        """The trainer's model's config (its vocabulary and positions, which a batch must fit)."""
+        return AutoConfig.from_pretrained(self.config.model.path)
+
     @contextlib.contextmanager
-    def _gradients_dropped_on_failure(self) -> Iterator[None]:
+    def _gradients_dropped_on_failure(self, refusals_change_nothing: bool = True) -> Iterator[None]:
         """Every gradient accumulated since the last step is dropped when the call inside fails: a
         fwd_bwd may have added part of its own (the sum would be silently wrong), a step may have
-        clipped them in place or applied part of them (never apply them twice). A refusal (an Arctic
-        error: engine asleep, bad token id) changed nothing; a dead worker needs load_checkpoint."""
+        clipped them in place or applied part of them (never apply them twice). With
+        ``refusals_change_nothing`` a refusal (an Arctic error: e.g. a trainer partly restored by a
+        failed load) is taken to have changed nothing; a dead worker needs load_checkpoint."""
         try:
             yield
-        except ArcticError:
+        except ArcticError if refusals_change_nothing else ():
             raise
         except Exception:
             self.gradients_pending = False
@@ -286,6 +302,15 @@ class ArcticServer:
 
     def _status(self) -> StatusResult:
         return StatusResult(policy_version=self.policy_version, step=self.step_count, info={"config": self.config.model_dump()})
+
+
+def backend_metrics(product: object, method: str, metrics: object) -> dict[str, float]:
+    """What a backend or transport ``method`` returned, if it keeps the protocol: a dict of metrics
+    (the server would otherwise fail on it later, naming nothing)."""
+    if not (isinstance(metrics, dict) and all(isinstance(k, str) for k in metrics)):
+        raise TypeError(f"{type(product).__name__}.{method} returned {type(metrics).__name__}: it returns a dict "
+                        "of metrics, {name: number}")
+    return metrics
 
 
 # The engines each operation computes with (log_probs: the one its request names).
