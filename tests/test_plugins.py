@@ -278,7 +278,8 @@ def test_a_third_party_plugin_is_listed_with_its_options(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["entry point taken", "import fails", "misspelt hook", "hook answers a list",
-                                  "hook fails", "factory not callable", "hook not marked"])
+                                  "hook fails", "factory not callable", "name not a name",
+                                  "hook not marked"])
 def test_a_broken_or_clashing_plugin_is_refused_by_name(tmp_path, case):
     source, entry_name, expected = {
         "entry point taken": (GOOD_PLUGIN, "example", "two packages name their 'arctic' entry point 'example': "
@@ -296,6 +297,10 @@ def test_a_broken_or_clashing_plugin_is_refused_by_name(tmp_path, case):
                                  "    return {'strloss': 'thirdp:Loss'}\n", "thirdp",
                                  "plugin 'thirdp': arctic_losses provides 'strloss' as a str; a factory must be "
                                  "callable, e.g. a class or Lazy("),
+        "name not a name": ("from arctic_core import hookimpl\n\n@hookimpl\ndef arctic_losses():\n"
+                            "    return {' spaced': object}\n", "thirdp",
+                            "plugin 'thirdp': arctic_losses provides a product named ' spaced'; a name is a "
+                            "non-empty string"),
         "hook not marked": ("def arctic_losses():\n    return {'undecorated': object}\n", "thirdp",
                             "plugin 'thirdp': arctic_losses is not marked @hookimpl, so it would be ignored; "
                             "decorate it with @hookimpl"),

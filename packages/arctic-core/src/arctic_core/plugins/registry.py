@@ -269,6 +269,9 @@ def _collect(manager: pluggy.PluginManager, kind: str, hook_name: str) -> dict[s
 def _checked_factory(factory: Any, kind: str, name: str, plugin: str, hook_name: str) -> Callable[..., Any]:
     """``factory`` if the server can call it (a lazy one told what it is registered as, for its
     errors); a string or other value would otherwise be listed and only fail when a config uses it."""
+    if not (isinstance(name, str) and name.strip() == name and name):  # configs name products by these
+        raise PluginError(f"plugin {plugin!r}: {hook_name} provides a product named {name!r}; a name is a "
+                          "non-empty string without spaces at either end")
     if isinstance(factory, Lazy):
         return replace(factory, product=f"{kind.replace('_', ' ')} {name!r} of plugin {plugin!r}")
     if not callable(factory):
