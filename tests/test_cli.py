@@ -100,13 +100,38 @@ def test_the_demo_reuses_an_earlier_runs_folder_and_refuses_any_other(tmp_path):
     for name in ("tensorboard/events.out", "checkpoint/arctic_state.json", "summary.json"):
         (earlier / name).parent.mkdir(parents=True, exist_ok=True)
         (earlier / name).write_text("{}")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep me")
+    (earlier / "policy").symlink_to(elsewhere)  # a link among the outputs goes, what it points to stays
     clear_earlier_run(earlier)
-    assert list(earlier.iterdir()) == []  # the next run's curves start alone
+    assert list(earlier.iterdir()) == [] and (elsewhere / "keep.txt").read_text() == "keep me"
     (tmp_path / "model" / "config.json").parent.mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     assert_one_line_error(arctic_rl("demo", "--out", str(tmp_path / "model")),
                           f"the demo's folder {tmp_path / 'model'} holds ['config.json'], which no demo run wrote")
     assert (tmp_path / "model" / "config.json").read_text() == "{}"
+
+
+def test_options_out_of_range_and_folders_that_cannot_be_written_are_one_line_before_anything_runs(tmp_path):
+    for args, message in ((["demo", "--seed", "-5"], "Invalid value for '--seed'"),
+                          (["demo", "--seed", "99999999999999999999"], "Invalid value for '--seed'"),
+                          (["demo", "--steps", "99999999999999999999"], "Invalid value for '--steps'"),
+                          (["tiny-model", str(tmp_path / "t"), "--seed", "-1"], "Invalid value for '--seed'")):
+        proc = arctic_rl(*args, "--out", str(tmp_path / "demo")) if args[0] == "demo" else arctic_rl(*args)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "demo").exists() and not (tmp_path / "t").exists()
+    assert_one_line_error(arctic_rl("tiny-model", "/proc/arctic-test"), "cannot write /proc/arctic-test")
+    assert_one_line_error(arctic_rl("demo", "--out", "/proc/arctic-test", "--steps", "1", "--warmup-steps", "0"),
+                          "cannot write /proc/arctic-test")
+
+
+def test_help_and_version_answer_as_clis_do():
+    from importlib.metadata import version
+
+    assert arctic_rl("-h").stdout == arctic_rl("--help").stdout and "demo" in arctic_rl("-h").stdout
+    assert arctic_rl("serve", "-h").returncode == 0
+    assert arctic_rl("--version").stdout == f"arctic-rl {version('arctic-core')}\n"
 
 
 @pytest.mark.slow

@@ -24,21 +24,36 @@ from rich.table import Table
 if TYPE_CHECKING:
     from arctic_core.config import ArcticConfig
 
-app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, help="Arctic RL: one GPU backend for RL post-training of LLMs.")
+app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Arctic RL: one backend for RL post-training of LLMs (GPU engines; everything also runs on the CPU).")
+MAX_SEED = 2**32 - 1  # seeds the demo and tiny models take (numpy's range; the demo derives per-step seeds from it)
+MAX_DEMO_STEPS = 1_000_000
 _debug = False
 
 
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import version
+
+        typer.echo(f"arctic-rl {version('arctic-core')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _options(debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error.")] = False) -> None:
+def _options(debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error.")] = False,
+             version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                   help="Print the version and exit.")] = False) -> None:
     global _debug
     _debug = debug
 
 
 @app.command()
 def demo(
-    out: Annotated[Path, typer.Option(help="Folder for TensorBoard logs, the reward plot and the checkpoint.")] = Path("runs/demo"),
-    steps: Annotated[int, typer.Option(min=1, help="GRPO steps.")] = 400,
-    seed: Annotated[int, typer.Option(help="Seed of the model, the task and sampling.")] = 0,
+    out: Annotated[Path, typer.Option(help="Folder for TensorBoard logs, the reward plot and the checkpoint; an "
+                                           "earlier demo run there is replaced.")] = Path("runs/demo"),
+    steps: Annotated[int, typer.Option(min=1, max=MAX_DEMO_STEPS, help="GRPO steps.")] = 400,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the model, the task and sampling.")] = 0,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Short SFT on task demonstrations before GRPO (0 skips it).")] = 30,
 ) -> None:
     """GRPO on a tiny Qwen3 built in code, on the CPU, through the in-process client.
@@ -48,7 +63,8 @@ def demo(
         from arctic_core.demo.grpo import DemoSettings, run_demo
 
         _quiet_model_loading()
-        summary = run_demo(out, DemoSettings(steps=steps, seed=seed, warmup_steps=warmup_steps))
+        with folder_errors(out):
+            summary = run_demo(out, DemoSettings(steps=steps, seed=seed, warmup_steps=warmup_steps))
     typer.echo(f"reward curve: {out / 'reward_curve.png'}; TensorBoard: {out / 'tensorboard'}", err=True)
     typer.echo(json.dumps(summary))
 
@@ -57,7 +73,7 @@ def demo(
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write (created; must be empty or absent).")],
     family: Annotated[str, typer.Option(help="Architecture: qwen3, qwen2, llama or mistral.")] = "qwen3",
-    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the random weights.")] = 0,
 ) -> None:
     """Write a tiny random model and its tokenizer (the demo's, 512 positions) as a Hugging Face
     folder: a model path to try the client and the server with, on the CPU, in seconds."""
@@ -75,7 +91,7 @@ def tiny_model(
     # Full attention, as Mistral's released configs since v0.2: the test shape's tiny window would
     # need the hf-generate sampler (the embedded engine refuses sliding-window layers).
     overrides = {"sliding_window": None} if family == "mistral" else {}
-    with contextlib.redirect_stdout(sys.stderr):  # stdout is the folder alone (DeepSpeed logs there on import)
+    with contextlib.redirect_stdout(sys.stderr), folder_errors(out):  # stdout: the folder alone (DeepSpeed logs there)
         save_tiny_policy(out, CountingTask().corpus(), family=family, seed=seed, **overrides)
     typer.echo(str(out))
 
@@ -84,7 +100,7 @@ def tiny_model(
 def serve(
     config: Annotated[Path | None, typer.Option(help="YAML ArcticConfig; without it the demo's tiny model is served.")] = None,
     host: Annotated[str, typer.Option(help="Interface to bind; loopback unless you mean to expose the server.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: one the system picks, announced on stderr).")] = 8000,
     max_body_mb: Annotated[float, typer.Option(min=0.001, help="Larger request bodies are answered 413.")] = 256,
     token: Annotated[str | None, typer.Option(envvar="ARCTIC_RL_TOKEN", show_envvar=True, help="Bearer token every call must carry.")] = None,
     allow_public_without_token: Annotated[bool, typer.Option("--allow-public-without-token", help="Bind a non-loopback host with no token (anyone who can reach it can train your model).")] = False,
@@ -237,6 +253,20 @@ def plugins() -> None:
         what = escape(item.summary) + (f" [red](needs {escape(missing)})[/red]" if missing else "")
         table.add_row(item.plugin, item.kind.replace("_", " "), item.name, what)
     Console(width=160).print(table)
+
+
+@contextlib.contextmanager
+def folder_errors(out: Path) -> Iterator[None]:
+    """A folder that cannot be created or written (a path under /proc, no permission, a full disk)
+    as one error line naming it, not an OSError's traceback."""
+    from arctic_core.errors import ConfigError
+
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None or not Path(exc.filename).resolve().is_relative_to(out.resolve()):
+            raise  # not the folder's: a bug, with its traceback
+        raise ConfigError(f"cannot write {exc.filename}: {exc.strerror}") from exc
 
 
 @contextlib.contextmanager

@@ -11,8 +11,10 @@ finalises the accumulated gradients, clips, updates and zeroes them. With one ac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -75,7 +77,10 @@ def init_distributed() -> None:
         watchdog.daemon = True
         watchdog.start()
         try:
-            deepspeed.init_distributed(verbose=False)  # on the CPU it builds DeepSpeed's shared-memory op
+            # On the CPU it builds DeepSpeed's shared-memory op, which announces itself with print():
+            # a user's program keeps its stdout for its own output.
+            with contextlib.redirect_stdout(sys.stderr):
+                deepspeed.init_distributed(verbose=False)
         finally:
             watchdog.cancel()
 

@@ -182,9 +182,9 @@ def clear_earlier_run(out: Path) -> None:
         raise ConfigError(f"the demo's folder {out} holds {others[:3]}, which no demo run wrote: choose a new or "
                           "empty folder (an earlier run's folder is reused)")
     for entry in entries:
-        if entry.is_dir():
+        if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
-        else:
+        else:  # a file, or a link (to a folder too: the link goes, never what it points to)
             entry.unlink()
 
 
