@@ -68,9 +68,11 @@ def test_a_token_no_http_header_can_carry_is_refused_before_any_engine_starts(tm
     assert_one_line_error(proc, "the bearer token (--token / ARCTIC_RL_TOKEN) must be printable ASCII")
 
 
-def test_debug_shows_the_traceback(tmp_path):
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_shows_the_traceback_before_or_after_the_subcommand(tmp_path, where):
     path = config_file(tmp_path, {"model": {"path": str(tmp_path / "nothing")}})
-    proc = arctic_rl("--debug", "serve", "--config", str(path))
+    args = ["serve", "--config", str(path)]
+    proc = arctic_rl(*(["--debug", *args] if where == "before" else [*args, "--debug"]))
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
 
 

@@ -410,6 +410,10 @@ def test_keep_last_prunes_older_checkpoints_only(arctic_config, tmp_path):
             client.save_checkpoint(str(tmp_path / f"step-{step}"), keep_last=2)
         with pytest.raises(RequestError, match="keep_last: Input should be greater than or equal to 1"):
             client.save_checkpoint(str(tmp_path / "bad"), keep_last=0)
+        for call in (client.save_checkpoint, client.load_checkpoint):  # a step number is no folder
+            with pytest.raises(RequestError, match="path: a checkpoint folder's path .* got int 5"):
+                call(5)
+        client.load_checkpoint(tmp_path / "step-3")  # a pathlib.Path is one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step-2", "step-3"]
 
 

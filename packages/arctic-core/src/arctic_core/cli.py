@@ -304,6 +304,16 @@ def _quiet_model_loading() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _debug_first(args: list[str]) -> list[str]:
+    """``--debug`` is an option of ``arctic-rl`` itself, but is as often typed after the subcommand
+    (``arctic-rl serve config.yaml --debug``): moved to the front, it works in either place."""
+    end = args.index("--") if "--" in args else len(args)
+    if "--debug" not in args[:end]:
+        return args
+    rest = [arg for arg in args[:end] if arg != "--debug"]
+    return ["--debug", *rest, *args[end:]]
+
+
 def main() -> None:
     """The console script: an Arctic error (bad config, bad input) is one line on stderr and exit
     status 2; ``--debug`` shows its traceback. Anything else is a bug and keeps its traceback."""
@@ -311,7 +321,7 @@ def main() -> None:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        app()
+        app(args=_debug_first(sys.argv[1:]))
     except ArcticError as exc:
         if _debug:
             raise

@@ -7,6 +7,7 @@ the transport. Gradients from ``fwd_bwd`` add up across calls until ``step``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,14 @@ def _request[M: BaseModel](schema: type[M], **fields: Any) -> M:
         return schema.model_validate(fields)
     except ValidationError as exc:
         raise RequestError(format_validation_error(exc, f"request ({schema.__name__})", schema)) from None
+
+
+def _folder(path: str | os.PathLike[str]) -> str:
+    """A checkpoint folder's path as text; anything else (``save_checkpoint(5)`` meant as a step
+    number) is refused rather than turned into a folder named "5"."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise RequestError(f"path: a checkpoint folder's path (str or os.PathLike), got {type(path).__name__} {path!r}")
+    return os.fspath(path)
 
 
 def _token_ids(prompt: Sequence[int], index: int) -> list[Any]:
@@ -125,14 +134,14 @@ class _Calls:
         """Push the trainer's weights to the samplers; returns the new policy version."""
         return self._call("sync_weights", Empty())
 
-    def save_checkpoint(self, path: str, export_hf: bool = False, keep_last: int | None = None) -> Any:
+    def save_checkpoint(self, path: str | os.PathLike[str], export_hf: bool = False, keep_last: int | None = None) -> Any:
         """Atomically save trainer state (with ``export_hf``, also a Hugging Face folder at ``path/hf``;
         with ``keep_last``, then delete all but the newest k checkpoints beside ``path``)."""
-        request = _request(CheckpointRequest, path=str(path), export_hf=export_hf, keep_last=keep_last)
+        request = _request(CheckpointRequest, path=_folder(path), export_hf=export_hf, keep_last=keep_last)
         return self._call("save_checkpoint", request)
 
-    def load_checkpoint(self, path: str) -> Any:
-        return self._call("load_checkpoint", _request(CheckpointRequest, path=str(path)))
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> Any:
+        return self._call("load_checkpoint", _request(CheckpointRequest, path=_folder(path)))
 
     def sleep(self, engines: Sequence[EngineName] | None = None) -> Any:
         """Free the named engines' device memory (all engines when None)."""
