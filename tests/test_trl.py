@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,18 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import trl_grpo  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+
+def test_installing_arctic_trl_alone_brings_the_engines_of_its_default_backend():
+    """TRL on Arctic runs in process by default: a DeepSpeed trainer (arctic-zorro) and the embedded
+    sampler (arctic-fca), which ``pip install arctic-trl`` must install with it."""
+    from importlib.metadata import requires
+
+    from arctic_core.config import SamplerConfig, TrainerConfig
+
+    assert (TrainerConfig().backend, SamplerConfig().backend) == ("deepspeed", "embedded")
+    required = {re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in requires("arctic-trl") if "extra ==" not in r}
+    assert {"arctic-core", "arctic-zorro", "arctic-fca"} <= required
 
 
 def test_trl_script_trains_through_arctic_and_logs_our_metrics(tmp_path):

@@ -16,7 +16,8 @@ metadata builder calls :class:`arctic_fca.fca.device_work.DeviceWorkBuilder` on 
 step's device block table and sequence lengths: the shared-prefix forest, the cost model's choice
 (FCA or the plain split-K pass of the same Triton kernel) and the work items are all tensors
 written into persistent buffers, so there is no device-to-host sync and a full CUDA graph of a
-decode step replays the kernels unchanged (the builder keeps its base's CUDA-graph support level).
+decode step replays the kernels unchanged (the builder keeps its base's CUDA-graph support level up to
+UNIFORM_BATCH: a batch of prefill and decode runs piecewise, since its split is decided on the host).
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ def _refuse_rollout_correction(config: DictConfig, refuse) -> None:
     try:
         sampler_correction(config)
     except ValueError:
-        refuse(f"{section}.rollout_is_threshold", "a number (truncation from above) or 'low_high' (a band)")
+        refuse(f"{section}.rollout_is_threshold", "a number (truncation from above) or '<lower>_<upper>' such as "
+               "'0.2_5.0' (a band)")
     if not get(config, "actor_rollout_ref.rollout.calculate_log_probs"):
         refuse(f"{section}.rollout_{'is' if level is not None else 'rs'}", "needs actor_rollout_ref.rollout."
                "calculate_log_probs=True (the sampler's log-probs the correction compares with; verl would skip it "
@@ -182,9 +183,9 @@ def kl_term(actor: DictConfig) -> dict[str, Any]:
 
 def sampler_correction(config: DictConfig) -> dict[str, Any] | None:
     """verl's ``rollout_is`` weights, ``exp(old - rollout)`` log-probs per token or per sequence:
-    a single threshold truncates them from above (TIS), ``"lower_upper"`` zeroes them outside the
-    band (IcePop). (verl clamps the log ratio to [-20, 20] first: the same weights unless the
-    trainer and sampler differ by more than 20 nats.)"""
+    a single threshold truncates them from above (TIS), ``"<lower>_<upper>"`` (``"0.2_5.0"``) zeroes
+    them outside the band (IcePop). (verl clamps the log ratio to [-20, 20] first: the same weights
+    unless the trainer and sampler differ by more than 20 nats.)"""
     level = get(config, "algorithm.rollout_correction.rollout_is")
     if level is None:
         return None
