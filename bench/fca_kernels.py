@@ -154,16 +154,18 @@ def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096
                 "both": lambda layer: td._launch_partials(work, query, *caches[layer], scale),
                 "merge": lambda layer: td._merge(work, out),
                 "step": lambda layer: prepared(query, *caches[layer], scale)}
+        if work.node is None:  # the grouped layout: one launch (``single``), of tiles of requests
+            del runs["node"], runs["both"]
         us = {name: per_layer_us(run) for name, run in runs.items()}
         info = describe(batch)
         exact = fca_attention_with_lse(query, key_cache, value_cache, block_tables, scale, info["plan"])[0]
-        node_items = int(work.node.count.item())
+        node_items = int(work.node.count.item()) if work.node is not None else 0
         node_flops = 4 * heads["head_dim"] * heads["num_q_heads"] * samples * groups * prefix  # QK and PV over each request's shared tokens
         row = {"shape": f"{groups}x{samples}@{prefix}", "tuning": changes, "layout": layout, "node_items": node_items,
                "single_items": int(work.single.count.item()), "partial_rows": int(work.merge_rows.numel()),
                **{f"{k}_us": round(v, 1) for k, v in us.items()},
                "step_unique_bw": round(info["bytes"].unique_kv / (us["step"] * 1e-6) / copy_bw, 3),
-               "node_tflops": round(node_flops / (us["node"] * 1e-6) / 1e12, 1),
+               "node_tflops": round(node_flops / (us["node"] * 1e-6) / 1e12, 1) if "node" in us else None,
                "max_abs_diff_vs_torch": max_abs_diff(runs["step"](0), exact)}
         print(row, flush=True)
         rows.append(row)

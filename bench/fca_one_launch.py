@@ -112,9 +112,10 @@ def _one_launch_attention(
             request, head, local, row_ok = _query_rows(q_index_ptr, q_start, q_count, kv_head, GROUP, BLOCK_Q)
             q = _query_tile(q_ptr, request, head, row_ok, stride_qr, stride_qh, HEAD_DIM, DIM_P2)
             m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-        m, l, acc = _attend_block(q, k_ptr, v_ptr, kv_index_ptr, kv_start, kv_len, start, kv_head, m, l, acc,
+        m, l, acc = _attend_block(q, k_ptr, v_ptr, kv_index_ptr, kv_index_ptr, kv_index_ptr, m, kv_start, kv_len,
+                                  start, kv_head, m, l, acc,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-                                  PAGE, HEAD_DIM, DIM_P2, BLOCK_N, IEEE)
+                                  PAGE, HEAD_DIM, DIM_P2, BLOCK_N, IEEE, False)
         last = start + BLOCK_N >= kv_len
         if last:  # the item's last block: its rows are done
             request, head, local, row_ok = _query_rows(q_index_ptr, q_start, q_count, kv_head, GROUP, BLOCK_Q)

@@ -311,3 +311,34 @@ def test_a_gpu_with_less_shared_memory_gets_fewer_pipeline_stages(monkeypatch):
     for _ in range(2):
         triton_decode._launch(work.node, work, query, key_cache, value_cache, work.partial, work.lse, 0.25)
     assert work.tuning.node.num_stages == 5 and tried == [5, 4, 3, 3]  # the setting itself stays
+
+
+def test_the_grouped_layout_reads_each_prompt_and_its_samples_own_pages_with_one_tile():
+    """Host-built FCA work with ``own_tokens_in_tiles``: each childless node's pages, then its requests' own pages, form one run
+    read by the node's query tile, each own page owned by its request (the kernels themselves run in
+    ``triton_interpreted.py``); a node with children keeps its node items, in the same launch."""
+    from arctic_fca.fca.tuning import DEFAULT_TUNING
+    from arctic_fca.fca.work import ALL_VALID, build_work
+
+    batch = make_batch({"a": 2, "b": 1}, [(("a",), 5), (("a",), 20), (("b",), 16), (("b",), 1)], 16, with_cache=False)
+    tables, lens = batch["block_tables"], batch["seq_lens"]
+    plan = build_plan(tables, lens, 16)
+    grouped = DEFAULT_TUNING.replace(own_tokens_in_tiles=True)
+    work = build_work(plan, lens.numpy(), tables.shape[1], 16, group=2, num_kv_heads=2, num_sms=8,
+                      tables=tables.numpy(), tuning=grouped)
+    t = tables.tolist()
+    regions = [t[0][0], t[0][1], t[0][2], t[1][2], t[1][3], t[2][0], t[2][1], t[3][1]]
+    assert work.node is None and work.single.requests_per_tile == 2
+    assert work.node_kv.tolist() == plan.node_kv_indices.tolist() + regions
+    assert work.node_kv_owner.tolist() == [-1] * 3 + [-1, -1, 0, 1, 1, -1, 0, 1]
+    assert work.node_kv_valid.tolist() == [ALL_VALID] * 3 + [ALL_VALID] * 2 + [5, 16, 4, ALL_VALID, 16, 1]
+    assert work.single.q_count.tolist() == [2] * work.single.num_items  # each item: a group's two requests
+    assert work.merge_indptr.tolist()[-1] == work.merge_rows.size <= work.num_partial_rows
+
+    system = make_batch({"s": 2, "a": 1, "b": 1}, [(("s", "a"), 3), (("s", "a"), 4), (("s", "b"), 5), (("s", "b"), 6)],
+                        16, with_cache=False)
+    tables, lens = system["block_tables"], system["seq_lens"]
+    work = build_work(build_plan(tables, lens, 16), lens.numpy(), tables.shape[1], 16, group=2, num_kv_heads=2,
+                      num_sms=8, tables=tables.numpy(), tuning=grouped)
+    assert work.single.requests_per_tile == DEFAULT_TUNING.per_tile(2)
+    assert 4 in work.single.q_count.tolist()  # the system prompt's node items serve all four requests

@@ -1,7 +1,8 @@
 """Run under ``TRITON_INTERPRET=1`` (the CPU test suite starts it as a subprocess): the Triton
-decode kernels against the exact torch path on random forests, split-K forced, GQA and MHA, the
-engine decoder's fused kernels against their torch reference, the one-pass sampling kernels, and
-the embedded engine's greedy output with all these kernels against transformers ``generate``.
+decode kernels against the exact torch path on random forests (FCA's two layouts and plain decode),
+split-K forced, GQA and MHA, the engine decoder's fused kernels against their torch reference, the
+one-pass sampling kernels, and the embedded engine's greedy output with all these kernels against
+transformers ``generate``.
 Prints one JSON line."""
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def kernel_cases() -> tuple[float, int]:
             query, key_cache, value_cache, tables, lens = attention_args(batch)
             expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
             tuning = TUNING if seed < 2 else PER_LAUNCH_TUNING
-            for plan in (build_plan(tables, lens, block_size), None):
-                work = plan_work(plan, tables, lens, block_size, heads[0], heads[1], 24, chunk=chunk, tuning=tuning)
+            fca = build_plan(tables, lens, block_size)  # FCA in both layouts, and plain decode
+            for plan, layout in ((fca, tuning), (fca, tuning.replace(own_tokens_in_tiles=True)), (None, tuning)):
+                work = plan_work(plan, tables, lens, block_size, heads[0], heads[1], 24, chunk=chunk, tuning=layout)
                 out = triton_decode_attention(query, key_cache, value_cache, work, 0.3)
                 worst = max(worst, max_abs_diff(out, expected))
                 cases += 1
@@ -56,8 +58,8 @@ def static_work_cases() -> tuple[float, int]:
     from arctic_fca.fca.work import build_work
 
     worst, cases = 0.0, 0
-    for with_nodes in (True, False):
-        static = None
+    for layout in ("nodes", "plain", "grouped"):
+        static, with_nodes = None, layout != "plain"
         for seed in (5, 6):
             segments, requests = random_forest(seed, 16)
             batch = make_batch(segments, requests, 16, num_q_heads=4, num_kv_heads=2, head_dim=16, seed=seed)
@@ -69,10 +71,13 @@ def static_work_cases() -> tuple[float, int]:
             lens_padded = np.ones(rows, np.int32)
             lens_padded[:real] = lens.numpy()
             plan = build_plan(torch.from_numpy(padded), torch.from_numpy(lens_padded), 16) if with_nodes else None
-            work = build_work(plan, lens_padded, width, 16, group=2, num_kv_heads=2, num_sms=8, chunk=32, tuning=TUNING)
-            if static is None:
-                static = StaticDecodeWork(rows, width, key_cache.shape[0], with_nodes=with_nodes, num_q_heads=4,
-                                          num_kv_heads=2, head_dim=16, device=torch.device("cpu"), tuning=TUNING)
+            work = build_work(plan, lens_padded, width, 16, group=2, num_kv_heads=2, num_sms=8, chunk=32,
+                              tuning=TUNING.replace(own_tokens_in_tiles=layout == "grouped"), tables=padded)
+            tile = work.single.requests_per_tile if work.grouped else 0
+            if static is None or static.grouped_tile != tile:
+                static = StaticDecodeWork(rows, width, 2 * key_cache.shape[0], with_nodes=work.node is not None,
+                                          grouped_tile=tile, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                          device=torch.device("cpu"), tuning=TUNING)
             assert static.load(work, padded)
             query_padded = torch.cat([query, torch.zeros(rows - real, *query.shape[1:])])
             out = triton_decode_attention(query_padded, key_cache, value_cache, static.work, 0.3)[:real]

@@ -94,6 +94,6 @@ class StepPlanner:
             group = self.heads["num_q_heads"] // self.heads["num_kv_heads"]
             work = build_work(plan, seq_lens.numpy(), tables.shape[1], bs, group=group,
                               num_kv_heads=self.heads["num_kv_heads"], num_sms=device_sms(self.device),
-                              tuning=self.tuning)
+                              tuning=self.tuning, tables=tables.numpy())
         self.prepare_seconds += time.perf_counter() - begin
         return StepPlan(self.layout, positions, slots, seq_lens, plan, work)

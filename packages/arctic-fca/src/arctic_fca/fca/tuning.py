@@ -42,6 +42,12 @@ class Tuning:
     # blocks), not into split-length pieces and a short last one: the longest piece sets the
     # launch's time (a 5,440-token prompt: 3 x ~1,820 tokens rather than 2,048 + 2,048 + 1,344).
     even_pieces: bool = True
+    # Each childless node's requests read their own tokens with the node's query tile, in one launch
+    # of uniform items (``work._grouped_work``; host-built work only) instead of a shared-prompt launch
+    # and a launch of one-request items side by side. Off: on an H100 it took decode steps from 3.57-3.62
+    # to 3.48-3.53 ms at 8 x 8 @ 2048 when every sample ran to the end, but from 3.56-3.57 to 3.83-3.84
+    # ms (and 7.75-7.84 to 8.40-8.41 at 16 x 16 @ 4096) when samples stopped early.
+    own_tokens_in_tiles: bool = False
 
     def replace(self, **changes: object) -> Tuning:
         return dataclasses.replace(self, **changes)
