@@ -437,8 +437,10 @@ def plan_work(plan: FCAPlan | None, block_tables: torch.Tensor, seq_lens: torch.
               num_q_heads: int, num_kv_heads: int, head_dim: int, chunk: int | None = None,
               tuning: Tuning = DEFAULT_TUNING) -> DeviceWork:
     """The work items of one decode step (FCA with ``plan``, plain without) on the tables' device."""
+    # The tables come back to the host (a copy from the device, a sync) only for the grouped layout.
+    grouped = plan is not None and tuning.own_tokens_in_tiles
     host = build_work(plan, seq_lens.cpu().numpy(), block_tables.shape[1], block_size,
                       group=num_q_heads // num_kv_heads, num_kv_heads=num_kv_heads,
                       num_sms=device_sms(block_tables.device), chunk=chunk, tuning=tuning,
-                      tables=block_tables.cpu().numpy())
+                      tables=block_tables.cpu().numpy() if grouped else None)
     return to_device(host, block_tables, num_q_heads, head_dim, tuning)
