@@ -54,6 +54,8 @@ def run_engine(engine: EmbeddedEngine, mode: str, prompts, params: SamplingParam
     engine.stats.most_running = 0  # this rollout's
     engine.pool.clear_index()  # nothing found from an earlier rollout, as after an RL step's weight update
     before = dataclasses.replace(engine.stats)
+    graphs = engine.runner.graphs
+    graphs_before, misfits_before = (len(graphs.graphs), graphs.misfits) if graphs is not None else (0, 0)
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -68,7 +70,9 @@ def run_engine(engine: EmbeddedEngine, mode: str, prompts, params: SamplingParam
             "fca_step_fraction": round(delta["fca_steps"] / steps, 3), "prefill_steps": delta["prefill_steps"],
             "mixed_steps": delta["mixed_steps"], "decode_steps": delta["decode_steps"],
             "mean_new_tokens": round(generated / len(outputs), 1), "most_running": engine.stats.most_running,
-            "preempted": delta["preempted"], "tokens": [o.tokens for o in outputs]}
+            "preempted": delta["preempted"], "graphs_captured": (len(graphs.graphs) if graphs is not None else 0) - graphs_before,
+            "eager_steps": (graphs.misfits - misfits_before) if graphs is not None else 0,
+            "tokens": [o.tokens for o in outputs]}
 
 
 def run_hf(model, prompts, params: SamplingParams) -> dict:
@@ -180,9 +184,12 @@ def time_decoders(engine: EmbeddedEngine, decoders: Decoders, prompts, params: S
     for name in args.decoders:
         decoders.use(name)
         for mode in args.modes:
-            # Captures this batch's graph; when comparing, a whole untimed rollout first, so that no
-            # variant pays for compiling kernels or capturing graphs the others then reuse.
-            warmup = params if args.compare_flipped else params.model_copy(update={"max_tokens": 4})
+            # Captures this batch's graph. A whole untimed rollout first when comparing, so that no
+            # variant pays for compiling kernels or capturing graphs the others then reuse, and when
+            # samples stop early: the batch then shrinks through bucket after bucket, each a graph to
+            # capture, and the seeded rollout repeats the same steps when timed.
+            whole = args.compare_flipped or params.stop_token_ids
+            warmup = params if whole else params.model_copy(update={"max_tokens": 4})
             run_engine(engine, mode, prompts, warmup)
             for option in (None, *args.compare_flipped):
                 flipped = flip(engine, option) if option else None

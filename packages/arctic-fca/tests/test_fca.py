@@ -342,3 +342,22 @@ def test_the_grouped_layout_reads_each_prompt_and_its_samples_own_pages_with_one
                       num_sms=8, tables=tables.numpy(), tuning=grouped)
     assert work.single.requests_per_tile == DEFAULT_TUNING.per_tile(2)
     assert 4 in work.single.q_count.tolist()  # the system prompt's node items serve all four requests
+
+
+def test_the_grouped_layout_cuts_a_prompt_left_with_one_sample_like_the_groups():
+    """A prompt whose other samples stopped has no node: its last sample reads the whole prompt alone.
+    Its run is cut into pieces of its share of the step's items, as each group's run is, not at a
+    split length sized for the whole step (one long item the launch would wait for)."""
+    from arctic_fca.fca.tuning import DEFAULT_TUNING
+    from arctic_fca.fca.work import build_work
+
+    batch = make_batch({"a": 8, "b": 8}, [(("a",), 5), (("a",), 7), (("b",), 3)], 16, with_cache=False)
+    tables, lens = batch["block_tables"], batch["seq_lens"]
+    work = build_work(build_plan(tables, lens, 16), lens.numpy(), tables.shape[1], 16, group=2, num_kv_heads=2,
+                      num_sms=8, tables=tables.numpy(), tuning=DEFAULT_TUNING.replace(own_tokens_in_tiles=True))
+    # 8 items aimed at (2 per SM x 8 SMs / 2 KV heads) over 291 tokens: each run's share is 4 pieces,
+    # of whole blocks: the group's 160 tokens as 3 + 3 + 3 + 1 blocks, the lone sample's 131 as 3 + 3 +
+    # the last 35 tokens (the step's split length, 256, would have left them one item).
+    lone = work.single.q_start == work.q_index.size - 1
+    assert work.single.kv_len[lone].tolist() == [48, 48, 35]
+    assert work.single.kv_len[work.single.q_count == 2].tolist() == [48, 48, 48, 16]

@@ -42,6 +42,7 @@ class DecodeGraphs:
         self.table_width, self.heads = table_width, (num_q_heads, num_kv_heads, head_dim)
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         self.graphs: dict[tuple[int, bool, int], _Graph] = {}
+        self.misfits = 0  # steps whose work did not fit their graph's buffers (run eagerly)
         self.pool = torch.cuda.graph_pool_handle()
 
     def bucket(self, num_requests: int) -> int:
@@ -64,6 +65,7 @@ class DecodeGraphs:
         if fresh:
             graph = self._allocate(positions.size, with_nodes=key[1], grouped_tile=key[2])
         if not graph.work.load(work, tables if graph.tables_key != tables_key else None):
+            self.misfits += 1
             return None
         graph.tables_key = tables_key
         on_device = isinstance(ids, torch.Tensor)

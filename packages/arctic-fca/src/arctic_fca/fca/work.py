@@ -292,6 +292,13 @@ def _rows_seen(groups: _Groups, run: np.ndarray, start: np.ndarray, tokens: np.n
     return (out_row[item] + j)[sees], groups.members[member][sees]
 
 
+def _share_pieces(tokens: np.ndarray, work_tokens: int, target: int, bs: int) -> np.ndarray:
+    """Per run of ``tokens``: the piece length (whole blocks) that cuts it into as many equal pieces
+    as its share of ``target`` items over the step's ``work_tokens`` (at least one)."""
+    pieces = np.maximum(1, np.rint(target * tokens / max(1, work_tokens))).astype(np.int64)
+    return np.maximum(1, -(-tokens // (pieces * bs))) * bs
+
+
 def _grouped_work(plan: FCAPlan, seq_lens: np.ndarray, tables: np.ndarray, block_size: int, per_tile: int,
                   chunk: int | None, num_kv_heads: int, num_sms: int, tuning: Tuning) -> DecodeWork:
     """The grouped layout: one launch, whose items take a tile of requests each. A node with no child
@@ -320,20 +327,23 @@ def _grouped_work(plan: FCAPlan, seq_lens: np.ndarray, tables: np.ndarray, block
     work_tokens = (int((np.diff(kv_indptr) * bs * -(-np.diff(q_indptr) // per_tile))[inner].sum())
                    + int(groups.pages.sum()) * bs + int(loose_len.sum()))
     if chunk is None:
-        # Each group's run in as many equal pieces (whole blocks) as its share of the step's work of
-        # the items the launch aims at (H100, a 4096-token prompt and 8 x 256 own tokens: 4 pieces
-        # 77.0 us per layer, 3 pieces, the power-of-two split length's, 83.8).
+        # Each run (a group's, or a loose request's own tokens) in as many equal pieces (whole blocks)
+        # as its share of the step's work of the items the launch aims at (H100, a 4096-token prompt
+        # and 8 x 256 own tokens: 4 pieces 77.0 us per layer, 3 pieces, the power-of-two split
+        # length's, 83.8). Loose requests too: a prompt left with one sample is read alone, and a
+        # split length sized for the whole step made it one long item that the launch waited for.
         target = max(1, tuning.items_per_sm * num_sms // num_kv_heads)
-        pieces = np.maximum(1, np.rint(target * groups.pages * bs / max(1, work_tokens))).astype(np.int64)
-        group_chunk = -(-groups.pages // pieces) * bs
+        group_chunk = _share_pieces(groups.pages * bs, work_tokens, target, bs)
+        loose_chunk = _share_pieces(loose_len, work_tokens, target, bs)
     else:
         group_chunk = piece_tokens(groups.pages * bs, chunk, bs) if tuning.even_pieces else chunk
+        loose_chunk = chunk
     chunk = chunk or chunk_tokens(work_tokens, num_kv_heads, num_sms, bs, tuning)
 
     inner_items = _node_items(plan, nodes_base, bs, per_tile, chunk, num_kv_heads, num_sms, tuning, nodes=inner)
     run, start, tokens = _chunks(region_base + groups.base, groups.pages * bs, group_chunk, bs)
     loose_run, loose_start, loose_tokens = _chunks(loose_requests * table_width + suffix_start[loose], loose_len,
-                                                   chunk, bs)
+                                                   loose_chunk, bs)
     q_index = np.concatenate([node_q, groups.members, np.arange(num_requests)])
     cols = {"kv_start": np.concatenate([inner_items["kv_start"], start, loose_start]),
             "kv_len": np.concatenate([inner_items["kv_len"], tokens, loose_tokens]),
