@@ -215,6 +215,30 @@ def test_random_rollouts_in_a_tight_cache_equal_those_in_a_roomy_one(tokenizer, 
     assert tight.pool.num_free == tight.pool.capacity and tight.scheduler.reserved == 0
 
 
+@pytest.mark.parametrize("overlap_steps", [True, False])
+@pytest.mark.parametrize("mode", ["fca", "plain"])
+def test_samples_that_finish_leave_the_batch_while_the_others_decode_on(tokenizer, overlap_steps, mode, monkeypatch):
+    # Prompts whose greedy samples stop at different steps: one run of decode steps goes through every
+    # finish, and each prompt's tokens equal its rollout alone, cut at its first stop token. A
+    # repetition penalty bans a sample's earlier tokens, so each step's token depends on the per-row
+    # state that the smaller batch must keep in the right rows.
+    engine, _ = make_engine(tokenizer, fca=mode, overlap_steps=overlap_steps)
+    prompts = random_prompts((5, 16, 23, 40, 7, 31), len(tokenizer), seed=5)
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1e3)
+    alone = [engine.generate([p], params)[0].tokens for p in prompts]
+    stops = {tokens[2 + 3 * i] for i, tokens in enumerate(alone)}
+    expected = [next(tokens[: k + 1] for k, t in enumerate(tokens) if t in stops or k == len(tokens) - 1)
+                for tokens in alone]
+    assert len({len(tokens) for tokens in expected}) >= 4  # they finish at different steps
+
+    runs, decode = [], engine._decode
+    monkeypatch.setattr(engine, "_decode", lambda *args, **kwargs: runs.append(1) or decode(*args, **kwargs))
+    outputs = engine.generate(prompts, params.model_copy(update={"stop_token_ids": sorted(stops)}))
+    assert [o.tokens for o in outputs] == [tokens for tokens in expected for _ in range(2)]
+    assert len(runs) == 1
+    assert engine.pool.num_free == engine.pool.capacity and engine.scheduler.reserved == 0
+
+
 def test_samples_that_stop_early_run_more_at_once_when_blocks_are_lent_on_demand(tokenizer):
     # max_tokens 48 but most samples stop within a few tokens: reserving each sample's 48 tokens
     # admits about two groups at a time, lending blocks as samples grow several more. Which samples

@@ -26,6 +26,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -210,6 +211,12 @@ class EmbeddedEngine:
         prefilling: deque[PromptGroup] = deque()  # admitted, prompt not yet computed to its end
         queued: QueuedPrefill | None = None  # a prefill pass whose samples the host has not read yet
         finished: dict[int, list[Sequence]] = {}
+
+        def finish(seq: Sequence) -> None:
+            self.scheduler.finish(seq)
+            finished.setdefault(seq.prompt_index, []).append(seq)
+            bar.update(1)
+
         while waiting or running or prefilling or queued:
             forking = sum(g.samples for g in queued.completed) if queued else 0
             admitted = self.scheduler.admit(waiting, len(running) + sum(g.samples for g in prefilling) + forking,
@@ -233,12 +240,11 @@ class EmbeddedEngine:
                     queued = None
                 self.stats.prefill_seconds += time.perf_counter() - begin
             elif running:
-                self._decode(running, params, generator, stops)
+                # Through samples that finish, unless prompts wait for the room they free.
+                running = self._decode(running, params, generator, stops, finish, through_finishes=not waiting)
                 self.stats.decode_seconds += time.perf_counter() - begin
             for seq in [s for s in running if s.done]:
-                self.scheduler.finish(seq)
-                finished.setdefault(seq.prompt_index, []).append(seq)
-                bar.update(1)
+                finish(seq)
             running = [s for s in running if not s.done]
         return finished
 
@@ -296,40 +302,68 @@ class EmbeddedEngine:
         self.stats.generated_tokens += len(sequences)
         return sequences
 
-    def _decode(self, running: list[Sequence], params: SamplingParams, generator: torch.Generator,
-                stops: set[int]) -> None:
-        """Decode steps back to back until a sequence finishes. Each step is planned while the device
-        runs the one before; its input tokens stay on the device (with ``overlap_steps`` off the host
-        reads each step's tokens before queueing the next)."""
+    def _decode(self, running: list[Sequence], params: SamplingParams, generator: torch.Generator, stops: set[int],
+                finish: Callable[[Sequence], None], through_finishes: bool) -> list[Sequence]:
+        """Decode steps back to back; the sequences still running when they stop (each one that
+        finished is passed to ``finish``). Each step is planned while the device runs the one before;
+        its input tokens stay on the device (with ``overlap_steps`` off the host reads each step's
+        tokens before queueing the next). A sequence that finishes ends the call, or, with
+        ``through_finishes``, leaves the batch of the next step: the device then goes on without
+        waiting for the host to plan a new batch from scratch (in RL rollouts, where samples end at
+        every length, that was a gap in most steps). A step queued before the host read the finish
+        still computes the finished row; its token is dropped."""
         overlap = self.options.overlap_steps
-        count, in_flight, row_params = len(running), deque(), None
-        self.stats.most_running = max(self.stats.most_running, count)
-        ids: np.ndarray | torch.Tensor = np.array([s.tokens[-1] for s in running])
-        step = self.planner.plan(running)
+        batch, in_flight, row_params, leaving = running, deque(), None, []
+        self.stats.most_running = max(self.stats.most_running, len(batch))
+        ids: np.ndarray | torch.Tensor = np.array([s.tokens[-1] for s in batch])
+        step = self.planner.plan(batch)
         while True:
             logits = self.runner.decode(ids, step)
-            if row_params is None:  # the batch is fixed until this returns
-                row_params = row_settings(params, [s.tokens for s in running], logits.shape[-1], self.runner.device)
-            tokens, logprobs = sample(logits[:count], row_params, generator, triton=self.runner.triton)
+            if row_params is None:  # fixed for the batch; a smaller batch takes its rows
+                row_params = row_settings(params, [s.tokens for s in batch], logits.shape[-1], self.runner.device)
+            tokens, logprobs = sample(logits[: len(batch)], row_params, generator, triton=self.runner.triton)
             if row_params.seen is not None:  # the repetition penalty's tokens so far, kept current on the device
                 row_params.seen.scatter_(1, tokens[:, None], True)
-            in_flight.append(TokensInFlight(tokens, logprobs))
+            in_flight.append((batch, TokensInFlight(tokens, logprobs)))
             self.stats.decode_steps += 1
             self.stats.fca_steps += step.plan is not None
-            # Unless a stop token ends one, or the cache cannot lend the next step's blocks (the
-            # caller then preempts).
-            more = all(len(s.tokens) + len(in_flight) < s.max_len for s in running)
-            more = more and self.scheduler.grow(running, len(in_flight) + 1)
-            if more:
-                step = self.planner.plan(running, ahead=len(in_flight))
-            # Read the older step while the newer one runs; everything once no step is queued behind it.
-            while in_flight and (len(in_flight) > 1 or not (more and overlap)):
-                if self._append(running, *in_flight.popleft().read(), stops):
-                    more = False  # a queued step's token of a finished sequence is dropped
-            if not more:
-                self.stats.decode_prepare_seconds = self.planner.prepare_seconds
-                return
-            ids = tokens if overlap else np.array([s.tokens[-1] for s in running])
+            # The next step for the same batch, unless one reaches its length limit, or the cache
+            # cannot lend the next step's blocks (the caller then preempts).
+            planned = (all(len(s.tokens) + len(in_flight) < s.max_len for s in batch)
+                       and self.scheduler.grow(batch, len(in_flight) + 1))
+            if planned:
+                step = self.planner.plan(batch, ahead=len(in_flight))
+            # Read the older step while the newer one runs; everything once no step will follow it.
+            keep = 1 if overlap and (planned or through_finishes) else 0
+            ended = False
+            while len(in_flight) > keep:
+                ended |= self._read(in_flight.popleft(), stops)
+            for seq in leaving:  # left the batch before the step just read, which gave their last token
+                finish(seq)
+            leaving = []
+            if planned and not ended:
+                ids = tokens if overlap else np.array([s.tokens[-1] for s in batch])
+                continue
+            stay = [row for row, s in enumerate(batch) if not s.done and len(s.tokens) + len(in_flight) < s.max_len]
+            smaller = [batch[row] for row in stay]
+            if not (through_finishes and smaller and self.scheduler.grow(smaller, len(in_flight) + 1)):
+                break
+            leaving = [s for s in batch if s.done or len(s.tokens) + len(in_flight) >= s.max_len]
+            step = self.planner.plan(smaller, ahead=len(in_flight))
+            rows = self.runner.on_device(np.array(stay))
+            ids = tokens[rows] if in_flight else np.array([s.tokens[-1] for s in smaller])
+            row_params, batch = row_params.rows(rows), smaller
+        while in_flight:
+            self._read(in_flight.popleft(), stops)
+        for seq in leaving + [s for s in batch if s.done]:
+            finish(seq)
+        self.stats.decode_prepare_seconds = self.planner.prepare_seconds
+        return [s for s in batch if not s.done]
+
+    def _read(self, step: tuple[list[Sequence], TokensInFlight], stops: set[int]) -> bool:
+        """A queued step's tokens onto the sequences it ran; whether any sequence finished."""
+        batch, samples = step
+        return self._append(batch, *samples.read(), stops)
 
     def _append(self, running: list[Sequence], tokens: list[float], logprobs: list[float], stops: set[int]) -> bool:
         """One step's tokens onto the unfinished sequences; whether any sequence finished."""

@@ -8,6 +8,7 @@ importance ratios against the sampler.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,11 @@ class RowParams:
     min_p: float = 0.0  # keep tokens with probability >= min_p x the most likely one's (0: off)
     repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of seen tokens (1: off)
     seen: torch.Tensor | None = None  # [rows, vocab] bool: the tokens of each row's prompt and output so far
+
+    def rows(self, index: torch.Tensor) -> RowParams:
+        """The settings of rows ``index`` (a device tensor), in that order."""
+        return dataclasses.replace(self, temperature=self.temperature[index], top_k=self.top_k[index],
+                                   top_p=self.top_p[index], seen=self.seen[index] if self.seen is not None else None)
 
     @property
     def temperature_only(self) -> bool:

@@ -44,9 +44,9 @@ class Tuning:
     even_pieces: bool = True
     # Each childless node's requests read their own tokens with the node's query tile, in one launch
     # of uniform items (``work._grouped_work``; host-built work only) instead of a shared-prompt launch
-    # and a launch of one-request items side by side. Off: on an H100 it took decode steps from 3.57-3.62
-    # to 3.48-3.53 ms at 8 x 8 @ 2048 when every sample ran to the end, but from 3.56-3.57 to 3.83-3.84
-    # ms (and 7.75-7.84 to 8.40-8.41 at 16 x 16 @ 4096) when samples stopped early.
+    # and a launch of one-request items side by side. Off: on H100s it took decode steps at 8 x 8 @ 2048
+    # from 3.57-3.62 to 3.48-3.53 ms in one run and 3.59 to 3.59 in another when every sample ran to the
+    # end, but from 3.26 to 3.40 ms (6.73 to 7.36 at 16 x 16 @ 4096) when samples stopped early.
     own_tokens_in_tiles: bool = False
 
     def replace(self, **changes: object) -> Tuning:
