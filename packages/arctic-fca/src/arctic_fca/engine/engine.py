@@ -240,8 +240,9 @@ class EmbeddedEngine:
                     queued = None
                 self.stats.prefill_seconds += time.perf_counter() - begin
             elif running:
-                # Through samples that finish, unless prompts wait for the room they free.
-                running = self._decode(running, params, generator, stops, finish, through_finishes=not waiting)
+                # Through samples that finish, unless a waiting group could take the place they free.
+                running = self._decode(running, params, generator, stops, finish, go_on=lambda count: not waiting
+                                       or count + waiting[0].samples > self.scheduler.max_num_seqs)
                 self.stats.decode_seconds += time.perf_counter() - begin
             for seq in [s for s in running if s.done]:
                 finish(seq)
@@ -303,15 +304,15 @@ class EmbeddedEngine:
         return sequences
 
     def _decode(self, running: list[Sequence], params: SamplingParams, generator: torch.Generator, stops: set[int],
-                finish: Callable[[Sequence], None], through_finishes: bool) -> list[Sequence]:
+                finish: Callable[[Sequence], None], go_on: Callable[[int], bool]) -> list[Sequence]:
         """Decode steps back to back; the sequences still running when they stop (each one that
         finished is passed to ``finish``). Each step is planned while the device runs the one before;
         its input tokens stay on the device (with ``overlap_steps`` off the host reads each step's
-        tokens before queueing the next). A sequence that finishes ends the call, or, with
-        ``through_finishes``, leaves the batch of the next step: the device then goes on without
-        waiting for the host to plan a new batch from scratch (in RL rollouts, where samples end at
-        every length, that was a gap in most steps). A step queued before the host read the finish
-        still computes the finished row; its token is dropped."""
+        tokens before queueing the next). A sequence that finishes leaves the batch of the next step
+        while ``go_on(sequences left)``, else ends the call (the caller admits waiting prompts): the
+        device goes on without waiting for the host to plan a new batch from scratch (in RL
+        rollouts, where samples end at every length, that was a gap in most steps). A step queued
+        before the host read the finish still computes the finished row; its token is dropped."""
         overlap = self.options.overlap_steps
         batch, in_flight, row_params, leaving = running, deque(), None, []
         self.stats.most_running = max(self.stats.most_running, len(batch))
@@ -333,10 +334,9 @@ class EmbeddedEngine:
                        and self.scheduler.grow(batch, len(in_flight) + 1))
             if planned:
                 step = self.planner.plan(batch, ahead=len(in_flight))
-            # Read the older step while the newer one runs; everything once no step will follow it.
-            keep = 1 if overlap and (planned or through_finishes) else 0
+            # Read the older step while the newer one runs.
             ended = False
-            while len(in_flight) > keep:
+            while len(in_flight) > (1 if overlap else 0):
                 ended |= self._read(in_flight.popleft(), stops)
             for seq in leaving:  # left the batch before the step just read, which gave their last token
                 finish(seq)
@@ -346,8 +346,8 @@ class EmbeddedEngine:
                 continue
             stay = [row for row, s in enumerate(batch) if not s.done and len(s.tokens) + len(in_flight) < s.max_len]
             smaller = [batch[row] for row in stay]
-            if not (through_finishes and smaller and self.scheduler.grow(smaller, len(in_flight) + 1)):
-                break
+            if not (smaller and go_on(len(smaller)) and self.scheduler.grow(smaller, len(in_flight) + 1)):
+                break  # the steps still queued are read below
             leaving = [s for s in batch if s.done or len(s.tokens) + len(in_flight) >= s.max_len]
             step = self.planner.plan(smaller, ahead=len(in_flight))
             rows = self.runner.on_device(np.array(stay))
