@@ -25,8 +25,8 @@ import logging
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
