@@ -138,8 +138,11 @@ class ModelRunner:
 
     def on_device(self, values: np.ndarray) -> torch.Tensor:
         """Host integers as an int64 device tensor, without waiting for the work queued before (a
-        blocking copy would: a prefill pass is queued while the one before still runs)."""
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(self.device, non_blocking=True)
+        prefill pass is queued while the one before still runs, a decode step's smaller batch while
+        the step before runs). On CUDA they go out of pinned memory: a copy from pageable memory,
+        ``non_blocking`` or not, first waits for every kernel queued on the stream."""
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        return (host.pin_memory() if self.device.type == "cuda" else host).to(self.device, non_blocking=True)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
                rows: torch.Tensor | None = None) -> torch.Tensor:
