@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from arctic_core.host_copy import to_device
+
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -44,8 +46,8 @@ class PagedKVCache:
         """Copy whole blocks in every layer (a prompt's partly filled last block, once per sample)."""
         if not sources:
             return
-        # Non-blocking: a blocking copy would wait for the prefill passes queued before it.
-        src, dst = (torch.tensor(blocks).to(self.device, non_blocking=True) for blocks in (sources, targets))
+        # Without waiting for the prefill passes queued before it.
+        src, dst = (to_device(torch.tensor(blocks), self.device) for blocks in (sources, targets))
         for cache in (*self.keys, *self.values):
             cache[dst] = cache[src]
 

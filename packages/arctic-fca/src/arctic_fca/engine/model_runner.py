@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from arctic_core.errors import ConfigError
 from arctic_core.hf import copy_weights_, max_positions, set_attention_implementation
+from arctic_core.host_copy import to_device
 from arctic_fca.engine.attention import ATTENTION_NAME, PrefillSpan, StepMetadata
 from arctic_fca.engine.decoder import FusedDecoder
 from arctic_fca.engine.kv_cache import PagedKVCache
@@ -139,10 +140,8 @@ class ModelRunner:
     def on_device(self, values: np.ndarray) -> torch.Tensor:
         """Host integers as an int64 device tensor, without waiting for the work queued before (a
         prefill pass is queued while the one before still runs, a decode step's smaller batch while
-        the step before runs). On CUDA they go out of pinned memory: a copy from pageable memory,
-        ``non_blocking`` or not, first waits for every kernel queued on the stream."""
-        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
-        return (host.pin_memory() if self.device.type == "cuda" else host).to(self.device, non_blocking=True)
+        the step before runs)."""
+        return to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)), self.device)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
                rows: torch.Tensor | None = None) -> torch.Tensor:
