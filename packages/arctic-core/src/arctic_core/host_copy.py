@@ -1,4 +1,4 @@
-"""Copies between host and device that do not make the host wait for the device's queued work."""
+"""Device values read on the host later, without making the host wait for work queued after them."""
 
 from __future__ import annotations
 
@@ -23,12 +23,3 @@ class HostCopy:
         if self.copied is not None:
             self.copied.synchronize()
         return self.host.tolist()
-
-
-def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor's copy on ``device``, queued behind the work there without waiting for it. On
-    CUDA it goes out of pinned memory: a copy from pageable memory, ``non_blocking`` or not, first
-    waits for every kernel queued on the stream (the caching host allocator keeps the pinned copy
-    until the transfer ran)."""
-    device = torch.device(device)
-    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from arctic_core.host_copy import to_device
+from arctic_core.batch import to_device
 
 
 class PagedKVCache:

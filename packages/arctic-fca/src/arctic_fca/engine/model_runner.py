@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from arctic_core.batch import to_device
 from arctic_core.errors import ConfigError
 from arctic_core.hf import copy_weights_, max_positions, set_attention_implementation
-from arctic_core.host_copy import to_device
 from arctic_fca.engine.attention import ATTENTION_NAME, PrefillSpan, StepMetadata
 from arctic_fca.engine.decoder import FusedDecoder
 from arctic_fca.engine.kv_cache import PagedKVCache
