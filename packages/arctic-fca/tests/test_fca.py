@@ -146,6 +146,53 @@ def test_plan_empty_suffix_and_a_request_ending_inside_the_tree():
     assert plan.suffix_block_start.tolist() == [2, 3, 3] and plan.suffix_lens.tolist() == [0, 2, 1]
 
 
+def common_full_blocks(tables: torch.Tensor, full: list[int], a: int, b: int) -> int:
+    """Leading full blocks requests ``a`` and ``b`` share."""
+    shared = 0
+    while shared < min(full[a], full[b]) and tables[a, shared] == tables[b, shared]:
+        shared += 1
+    return shared
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_plan_is_the_radix_tree_of_the_full_blocks(seed):
+    """The tree's defining properties, whatever builds it: each node's requests are exactly those
+    whose full blocks begin with the node's path, and they are >= 2; a request's nodes end where
+    another request stops sharing with it, its suffix where the last one does; nodes come depth
+    first, parents before children, siblings (and roots) by their first request."""
+    rng = random.Random(seed)
+    rows, width = rng.randint(1, 24), rng.randint(1, 8)
+    # Two ids per column: prefixes shared at every depth, and equal ids after different prefixes
+    # (the same id at the same position is not a shared prefix).
+    tables = torch.tensor([[rng.choice([1, 1, 2]) * 100 + column for column in range(width)] for _ in range(rows)],
+                          dtype=torch.int32)
+    lens = torch.tensor([rng.randint(1, width * 16) for _ in range(rows)], dtype=torch.int32)
+    plan = build_plan(tables, lens, 16)
+    full = (lens // 16).tolist()
+    common = [[common_full_blocks(tables, full, a, b) for b in range(rows)] for a in range(rows)]
+    paths: list[list[int]] = []
+    for node in range(plan.num_nodes):
+        parent = int(plan.node_parent[node])
+        assert parent < node
+        paths.append((paths[parent] if parent >= 0 else []) + plan.node_blocks(node))
+        end = len(paths[node])
+        members = [r for r in range(rows) if full[r] >= end and tables[r, :end].tolist() == paths[node]]
+        assert plan.node_requests(node) == members and len(members) >= 2
+    for r in range(rows):
+        ends = sorted(len(paths[n]) for n in range(plan.num_nodes) if r in plan.node_requests(n))
+        assert ends == sorted({common[r][o] for o in range(rows) if o != r and common[r][o] > 0})
+        assert int(plan.suffix_block_start[r]) == max([0] + [common[r][o] for o in range(rows) if o != r])
+    children: dict[int, list[int]] = {}
+    for node in range(plan.num_nodes):
+        children.setdefault(int(plan.node_parent[node]), []).append(node)
+    depth_first, stack = [], [-1]
+    while stack:
+        node = stack.pop()
+        depth_first += [node] if node >= 0 else []
+        stack += sorted(children.get(node, []), key=lambda n: plan.node_requests(n)[0], reverse=True)
+    assert depth_first == list(range(plan.num_nodes))
+
+
 def test_plan_tensors_are_flat_int32():
     segments, requests = random_forest(3, 16)
     batch = make_batch(segments, requests, 16, with_cache=False)

@@ -51,8 +51,9 @@ def kernel_cases() -> tuple[float, int]:
 
 
 def static_work_cases() -> tuple[float, int]:
-    """The fixed-capacity buffers a CUDA graph replays: batch padded with scratch rows, wider tables,
-    two different steps loaded one after the other into the same buffers."""
+    """The fixed-capacity buffers a CUDA graph replays: batch padded with scratch rows, tables
+    narrower than the buffers' widest, two different steps loaded one after the other into the same
+    buffers, the second's tables wider than the first's (its rows cover where the first's nodes were)."""
     import numpy as np
     from arctic_fca.fca.graph_work import StaticDecodeWork
     from arctic_fca.fca.work import build_work
@@ -65,7 +66,7 @@ def static_work_cases() -> tuple[float, int]:
             batch = make_batch(segments, requests, 16, num_q_heads=4, num_kv_heads=2, head_dim=16, seed=seed)
             query, key_cache, value_cache, tables, lens = attention_args(batch)
             real = len(requests)
-            rows, width = 12, tables.shape[1] + 3
+            rows, width = 12, tables.shape[1] + (1 if seed == 5 else 9)
             padded = np.zeros((rows, width), np.int32)
             padded[:real, : tables.shape[1]] = tables.clamp(min=0).numpy()
             lens_padded = np.ones(rows, np.int32)
@@ -75,10 +76,12 @@ def static_work_cases() -> tuple[float, int]:
                               tuning=TUNING.replace(own_tokens_in_tiles=layout == "grouped"), tables=padded)
             tile = work.single.requests_per_tile if work.grouped else 0
             if static is None or static.grouped_tile != tile:
-                static = StaticDecodeWork(rows, width, 2 * key_cache.shape[0], with_nodes=work.node is not None,
+                static = StaticDecodeWork(rows, 24, 2 * key_cache.shape[0], with_nodes=work.node is not None,
                                           grouped_tile=tile, num_q_heads=4, num_kv_heads=2, head_dim=16,
                                           device=torch.device("cpu"), tuning=TUNING)
             assert static.load(work, padded)
+            if static.grouped_tile:  # the tables' entries are every row's to read (a node's pages were there)
+                assert (static.work.kv_owner[: rows * width] == -1).all()
             query_padded = torch.cat([query, torch.zeros(rows - real, *query.shape[1:])])
             out = triton_decode_attention(query_padded, key_cache, value_cache, static.work, 0.3)[:real]
             expected = paged_decode_attention(query, key_cache, value_cache, tables.clamp(min=0), lens, 0.3)

@@ -121,8 +121,7 @@ class EmbeddedEngine:
                                    self.options.max_prefill_tokens, self.options.admission)
         graphs = self.runner.graphs
         self.planner = StepPlanner(self.options.block_size, self.options.fca, self.runner.heads, self.runner.device,
-                                   tuning, bucket=graphs.bucket if graphs else None,
-                                   table_width=graphs.table_width if graphs else None, with_work=graphs is not None)
+                                   tuning, bucket=graphs.bucket if graphs else None, with_work=graphs is not None)
         self.seed = seed
         self.calls = 0
         self.policy_version = 0

@@ -4,8 +4,9 @@ A graph replays the same kernel launches with the same grids and pointers, so th
 items (``arctic_fca.fca.work``) go into buffers allocated once, at capacity: the grids cover the
 capacity and programs past the step's item count do nothing (the kernel reads the count). Each
 step costs two host-to-device copies (one packed int32 metadata buffer, and the shared nodes'
-block ids; the grouped layout adds their pages' owners and valid tokens); the block tables are
-copied only when the batch's sequences change. The copies never
+block ids; the grouped layout adds their pages' owners and valid tokens); the block tables, as wide
+as the batch's longest (the buffers hold the widest a model allows), are copied only when the
+batch's sequences change. The copies never
 wait for the device: each goes out of a fresh pinned buffer (the caching host allocator keeps it
 until its copy ran), so steps can be queued while earlier ones still run. A step whose work does
 not fit returns False from ``load`` and runs eagerly instead.
@@ -77,7 +78,7 @@ class StaticDecodeWork:
         node_items = work.node.num_items if work.node is not None else 0
         grouped_tile = work.single.requests_per_tile if work.grouped else 0
         return ((work.node is not None) == self.with_nodes and grouped_tile == self.grouped_tile
-                and work.table_width == self.table_width
+                and work.table_width <= self.table_width
                 and work.merge_indptr.size == self.num_requests + 1 and node_items <= self.caps["node_items"]
                 and work.single.num_items <= self.caps["single_items"] and work.q_index.size <= self.caps["q_index"]
                 and work.num_partial_rows <= self.caps["merge_rows"] and work.node_kv.size <= self.caps["node_kv"])
@@ -95,9 +96,13 @@ class StaticDecodeWork:
         self.host["merge_indptr"][:] = work.merge_indptr
         self.host["merge_rows"][: work.merge_rows.size] = work.merge_rows
         copy_in(self.meta, self.meta_host)
+        rows_size = self.num_requests * work.table_width  # the tables' rows, then the nodes' blocks
         if tables is not None:
-            copy_in(self.kv_index[: self.tables_size], tables.reshape(-1))
-        nodes = slice(self.tables_size, self.tables_size + work.node_kv.size)
+            copy_in(self.kv_index[:rows_size], tables.reshape(-1))
+            if self.grouped_tile:  # the rows may cover entries a narrower layout's nodes held
+                self.work.kv_owner[:rows_size].fill_(-1)
+                self.work.kv_valid[:rows_size].fill_(ALL_VALID)
+        nodes = slice(rows_size, rows_size + work.node_kv.size)
         if work.node_kv.size:
             copy_in(self.kv_index[nodes], work.node_kv)
         if work.grouped and work.node_kv.size:

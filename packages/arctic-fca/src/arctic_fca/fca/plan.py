@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
 from arctic_fca.fca.layout import DecodeShape, validate_block_tables
@@ -95,59 +96,81 @@ class FCAPlan:
 
 
 def build_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> FCAPlan:
-    """The radix tree of the requests' full-block sequences, flattened (see the module docstring)."""
+    """The radix tree of the requests' full-block sequences, flattened (see the module docstring).
+
+    The engine builds it on the host while a decode step runs, at every step where a sample leaves
+    (in RL rollouts, most steps), so it is built with a few array operations rather than node by
+    node: sorted, the full-block sequences that share a prefix lie side by side, and each node is
+    an interval of sorted requests whose common prefix (the smallest of their neighbours' common
+    prefixes) is longer than the interval's around it ("lcp intervals", as in suffix arrays)."""
     validate_block_tables(block_tables, seq_lens, block_size)
-    tables = block_tables.cpu()
-    full_blocks = (seq_lens.cpu() // block_size).tolist()
-    suffix_start = [0] * len(full_blocks)
-    nodes: list[tuple[int, int, int, list[int]]] = []  # (parent, first block pos, end pos, requests)
-    # Depth-first with an explicit stack (a deep staircase of prefixes must not hit Python's
-    # recursion limit); each entry is a set of >= 2 requests that agree on the block at `pos`.
-    stack = [(-1, 0, group) for group in reversed(_split(tables, full_blocks, range(len(full_blocks)), 0, suffix_start))]
-    while stack:
-        parent, pos, group = stack.pop()
-        end = _run_end(tables, full_blocks, group, pos)
-        nodes.append((parent, pos, end, group))
-        children = _split(tables, full_blocks, group, end, suffix_start)
-        stack.extend((len(nodes) - 1, end, child) for child in reversed(children))
+    tables = block_tables.cpu().numpy()
+    full_blocks = seq_lens.cpu().numpy().astype(np.int64) // block_size
+    order, common = _sorted_common_prefixes(tables, full_blocks)
+    # A request leaves the tree where it stops sharing with both neighbours: its suffix starts there.
+    suffix_start = np.zeros(len(full_blocks), dtype=np.int64)
+    suffix_start[order] = np.maximum(np.r_[0, common], np.r_[common, 0])
+    nodes = _ordered(_intervals(common), order.tolist())
     return _flatten(tables, seq_lens.cpu(), block_size, nodes, suffix_start)
 
 
-def _split(tables: torch.Tensor, full_blocks: list[int], requests, pos: int, suffix_start: list[int]) -> list[list[int]]:
-    """Group `requests` by their block at `pos`; groups of >= 2 go on sharing, the rest leave the
-    tree here (their suffix starts at `pos`)."""
-    column = tables[:, pos].tolist() if pos < tables.shape[1] else []
-    by_block: dict[int, list[int]] = {}
-    for r in requests:
-        if full_blocks[r] > pos:
-            by_block.setdefault(column[r], []).append(r)
-        else:
-            suffix_start[r] = pos
-    groups = []
-    for members in by_block.values():
-        if len(members) >= 2:
-            groups.append(members)
-        else:
-            suffix_start[members[0]] = pos
-    return sorted(groups, key=lambda members: members[0])
+def _sorted_common_prefixes(tables: np.ndarray, full_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The requests in an order where those sharing a prefix are adjacent (each table row as one
+    byte string: any fixed order of rows works), and each adjacent pair's shared full blocks."""
+    width = int(full_blocks.max()) if len(tables) else 0  # only full blocks are shared
+    if len(tables) < 2 or width == 0:
+        return np.arange(len(tables)), np.zeros(max(0, len(tables) - 1), dtype=np.int64)
+    columns = np.arange(width)
+    rows = np.where(columns < full_blocks[:, None], tables[:, :width], -1)  # past a row's full blocks: never shared
+    order = np.argsort(np.ascontiguousarray(rows).view(np.dtype((np.void, rows.itemsize * width))).ravel(), kind="stable")
+    rows, full = rows[order], full_blocks[order]
+    differ = (rows[:-1] != rows[1:]) | (columns >= np.minimum(full[:-1], full[1:])[:, None])
+    common = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
+    return order, common
 
 
-def _run_end(tables: torch.Tensor, full_blocks: list[int], group: list[int], pos: int) -> int:
-    """First position past `pos` where the group stops agreeing (a divergence, or a member's full
-    blocks run out): the node is maximal for exactly this set of requests."""
-    limit = min(full_blocks[r] for r in group)
-    rows = tables[group, pos:limit]
-    agree = (rows == rows[0]).all(dim=0)
-    disagreements = (~agree).nonzero()
-    return pos + (int(disagreements[0]) if disagreements.numel() else rows.shape[1])
+def _intervals(common: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """Every interval of sorted requests sharing more blocks than its parent interval: (parent's
+    shared blocks, its shared blocks, first, last), parents after their children."""
+    found = []
+    stack = [[0, 0]]  # (shared blocks, first) of the open intervals, outermost first
+    for i, shared in enumerate([*common.tolist(), 0]):  # pair (i, i + 1); the final 0 closes all
+        first = i
+        while shared < stack[-1][0]:
+            depth, first = stack.pop()
+            found.append((max(shared, stack[-1][0]), depth, first, i))
+        if shared > stack[-1][0]:
+            stack.append([shared, first])
+    return found
 
 
-def _flatten(tables, seq_lens, block_size, nodes, suffix_start) -> FCAPlan:
+def _ordered(intervals: list[tuple[int, int, int, int]], order: list[int]) -> list[tuple[int, int, int, list[int]]]:
+    """The nodes (parent index, first block, end block, requests ascending) depth first, parents
+    before children and siblings by their first request, as the kernels' partial rows are laid out."""
+    members = [sorted(order[first:last + 1]) for _, _, first, last in intervals]
+    children: dict[int, list[int]] = {}
+    open_below: list[int] = []  # intervals found so far whose parent is not found yet
+    for index, (_, _, first, last) in enumerate(intervals):  # children are found before their parent
+        while open_below and intervals[open_below[-1]][2] >= first:
+            children.setdefault(index, []).append(open_below.pop())
+        open_below.append(index)
+    nodes: list[tuple[int, int, int, list[int]]] = []
+    stack = [(-1, index) for index in sorted(open_below, key=lambda i: members[i][0], reverse=True)]
+    while stack:
+        parent, index = stack.pop()
+        start, end, _, _ = intervals[index]
+        nodes.append((parent, start, end, members[index]))
+        below = sorted(children.get(index, []), key=lambda i: members[i][0], reverse=True)
+        stack.extend((len(nodes) - 1, child) for child in below)
+    return nodes
+
+
+def _flatten(tables: np.ndarray, seq_lens: torch.Tensor, block_size: int, nodes: list, suffix_start: np.ndarray) -> FCAPlan:
     def indptr(sizes: list[int]) -> torch.Tensor:
         return torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
 
-    def int32(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32)
+    def int32(values) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(values, dtype=np.int32))
 
     kv_runs = [tables[group[0], pos:end] for _, pos, end, group in nodes]
     start = int32(suffix_start)
@@ -155,7 +178,7 @@ def _flatten(tables, seq_lens, block_size, nodes, suffix_start) -> FCAPlan:
         block_size=block_size,
         num_requests=len(suffix_start),
         node_kv_indptr=indptr([end - pos for _, pos, end, _ in nodes]),
-        node_kv_indices=torch.cat(kv_runs).to(torch.int32) if kv_runs else int32([]),
+        node_kv_indices=int32(np.concatenate(kv_runs) if kv_runs else []),
         node_q_indptr=indptr([len(group) for *_, group in nodes]),
         node_q_indices=int32([r for *_, group in nodes for r in group]),
         node_parent=int32([parent for parent, *_ in nodes]),
