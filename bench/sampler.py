@@ -300,17 +300,22 @@ def step_bytes(model, prompts: int, samples: int, prompt_len: int, new_tokens: i
 
 
 def graph_check(engine: EmbeddedEngine, vocab: int) -> dict:
-    """Greedy tokens with CUDA graphs equal those of eager decode, per mode (same kernels); this
-    also compiles the kernels and captures the graphs before any timing."""
+    """Tokens with CUDA graphs equal those of eager decode, per mode (same kernels): greedy, and
+    sampled with stop tokens, so that samples leave the batch at every length (its tables, tree and
+    graph bucket change as they go); this also compiles the kernels and captures the graphs before
+    any timing."""
     prompts = random_prompts(4, 300, vocab, seed=1)
-    params = SamplingParams(n=4, temperature=0, max_tokens=48, ignore_eos=True)
+    greedy = SamplingParams(n=4, temperature=0, max_tokens=48, ignore_eos=True)
+    stops = random_prompts(1, vocab // 64, vocab, seed=9)[0]  # ~64 tokens per sample when logits are flat
+    stopping = SamplingParams(n=4, temperature=1.0, max_tokens=96, stop_token_ids=stops, ignore_eos=True, seed=0)
     graphs, identical = engine.runner.graphs, {}
     for mode in ("fca", "plain"):
-        with_graphs = run_engine(engine, mode, prompts, params)["tokens"]
-        engine.runner.graphs = None  # the same padded steps, run eagerly
-        eager = run_engine(engine, mode, prompts, params)["tokens"]
-        engine.runner.graphs = graphs
-        identical[mode] = with_graphs == eager
+        for name, params in ((mode, greedy), (f"{mode}_stopping", stopping)):
+            with_graphs = run_engine(engine, mode, prompts, params)["tokens"]
+            engine.runner.graphs = None  # the same padded steps, run eagerly
+            eager = run_engine(engine, mode, prompts, params)["tokens"]
+            engine.runner.graphs = graphs
+            identical[name] = with_graphs == eager
     return identical
 
 
