@@ -121,8 +121,9 @@ def _sorted_common_prefixes(tables: np.ndarray, full_blocks: np.ndarray) -> tupl
     if len(tables) < 2 or width == 0:
         return np.arange(len(tables)), np.zeros(max(0, len(tables) - 1), dtype=np.int64)
     columns = np.arange(width)
-    rows = np.where(columns < full_blocks[:, None], tables[:, :width], -1)  # past a row's full blocks: never shared
-    order = np.argsort(np.ascontiguousarray(rows).view(np.dtype((np.void, rows.itemsize * width))).ravel(), kind="stable")
+    rows = np.where(columns < full_blocks[:, None], tables[:, :width], -1)  # past its full blocks: never shared
+    as_bytes = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.itemsize * width))).ravel()
+    order = np.argsort(as_bytes, kind="stable")
     rows, full = rows[order], full_blocks[order]
     differ = (rows[:-1] != rows[1:]) | (columns >= np.minimum(full[:-1], full[1:])[:, None])
     common = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
@@ -165,7 +166,8 @@ def _ordered(intervals: list[tuple[int, int, int, int]], order: list[int]) -> li
     return nodes
 
 
-def _flatten(tables: np.ndarray, seq_lens: torch.Tensor, block_size: int, nodes: list, suffix_start: np.ndarray) -> FCAPlan:
+def _flatten(tables: np.ndarray, seq_lens: torch.Tensor, block_size: int, nodes: list,
+             suffix_start: np.ndarray) -> FCAPlan:
     def indptr(sizes: list[int]) -> torch.Tensor:
         return torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
 
