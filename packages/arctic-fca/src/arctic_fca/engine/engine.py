@@ -343,11 +343,12 @@ class EmbeddedEngine:
             if planned and not ended:
                 ids = tokens if overlap else np.array([s.tokens[-1] for s in batch])
                 continue
-            stay = [row for row, s in enumerate(batch) if not s.done and len(s.tokens) + len(in_flight) < s.max_len]
+            going_on = [not s.done and len(s.tokens) + len(in_flight) < s.max_len for s in batch]
+            stay = [row for row, on in enumerate(going_on) if on]
             smaller = [batch[row] for row in stay]
             if not (smaller and go_on(len(smaller)) and self.scheduler.grow(smaller, len(in_flight) + 1)):
                 break  # the steps still queued are read below
-            leaving = [s for s in batch if s.done or len(s.tokens) + len(in_flight) >= s.max_len]
+            leaving = [s for s, on in zip(batch, going_on) if not on]
             step = self.planner.plan(smaller, ahead=len(in_flight))
             rows = self.runner.on_device(np.array(stay))
             ids = tokens[rows] if in_flight else np.array([s.tokens[-1] for s in smaller])
