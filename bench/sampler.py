@@ -3,18 +3,18 @@
 --smoke (tiny random fp32 Qwen3, on the GPU when there is one): the same rollout with FCA forced
 on, off and through transformers; greedy outputs must agree token for token; prints timings.
 
-GPU (no flag): a Qwen3-1.7B-shaped random bf16 model, 512 new tokens per sample (no stop token,
-as vLLM's ``ignore_eos``), temperature 1, at the GRPO shapes of ``SHAPES``. Generated tokens per
-second (wall clock, prefill included) with the cost model choosing FCA per step ("auto"), with
-plain paged decode ("plain"), and, with --hf, transformers ``generate`` on the same prompts; per
-decoder (--decoders: the engine's fused decoder, the same with its few-row products on cuBLAS and
-the small kernels or without programmatic dependent launch, transformers' modules); --compare-flipped also
-runs with engine options flipped (queued decode steps, prefill chunks mixed with decode, blocks reserved for
-max_tokens instead of lent on demand), and --stop-ids
+GPU (no flag): a Qwen3-1.7B-shaped random bf16 model, 512 new tokens per sample (no stop token, as
+vLLM's ``ignore_eos``), temperature 1 (--filters: with top-k, top-p or min-p), at the GRPO shapes of
+``SHAPES``. Generated tokens per second (wall clock, prefill included) with the cost model choosing
+FCA per step ("auto"), with plain paged decode ("plain"), and, with --hf, transformers ``generate``
+on the same prompts; per decoder (--decoders: the engine's fused decoder, the same with its few-row
+products on cuBLAS and the small kernels or without programmatic dependent launch, transformers'
+modules); --compare-flipped also runs with engine options flipped (queued decode steps, prefill
+chunks mixed with decode, blocks reserved for max_tokens instead of lent on demand), and --stop-ids
 makes samples end at varied lengths, so groups are admitted while others decode (with a
---max-num-seqs below the batch), as in RL rollouts. Each decode step's time is
-reported against its bytes floor: the weights plus the KV the step must read at least (each
-prompt once, each sample's own tokens), at the device-to-device copy rate measured in the same run.
+--max-num-seqs below the batch), as in RL rollouts. Each decode step's time is reported against its bytes
+floor: the weights plus the KV the step must read at least (each prompt once, each sample's own
+tokens), at the device-to-device copy rate measured in the same run.
 vLLM's figures for the same shapes: bench/vllm_fca.py.
 
 The last line printed is a JSON object of all results.
@@ -156,7 +156,7 @@ def gpu(args) -> dict:
         prompts = random_prompts(prompts_count, length, config.vocab_size)
         stops = random_prompts(1, args.stop_ids, config.vocab_size, seed=9)[0] if args.stop_ids else []
         params = SamplingParams(n=samples, temperature=1.0, max_tokens=args.new_tokens, stop_token_ids=stops,
-                                ignore_eos=True, seed=0)
+                                ignore_eos=True, seed=0, **args.filters)
         row = {"prompts": prompts_count, "samples": samples, "prompt_len": length, "new_tokens": args.new_tokens,
                "decode_floor_ms": round(1e3 * step_bytes(model, prompts_count, samples, length, args.new_tokens)
                                         / copy_rate, 2)}
@@ -364,6 +364,8 @@ def main() -> None:
     parser.add_argument("--tunings", type=json.loads, default=[{}],
                         help='JSON list of FCA Tuning overrides to compare, e.g. [{}, {"items_per_sm": 4}]')
     parser.add_argument("--shapes", type=json.loads, default=SHAPES, help="JSON [[prompts, samples, prompt_len], ...]")
+    parser.add_argument("--filters", type=json.loads, default={},
+                        help='sampling filters of the timed rollouts, e.g. {"top_p": 0.95, "top_k": 20}')
     args = parser.parse_args()
     if args.smoke:
         print(json.dumps(smoke("cuda" if torch.cuda.is_available() else "cpu")))

@@ -448,6 +448,18 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     torch.testing.assert_close(probs[2], torch.tensor([0.4, 0.3, 0.2, 0.1]))  # greedy rows keep the raw distribution
 
 
+def test_filters_keep_or_drop_a_tie_whole():
+    """Top-k keeps every entry equal to the k-th largest, as transformers' top-k does; top-p keeps
+    a tie at its boundary whole (a sort would keep one of its entries and drop the other)."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.1, 0.1], [0.4, 0.2, 0.2, 0.1, 0.1]]))
+    params = RowParams(temperature=torch.ones(2), top_k=torch.tensor([2, 0]), top_p=torch.tensor([1.0, 0.5]))
+    probs = filtered_log_probs(logits, params).exp()
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.25, 0.25, 0, 0]]).expand(2, -1))
+    torch.testing.assert_close(probs[:1], TopKLogitsWarper(2)(None, logits[:1].clone()).softmax(-1))
+
+
 def test_repetition_penalty_and_min_p_filter_as_transformers_does():
     """The sampled distribution equals transformers' processors in their order: repetition
     penalty, temperature, top-k, top-p, min-p (each row its own seen tokens)."""
@@ -627,3 +639,5 @@ def test_triton_kernels_and_engine_under_the_interpreter():
     sampling = result["sampling"]
     assert sampling["logprob_max_abs_diff"] < 1e-5 and sampling["greedy_is_argmax"] and sampling["same_seed_same_tokens"]
     assert sampling["chi_square"] < 16.3 and sampling["dominant_token_wins"], sampling
+    assert sampling["filters_keep_what_the_sort_keeps"] and sampling["filtered_logprob_max_abs_diff"] < 1e-5, sampling
+    assert sampling["filtered_draws_outside"] == 0 and sampling["filtered_chi_square"] < 10.8, sampling

@@ -239,15 +239,15 @@ def sampling_cases() -> dict:
     log-prob against log_softmax(logits / T), greedy rows against argmax (the first of a tie), the
     same seed drawing the same tokens, and the draws' frequencies against the probabilities (a
     chi-square statistic; 3 degrees of freedom, 16.3 is the 0.1% level)."""
-    from arctic_fca.engine import triton_sampling
+    from arctic_fca.engine import triton_filters, triton_sampling
     from arctic_fca.engine.triton_sampling import sample_with_temperature
 
-    defaults = triton_sampling.SLICE, triton_sampling.BLOCK
-    triton_sampling.SLICE, triton_sampling.BLOCK = 64, 16
+    defaults = triton_sampling.SLICE, triton_sampling.BLOCK, triton_filters.BLOCK, triton_filters.CHUNK
+    triton_sampling.SLICE, triton_sampling.BLOCK, triton_filters.BLOCK, triton_filters.CHUNK = 64, 16, 32, 8
     try:
-        return _sampling_checks(sample_with_temperature)
+        return {**_sampling_checks(sample_with_temperature), **_filter_checks()}
     finally:
-        triton_sampling.SLICE, triton_sampling.BLOCK = defaults
+        triton_sampling.SLICE, triton_sampling.BLOCK, triton_filters.BLOCK, triton_filters.CHUNK = defaults
 
 
 def _sampling_checks(sample_with_temperature) -> dict:
@@ -275,6 +275,49 @@ def _sampling_checks(sample_with_temperature) -> dict:
             "greedy_is_argmax": torch.equal(tokens[greedy], logits[greedy].argmax(-1)) and int(tokens[3]) == 20,
             "same_seed_same_tokens": torch.equal(tokens, again),
             "chi_square": float(((counts - draws * probs) ** 2 / (draws * probs)).sum())}
+
+
+def _filter_checks() -> dict:
+    """Top-k, top-p and min-p by the kernels' floors against the torch path's sort (fp32 and bf16
+    logits, with ties at the boundaries and without; rows of each filter alone, together, greedy):
+    the same entries kept, each token's log-prob under the filtered distribution; and the draws'
+    frequencies under top-p against the renormalised probabilities (1 degree of freedom, 10.8 is
+    the 0.1% level)."""
+    from arctic_fca.engine.sampling import RowParams, filtered_log_probs, sample
+    from arctic_fca.engine.triton_filters import row_floors
+
+    gen = torch.Generator().manual_seed(4)
+    kept_equal, worst = True, 0.0
+    for dtype, ties, min_p in ((torch.float32, False, 0.05), (torch.float32, True, 0.0), (torch.bfloat16, False, 0.0),
+                               (torch.bfloat16, True, 0.2)):
+        logits = torch.randn(6, 150, generator=gen) * 3
+        logits = ((logits * 2).round() / 2 if ties else logits).to(dtype)  # ties: few distinct values
+        params = RowParams(temperature=torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 2.0]),
+                           top_k=torch.tensor([0, 5, 3, 0, 20, 1]), top_p=torch.tensor([0.9, 1.0, 0.5, 0.3, 0.8, 0.95]),
+                           min_p=min_p)
+        expected = filtered_log_probs(logits, params)
+        floors = row_floors(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+        scale = 1 / torch.where(params.temperature == 0, 1.0, params.temperature)[:, None]
+        kept = (order_keys(logits) >= floors.key[:, None]) & (logits.float() * scale >= floors.value[:, None])
+        kept_equal &= torch.equal(kept, expected.isfinite())
+        tokens, logprobs = sample(logits, params, torch.Generator().manual_seed(5), triton=True)
+        worst = max(worst, max_abs_diff(logprobs, expected.gather(-1, tokens[:, None]).squeeze(-1)))
+    draws = 300
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    top_p = RowParams(temperature=torch.ones(draws), top_k=torch.zeros(draws, dtype=torch.long),
+                      top_p=torch.full((draws,), 0.7), any_top_k=False)
+    drawn, _ = sample(probs.log().repeat(draws, 1), top_p, torch.Generator().manual_seed(6), triton=True)
+    counts = torch.bincount(drawn, minlength=4).float()
+    kept_probs = torch.tensor([0.625, 0.375, 0.0, 0.0])
+    return {"filters_keep_what_the_sort_keeps": kept_equal, "filtered_logprob_max_abs_diff": worst,
+            "filtered_draws_outside": int(counts[2:].sum()),
+            "filtered_chi_square": float(((counts[:2] - draws * kept_probs[:2]) ** 2 / (draws * kept_probs[:2])).sum())}
+
+
+def order_keys(logits: torch.Tensor) -> torch.Tensor:
+    """``triton_filters.order_keys`` in torch: the floats' bits, the negatives' magnitude flipped."""
+    bits = logits.view(torch.int16 if logits.element_size() == 2 else torch.int32).long()
+    return torch.where(bits < 0, bits ^ ((1 << (logits.element_size() * 8 - 1)) - 1), bits)
 
 
 def engine_matches_generate() -> bool:

@@ -1,5 +1,6 @@
-"""Sampling with temperature alone (no top-k, top-p, min-p or repetition penalty: RL's usual
-setting) in two kernels that read the logits once, instead of a dozen passes over ``[rows, vocab]``.
+"""Sampling with temperature, and top-k, top-p and min-p as floors found beforehand
+(``triton_filters``), in two kernels that read the logits once, instead of a dozen passes over
+``[rows, vocab]`` and a sort.
 
 The draw is the exponential race of ``sampling.sample`` (argmax of ``logits / T - log E`` with
 ``E ~ Exp(1)``, a draw from ``softmax(logits / T)``), with the noise from Triton's counter-based
@@ -25,13 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
+from arctic_fca.engine.triton_filters import Floors, order_keys
+
 SLICE = 16384  # vocabulary entries per stage-one program: rows x slices programs fill the GPU
 BLOCK = 2048  # entries per inner step
 
 
 @triton.jit
-def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, max_ptr, sum_ptr, key_ptr, index_ptr, vocab,
-                slices, SLICE: tl.constexpr, BLOCK: tl.constexpr):
+def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr, value_floor_ptr, chunk_tops_ptr,
+                max_ptr, sum_ptr, key_ptr, index_ptr, vocab, slices, num_chunks, SLICE: tl.constexpr,
+                BLOCK: tl.constexpr, FILTERED: tl.constexpr, BITS: tl.constexpr, CHUNK: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0  # greedy rows race on the logits alone
@@ -40,31 +44,59 @@ def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, max_ptr, sum_
     base = logits_ptr + row.to(tl.int64) * stride_row
     end = tl.minimum(vocab, (part + 1) * SLICE)
     counters = row * tl.cdiv(vocab, 4)  # the row's Philox counters: one per four entries
+    key_floor, value_floor = 0, 0.0
+    if FILTERED:  # the row's floors (triton_filters): entries below either one are out of the race
+        key_floor = tl.load(key_floor_ptr + row)
+        value_floor = tl.load(value_floor_ptr + row)
     running_max, running_sum = float("-inf"), 0.0
     best_key, best_index = float("-inf"), 0
     for start in range(part * SLICE, end, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < end
-        x = tl.load(base + cols, mask=ok, other=float("-inf")).to(tl.float32) * scale
-        new_max = tl.maximum(running_max, tl.max(x, 0))
-        weight = tl.exp(x - new_max)
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(weight, 0)
-        running_max = new_max
-        if greedy:
-            key = tl.where(ok, x, float("-inf"))
-        else:
-            # u in [0, 1) (Triton keeps it below 1): E = -log(u) > 0; u = 0 gives E = inf, a ratio that never wins.
-            key = weight / -tl.log(_uniforms(seed, counters + start // 4, BLOCK))
-        block_key, block_best = tl.max(key, 0, return_indices=True)  # the first of a tie, as torch.argmax
-        if not greedy:  # the ratio's winner back in the log domain: x - log E
-            block_key = tl.log(block_key) + new_max
-        if block_key > best_key:  # strictly: the earlier block keeps a tie, as torch.argmax keeps the first
-            best_key, best_index = block_key, start + block_best
+        read = True
+        if FILTERED:  # a block whose chunk maxima are all below a floor holds no entry of the race: not read
+            chunks = start // CHUNK + tl.arange(0, BLOCK // CHUNK)
+            tops = tl.load(chunk_tops_ptr + row.to(tl.int64) * num_chunks + chunks, mask=chunks < num_chunks,
+                           other=float("-inf"))
+            read = ((tl.max(order_keys(tops, BITS), 0) >= key_floor)
+                    & (tl.max(tops.to(tl.float32), 0) * scale >= value_floor))
+        if read:
+            running_max, running_sum, best_key, best_index = _race_block(
+                base, start, end, scale, greedy, seed, counters, key_floor, value_floor, running_max, running_sum,
+                best_key, best_index, BLOCK, FILTERED, BITS)
     out = row * slices + part
     tl.store(max_ptr + out, running_max)
     tl.store(sum_ptr + out, running_sum)
     tl.store(key_ptr + out, best_key)
     tl.store(index_ptr + out, best_index)
+
+
+@triton.jit
+def _race_block(base, start, end, scale, greedy, seed, counters, key_floor, value_floor, running_max, running_sum,
+                best_key, best_index, BLOCK: tl.constexpr, FILTERED: tl.constexpr, BITS: tl.constexpr):
+    """Entries ``start : start + BLOCK`` into the slice's running max, exp-sum and best race key."""
+    cols = start + tl.arange(0, BLOCK)
+    ok = cols < end
+    raw = tl.load(base + cols, mask=ok, other=float("-inf"))
+    x = raw.to(tl.float32) * scale
+    if FILTERED:
+        x = tl.where((order_keys(raw, BITS) >= key_floor) & (x >= value_floor), x, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(x, 0))
+    if FILTERED:  # a block filtered out whole leaves the max at -inf: exp(-inf - -inf) would be NaN
+        new_max_or_0 = tl.where(new_max == float("-inf"), 0.0, new_max)
+    else:
+        new_max_or_0 = new_max
+    weight = tl.exp(x - new_max_or_0)
+    running_sum = running_sum * tl.exp(running_max - new_max_or_0) + tl.sum(weight, 0)
+    if greedy:
+        key = tl.where(ok, x, float("-inf"))
+    else:
+        # u in [0, 1) (Triton keeps it below 1): E = -log(u) > 0; u = 0 gives E = inf, a ratio that never wins.
+        key = weight / -tl.log(_uniforms(seed, counters + start // 4, BLOCK))
+    block_key, block_best = tl.max(key, 0, return_indices=True)  # the first of a tie, as torch.argmax
+    if not greedy:  # the ratio's winner back in the log domain: x - log E
+        block_key = tl.log(block_key) + new_max
+    if block_key > best_key:  # strictly: the earlier block keeps a tie, as torch.argmax keeps the first
+        best_key, best_index = block_key, start + block_best
+    return new_max, running_sum, best_key, best_index
 
 
 @triton.jit
@@ -95,10 +127,12 @@ def _combine_slices(logits_ptr, stride_row, temperature_ptr, max_ptr, sum_ptr, k
     tl.store(logprob_ptr + row, x - log_total)
 
 
-def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor,
-                            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator,
+                            floors: Floors | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``[rows]`` (int64) and their log-probs ``[rows]`` (fp32) of ``logits [rows, vocab]``
-    (last dim contiguous), ``temperature [rows]`` (0: greedy)."""
+    (last dim contiguous), ``temperature [rows]`` (0: greedy); with ``floors``
+    (``triton_filters.row_floors``) among the entries top-k, top-p and min-p keep, the log-probs
+    under that filtered distribution."""
     rows, vocab = logits.shape
     device = logits.device
     seed = torch.randint(0, 2**31 - 1, (1,), device=device, generator=generator, dtype=torch.int64)
@@ -108,8 +142,13 @@ def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor,
     tokens = torch.empty(rows, dtype=torch.int64, device=device)
     logprobs = torch.empty(rows, dtype=torch.float32, device=device)
     temperature = temperature.float().contiguous()
-    _slice_race[(rows, slices)](logits, logits.stride(0), temperature, seed, partial[0], partial[1], partial[2], index,
-                                vocab, slices, SLICE=SLICE, BLOCK=BLOCK, num_warps=8)
+    filtered = floors is not None
+    floors = floors or Floors(index, partial, logits, chunk=BLOCK)  # without floors: pointers the kernel does not read
+    assert BLOCK % floors.chunk == 0, "a race block must hold whole chunks"
+    _slice_race[(rows, slices)](logits, logits.stride(0), temperature, seed, floors.key, floors.value,
+                                floors.chunk_tops, partial[0], partial[1], partial[2], index, vocab, slices,
+                                floors.chunk_tops.shape[1], SLICE=SLICE, BLOCK=BLOCK, FILTERED=filtered,
+                                BITS=logits.element_size() * 8, CHUNK=floors.chunk, num_warps=8)
     _combine_slices[(rows,)](logits, logits.stride(0), temperature, partial[0], partial[1], partial[2], index, tokens,
                              logprobs, slices, SLICES_P2=max(2, triton.next_power_of_2(slices)), num_warps=1)
     return tokens, logprobs
