@@ -285,6 +285,7 @@ def _filter_checks() -> dict:
     the 0.1% level)."""
     from arctic_fca.engine.sampling import RowParams, filtered_log_probs, sample
     from arctic_fca.engine.triton_filters import row_floors
+    from arctic_fca.engine.triton_sampling import sample_with_temperature
 
     gen = torch.Generator().manual_seed(4)
     kept_equal, worst = True, 0.0
@@ -300,9 +301,9 @@ def _filter_checks() -> dict:
         scale = 1 / torch.where(params.temperature == 0, 1.0, params.temperature)[:, None]
         kept = (order_keys(logits) >= floors.key[:, None]) & (logits.float() * scale >= floors.value[:, None])
         kept_equal &= torch.equal(kept, expected.isfinite())
-        tokens, logprobs = sample(logits, params, torch.Generator().manual_seed(5), triton=True)
+        tokens, logprobs = sample_with_temperature(logits, params.temperature, torch.Generator().manual_seed(5), floors)
         worst = max(worst, max_abs_diff(logprobs, expected.gather(-1, tokens[:, None]).squeeze(-1)))
-    draws = 300
+    draws = 200
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     top_p = RowParams(temperature=torch.ones(draws), top_k=torch.zeros(draws, dtype=torch.long),
                       top_p=torch.full((draws,), 0.7), any_top_k=False)
@@ -350,7 +351,28 @@ def _engine_matches_generate(family: str, overrides: dict) -> bool:
                                       pad_token_id=0)[0, len(prompt):].tolist()
         if out.tokens != expected:
             return False
-    return engine.stats.fca_steps == engine.stats.decode_steps > 0 and engine.stats.mixed_steps == 2
+    return (engine.stats.fca_steps == engine.stats.decode_steps > 0 and engine.stats.mixed_steps == 2
+            and _filtered_samples_match(engine, reference, prompts))
+
+
+def _filtered_samples_match(engine, reference, prompts) -> bool:
+    """Samples drawn with top-k, top-p and min-p by the kernels: each token's log-prob equals the
+    reference model's filtered log-prob of it (teacher forced), within 1e-5."""
+    from arctic_core.config import SamplingParams
+    from arctic_fca.engine.sampling import RowParams, filtered_log_probs
+
+    params = SamplingParams(n=2, temperature=0.9, top_k=6, top_p=0.8, min_p=0.02, max_tokens=8, ignore_eos=True,
+                            seed=1)
+    for out in engine.generate(prompts, params):
+        prompt = prompts[out.prompt_index]
+        logits = reference(torch.tensor([prompt + out.tokens])).logits[0, len(prompt) - 1 : -1]
+        rows = logits.shape[0]
+        filters = RowParams(temperature=torch.full((rows,), 0.9), top_k=torch.full((rows,), 6),
+                            top_p=torch.full((rows,), 0.8), min_p=0.02)
+        expected = filtered_log_probs(logits, filters).gather(-1, torch.tensor(out.tokens)[:, None]).squeeze(-1)
+        if max_abs_diff(torch.tensor(out.logprobs), expected) > 1e-5:
+            return False
+    return True
 
 
 if __name__ == "__main__":
