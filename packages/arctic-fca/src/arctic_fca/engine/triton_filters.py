@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048  # entries per inner step
+BLOCK, WARPS = 8192, 16  # entries per inner step: a program has a row to itself, so a step keeps 16 KB in flight
 CHUNK = 128  # entries per chunk maximum (kept by the first pass, so that later passes skip whole blocks)
 
 
@@ -174,5 +174,5 @@ def row_floors(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     _row_floors[(rows,)](logits, logits.stride(0), temperature.float().contiguous(), top_k.to(torch.int32).contiguous(),
                          top_p.float().contiguous(), floors.chunk_tops, floors.key, floors.value, vocab, num_chunks,
                          log_min_p, BITS=bits, LOWEST=-(2 ** (bits - 1)), HIGHEST=2 ** (bits - 1) - 1, BLOCK=BLOCK,
-                         CHUNK=CHUNK, num_warps=8)
+                         CHUNK=CHUNK, num_warps=WARPS)
     return floors
