@@ -242,12 +242,16 @@ def sampling_cases() -> dict:
     from arctic_fca.engine import triton_filters, triton_sampling
     from arctic_fca.engine.triton_sampling import sample_with_temperature
 
-    defaults = triton_sampling.SLICE, triton_sampling.BLOCK, triton_filters.BLOCK, triton_filters.CHUNK
-    triton_sampling.SLICE, triton_sampling.BLOCK, triton_filters.BLOCK, triton_filters.CHUNK = 64, 16, 32, 8
+    settings = ((triton_sampling, "SLICE", 64), (triton_sampling, "BLOCK", 16), (triton_filters, "BLOCK", 32),
+                (triton_filters, "WIDE_BLOCK", 32), (triton_filters, "CHUNK", 8))
+    defaults = [getattr(module, name) for module, name, _ in settings]
+    for module, name, value in settings:
+        setattr(module, name, value)
     try:
         return {**_sampling_checks(sample_with_temperature), **_filter_checks()}
     finally:
-        triton_sampling.SLICE, triton_sampling.BLOCK, triton_filters.BLOCK, triton_filters.CHUNK = defaults
+        for (module, name, _), value in zip(settings, defaults, strict=True):
+            setattr(module, name, value)
 
 
 def _sampling_checks(sample_with_temperature) -> dict:
