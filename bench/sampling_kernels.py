@@ -6,7 +6,7 @@ first), and the draws checked where they run: each token's log-prob against
 from one distribution against its probabilities (a chi-square statistic).
 
     python3 bench/sampling_kernels.py                           # 64 rows x Qwen3's 151,936 entries, bf16
-    python3 bench/sampling_kernels.py --filters --rows 64 512   # top-k / top-p / min-p: floors vs the sort
+    python3 bench/sampling_kernels.py --filters 64 512          # top-k / top-p / min-p: floors vs the sort
     TRITON_INTERPRET=1 python3 bench/sampling_kernels.py --smoke  # the same on the CPU, small
 
 ``--filters`` times the draw with top-k, top-p and min-p: the kernels (``triton_filters`` finds each
@@ -128,9 +128,7 @@ def filter_checks(logits: torch.Tensor, params: RowParams, gen: torch.Generator)
     """Whether the floors keep exactly what the sort keeps, and the kernels' tokens' log-prob gap."""
     expected = filtered_log_probs(logits, params)
     floors = row_floors(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-    bits = logits.view(torch.int16).long()
-    keys = torch.where(bits < 0, bits ^ 0x7FFF, bits)
-    kept = (keys >= floors.key[:, None]) & (logits.float() / params.temperature[:, None] >= floors.value[:, None])
+    kept = floors.keeps(logits, params.temperature)
     tokens, logprobs = sample(logits, params, gen, triton=True)
     return {"same_kept": torch.equal(kept, expected.isfinite()),
             "kept_mean": round(float(kept.sum(-1).float().mean()), 1),

@@ -302,9 +302,7 @@ def _filter_checks() -> dict:
                            min_p=min_p)
         expected = filtered_log_probs(logits, params)
         floors = row_floors(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-        scale = 1 / torch.where(params.temperature == 0, 1.0, params.temperature)[:, None]
-        kept = (order_keys(logits) >= floors.key[:, None]) & (logits.float() * scale >= floors.value[:, None])
-        kept_equal &= torch.equal(kept, expected.isfinite())
+        kept_equal &= torch.equal(floors.keeps(logits, params.temperature), expected.isfinite())
         tokens, logprobs = sample_with_temperature(logits, params.temperature, torch.Generator().manual_seed(5), floors)
         worst = max(worst, max_abs_diff(logprobs, expected.gather(-1, tokens[:, None]).squeeze(-1)))
     draws = 200
@@ -317,12 +315,6 @@ def _filter_checks() -> dict:
     return {"filters_keep_what_the_sort_keeps": kept_equal, "filtered_logprob_max_abs_diff": worst,
             "filtered_draws_outside": int(counts[2:].sum()),
             "filtered_chi_square": float(((counts[:2] - draws * kept_probs[:2]) ** 2 / (draws * kept_probs[:2])).sum())}
-
-
-def order_keys(logits: torch.Tensor) -> torch.Tensor:
-    """``triton_filters.order_keys`` in torch: the floats' bits, the negatives' magnitude flipped."""
-    bits = logits.view(torch.int16 if logits.element_size() == 2 else torch.int32).long()
-    return torch.where(bits < 0, bits ^ ((1 << (logits.element_size() * 8 - 1)) - 1), bits)
 
 
 def engine_matches_generate() -> bool:

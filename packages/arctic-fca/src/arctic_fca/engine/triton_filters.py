@@ -167,6 +167,13 @@ class Floors:
     chunk_tops: torch.Tensor
     chunk: int
 
+    def keeps(self, logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """``[rows, vocab]`` bool: the entries at or above both floors, computed as the kernels do (with torch)."""
+        bits = logits.view(torch.int16 if logits.element_size() == 2 else torch.int32).long()
+        keys = torch.where(bits < 0, bits ^ ((1 << (logits.element_size() * 8 - 1)) - 1), bits)
+        scale = 1 / torch.where(temperature == 0, 1.0, temperature.float())
+        return (keys >= self.key[:, None]) & (logits.float() * scale[:, None] >= self.value[:, None])
+
 
 def row_floors(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                min_p: float) -> Floors:
