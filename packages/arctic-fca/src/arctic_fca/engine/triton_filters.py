@@ -142,8 +142,9 @@ def _row_floors(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, c
                                           False, False, BITS, BLOCK, CHUNK)
         floor = _largest_key_reaching(base, vocab, chunk_tops, floor, top_key + 1, k, top, scale, False, True, BITS,
                                       BLOCK, CHUNK)
-        mass, _, _ = _at_or_above(base, vocab, chunk_tops, floor, floor, floor, top, scale, True, True, BITS, BLOCK,
-                                  CHUNK)
+        if top_p < 1.0:  # top-p takes its share of the top-k set's mass: one more pass, only then
+            mass, _, _ = _at_or_above(base, vocab, chunk_tops, floor, floor, floor, top, scale, True, True, BITS,
+                                      BLOCK, CHUNK)
     if sampled & (top_p < 1.0):
         # An entry whose mass is at most (1 - p) of the set's over its size is out (the entries at or
         # below it hold no more than that): the floor is above it. One nat and two keys of margin for rounding.
