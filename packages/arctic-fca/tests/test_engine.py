@@ -634,10 +634,10 @@ def test_triton_kernels_and_engine_under_the_interpreter():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["cases"] == 124 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
+    assert result["cases"] == 148 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
     assert result["plain_kernel_equals_torch_build"]
     sampling = result["sampling"]
     assert sampling["logprob_max_abs_diff"] < 1e-5 and sampling["greedy_is_argmax"] and sampling["same_seed_same_tokens"]
-    assert sampling["chi_square"] < 16.3 and sampling["dominant_token_wins"], sampling
+    assert sampling["chi_square"] < 31.3 and sampling["dominant_token_wins"], sampling
     assert sampling["filters_keep_what_the_sort_keeps"] and sampling["filtered_logprob_max_abs_diff"] < 1e-5, sampling
     assert sampling["filtered_draws_outside"] == 0 and sampling["filtered_chi_square"] < 10.8, sampling

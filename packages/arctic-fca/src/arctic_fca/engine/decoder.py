@@ -139,7 +139,7 @@ class FusedDecoder:
         base, eps, linear = self.model.base_model, self.eps, fused_linear.fused_linear
         pdl = self.pdl and fused_linear.dependent_launch_pays(input_ids.shape[0])
         hidden = base.embed_tokens(input_ids)
-        normed = fused_linear.Normed.of(hidden, self.layers[0].input_norm)
+        normed = fused_linear.Normed.of(hidden, self.layers[0].input_norm, triton=True)
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [base.norm.weight]
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
             qkv = linear(normed, layer.qkv, layer.qkv_bias, eps=eps, pdl=pdl)
@@ -150,7 +150,7 @@ class FusedDecoder:
                                     next_norm=layer.post_norm, pdl=pdl)
             act = linear(normed, layer.gate_up, eps=eps, gated=True, pdl=pdl)
             hidden, normed = linear(act, layer.down.weight, residual=hidden, next_norm=next_norm, pdl=pdl)
-        return normed.normalized(eps)
+        return normed.normalized(eps, triton=True)
 
 
 @torch.no_grad()

@@ -56,15 +56,60 @@ class Normed:
     squares: torch.Tensor
 
     @classmethod
-    def of(cls, h: torch.Tensor, g: torch.Tensor) -> Normed:
-        """``h`` prepared with torch ops (where no product wrote it, e.g. the embeddings)."""
+    def of(cls, h: torch.Tensor, g: torch.Tensor, *, triton: bool = False) -> Normed:
+        """``h`` prepared where no product wrote it (e.g. the embeddings); ``triton``: in one kernel
+        rather than a handful of torch ops."""
+        if triton:
+            return cls(*_scaled_rows(h, g))
         h32 = h.float()
         return cls((h32 * g.float()).to(h.dtype), h32.square().sum(-1)[None])
 
-    def normalized(self, eps: float) -> torch.Tensor:
-        """``rms_norm(h, g, eps)`` itself (the final norm, which no product reads)."""
+    def normalized(self, eps: float, *, triton: bool = False) -> torch.Tensor:
+        """``rms_norm(h, g, eps)`` itself (the final norm, which no product reads); ``triton``: in
+        one kernel."""
+        if triton:
+            return _normalized_rows(self.scaled, self.squares, eps)
         r = torch.rsqrt(self.squares.sum(0) / self.scaled.shape[-1] + eps)
         return (self.scaled.float() * r[:, None]).to(self.scaled.dtype)
+
+
+def _scaled_rows(h: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, n = h.shape
+    scaled, squares = torch.empty_like(h), h.new_empty(1, rows, dtype=torch.float32)
+    _scale_rows_kernel[(rows,)](h.contiguous(), g, scaled, squares, n, BLOCK=triton.next_power_of_2(n))
+    return scaled, squares
+
+
+def _normalized_rows(scaled: torch.Tensor, squares: torch.Tensor, eps: float) -> torch.Tensor:
+    (tiles, rows), n = squares.shape, scaled.shape[1]
+    out = torch.empty_like(scaled)
+    _normalize_rows_kernel[(rows,)](scaled, squares, out, rows, n, tiles, eps,
+                                    TILES_BLOCK=triton.next_power_of_2(tiles), BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+@triton.jit
+def _scale_rows_kernel(h_ptr, g_ptr, scaled_ptr, squares_ptr, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    h = tl.load(h_ptr + row * n + cols, mask=mask, other=0.0)
+    h32 = h.to(tl.float32)
+    g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(scaled_ptr + row * n + cols, (h32 * g).to(h.dtype), mask=mask)
+    tl.store(squares_ptr + row, tl.sum(h32 * h32, 0))
+
+
+@triton.jit
+def _normalize_rows_kernel(scaled_ptr, squares_ptr, out_ptr, M, n, tiles, eps, TILES_BLOCK: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    r = _row_scale(squares_ptr, tiles, row + tl.arange(0, 1), M, n, eps, TILES_BLOCK)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    offsets = row.to(tl.int64) * n + cols
+    x = tl.load(scaled_ptr + offsets, mask=mask, other=0.0)
+    tl.store(out_ptr + offsets, (x.to(tl.float32) * r).to(x.dtype), mask=mask)
 
 
 def row_tile(rows: int) -> int:

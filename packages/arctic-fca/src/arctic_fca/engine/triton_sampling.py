@@ -2,22 +2,23 @@
 (``triton_filters``), in two kernels that read the logits once, instead of a dozen passes over
 ``[rows, vocab]`` and a sort.
 
-The draw is the exponential race of ``sampling.sample`` (argmax of ``logits / T - log E`` with
-``E ~ Exp(1)``, a draw from ``softmax(logits / T)``), with the noise from Triton's counter-based
-Philox generator keyed by a seed drawn from the caller's ``torch.Generator`` on the device (no
-host sync; a seeded call repeats itself). The log-sum-exp is accumulated online in the same pass,
-so the sampled token's log-prob comes out with it. Greedy rows (temperature 0) take the argmax of
-the raw logits (the first of ties, as ``torch.argmax``) and their log-prob under the raw
-distribution.
+The draw is an exponential race (argmax of ``p_i / E_i`` with ``E_i ~ Exp(1)`` is a draw from
+``p``), run in two levels so that only a few entries need a random number: first among the
+vocabulary's chunks of ``RACE_CHUNK`` entries, each weighted by its mass (the sum of its entries'
+``exp(logit / T)``), then among the entries of the winning chunk. ``P(chunk) P(entry | chunk)`` is
+the entry's probability, so the draw is exact, and the pass over the whole vocabulary costs one
+exp per entry (the exp-sum of the log-sum-exp, which the sampled token's log-prob needs anyway)
+rather than a random number and a log. The noise comes from Triton's counter-based Philox
+generator keyed by a seed drawn from the caller's ``torch.Generator`` on the device (no host sync;
+a seeded call repeats itself). Greedy rows (temperature 0) take the argmax of the raw logits (the
+first of ties, as ``torch.argmax``) and their log-prob under the raw distribution.
 
-The noise is what costs: one Philox call yields four uniforms, and within a block the race is run
-on the ratios ``exp(x - max) / E`` that the exp-sum already computes (the same argmax as ``x - log
-E``), so an entry costs one log (``E = -log u``) and no second log for the key; only the block's
-winner is taken back to the log domain to compare across blocks and slices. Entries more than ~87
-below the running max (a probability under 1e-38 of the top one) flush to 0 there and cannot win.
+Masses are summed relative to a block's max: entries more than ~87 below it (a probability under
+1e-38 of the top one) flush to 0 there and cannot win.
 
-Stage one: one program per (row, vocabulary slice) keeps the slice's running max, scaled
-exp-sum and best race key; stage two: one program per row combines its slices.
+Stage one: one program per (row, vocabulary slice) keeps the slice's running max, scaled exp-sum
+and its best chunk (greedy rows: best entry); stage two: one program per row combines its slices,
+then races the winning chunk's entries.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from arctic_fca.engine.triton_filters import Floors, order_keys
 
 SLICE = 16384  # vocabulary entries per stage-one program: rows x slices programs fill the GPU
 BLOCK = 2048  # entries per inner step
+RACE_CHUNK = 128  # entries per chunk of the first level of the race
 
 
 @triton.jit
 def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr, value_floor_ptr, chunk_tops_ptr,
                 max_ptr, sum_ptr, key_ptr, index_ptr, vocab, slices, num_chunks, SLICE: tl.constexpr,
-                BLOCK: tl.constexpr, FILTERED: tl.constexpr, BITS: tl.constexpr, CHUNK: tl.constexpr):
+                BLOCK: tl.constexpr, RACE_CHUNK: tl.constexpr, FILTERED: tl.constexpr, BITS: tl.constexpr,
+                CHUNK: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0  # greedy rows race on the logits alone
@@ -43,7 +46,8 @@ def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr
     seed = tl.load(seed_ptr)
     base = logits_ptr + row.to(tl.int64) * stride_row
     end = tl.minimum(vocab, (part + 1) * SLICE)
-    counters = row * tl.cdiv(vocab, 4)  # the row's Philox counters: one per four entries
+    # The row's Philox counters: one per four chunks, the last block's chunks past the vocabulary included.
+    counters = row * tl.cdiv(vocab, BLOCK) * (BLOCK // RACE_CHUNK // 4)
     key_floor, value_floor = 0, 0.0
     if FILTERED:  # the row's floors (triton_filters): entries below either one are out of the race
         key_floor = tl.load(key_floor_ptr + row)
@@ -61,7 +65,7 @@ def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr
         if read:
             running_max, running_sum, best_key, best_index = _race_block(
                 base, start, end, scale, greedy, seed, counters, key_floor, value_floor, running_max, running_sum,
-                best_key, best_index, BLOCK, FILTERED, BITS)
+                best_key, best_index, BLOCK, RACE_CHUNK, FILTERED, BITS)
     out = row * slices + part
     tl.store(max_ptr + out, running_max)
     tl.store(sum_ptr + out, running_sum)
@@ -70,15 +74,23 @@ def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr
 
 
 @triton.jit
-def _race_block(base, start, end, scale, greedy, seed, counters, key_floor, value_floor, running_max, running_sum,
-                best_key, best_index, BLOCK: tl.constexpr, FILTERED: tl.constexpr, BITS: tl.constexpr):
-    """Entries ``start : start + BLOCK`` into the slice's running max, exp-sum and best race key."""
-    cols = start + tl.arange(0, BLOCK)
-    ok = cols < end
+def _scaled(base, cols, ok, scale, key_floor, value_floor, FILTERED: tl.constexpr, BITS: tl.constexpr):
+    """The entries ``cols`` times ``scale``, -inf where masked off or below a floor."""
     raw = tl.load(base + cols, mask=ok, other=float("-inf"))
     x = raw.to(tl.float32) * scale
     if FILTERED:
         x = tl.where((order_keys(raw, BITS) >= key_floor) & (x >= value_floor), x, float("-inf"))
+    return x
+
+
+@triton.jit
+def _race_block(base, start, end, scale, greedy, seed, counters, key_floor, value_floor, running_max, running_sum,
+                best_key, best_index, BLOCK: tl.constexpr, RACE_CHUNK: tl.constexpr, FILTERED: tl.constexpr,
+                BITS: tl.constexpr):
+    """Entries ``start : start + BLOCK`` into the slice's running max, exp-sum and best race key (a
+    chunk's, or for greedy rows an entry's: the key is the logit itself)."""
+    cols = start + tl.arange(0, BLOCK)
+    x = _scaled(base, cols, cols < end, scale, key_floor, value_floor, FILTERED, BITS)
     new_max = tl.maximum(running_max, tl.max(x, 0))
     if FILTERED:  # a block filtered out whole leaves the max at -inf: exp(-inf - -inf) would be NaN
         new_max_or_0 = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -87,29 +99,34 @@ def _race_block(base, start, end, scale, greedy, seed, counters, key_floor, valu
     weight = tl.exp(x - new_max_or_0)
     running_sum = running_sum * tl.exp(running_max - new_max_or_0) + tl.sum(weight, 0)
     if greedy:
-        key = tl.where(ok, x, float("-inf"))
+        block_key, block_best = tl.max(x, 0, return_indices=True)  # the first of a tie, as torch.argmax
+        block_best += start
     else:
-        # u in [0, 1) (Triton keeps it below 1): E = -log(u) > 0; u = 0 gives E = inf, a ratio that never wins.
-        key = weight / -tl.log(_uniforms(seed, counters + start // 4, BLOCK))
-    block_key, block_best = tl.max(key, 0, return_indices=True)  # the first of a tie, as torch.argmax
-    if not greedy:  # the ratio's winner back in the log domain: x - log E
-        block_key = tl.log(block_key) + new_max
+        # Each chunk's mass over an exponential: E = -log(u) > 0 (u in [0, 1); u = 0 never wins).
+        masses = tl.sum(tl.reshape(weight, [BLOCK // RACE_CHUNK, RACE_CHUNK]), 1)
+        first = start // RACE_CHUNK
+        key = masses / -tl.log(_uniforms(seed, counters + first // 4, BLOCK // RACE_CHUNK))
+        block_key, block_best = tl.max(key, 0, return_indices=True)
+        block_key = tl.log(block_key) + new_max  # back to the log domain, to compare across blocks
+        block_best += first
     if block_key > best_key:  # strictly: the earlier block keeps a tie, as torch.argmax keeps the first
-        best_key, best_index = block_key, start + block_best
+        best_key, best_index = block_key, block_best
     return new_max, running_sum, best_key, best_index
 
 
 @triton.jit
-def _uniforms(seed, first_counter, BLOCK: tl.constexpr):
-    """``BLOCK`` uniforms in [0, 1) from ``BLOCK / 4`` Philox calls (counters from ``first_counter``),
-    entry ``4 i + j`` being output ``j`` of call ``i``."""
-    u0, u1, u2, u3 = tl.rand4x(seed, first_counter + tl.arange(0, BLOCK // 4))
-    return tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [BLOCK])
+def _uniforms(seed, first_counter, COUNT: tl.constexpr):
+    """``COUNT`` uniforms in [0, 1) from ``COUNT / 4`` Philox calls (counters from ``first_counter``)."""
+    u0, u1, u2, u3 = tl.rand4x(seed, first_counter + tl.arange(0, COUNT // 4))
+    return tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [COUNT])
 
 
 @triton.jit
-def _combine_slices(logits_ptr, stride_row, temperature_ptr, max_ptr, sum_ptr, key_ptr, index_ptr, token_ptr,
-                    logprob_ptr, slices, SLICES_P2: tl.constexpr):
+def _combine_slices(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr, value_floor_ptr, max_ptr,
+                    sum_ptr, key_ptr, index_ptr, token_ptr, logprob_ptr, vocab, slices, first_counter,
+                    SLICES_P2: tl.constexpr, RACE_CHUNK: tl.constexpr, FILTERED: tl.constexpr, BITS: tl.constexpr):
+    """A row's slices into its log-sum-exp and winner (a chunk, or for greedy rows the token), then
+    the token: the race among the winning chunk's entries, on Philox counters of its own."""
     row = tl.program_id(0)
     parts = tl.arange(0, SLICES_P2)
     ok = parts < slices
@@ -118,11 +135,23 @@ def _combine_slices(logits_ptr, stride_row, temperature_ptr, max_ptr, sum_ptr, k
     keys = tl.load(key_ptr + row * slices + parts, mask=ok, other=float("-inf"))
     top = tl.max(maxes, 0)
     log_total = top + tl.log(tl.sum(sums * tl.exp(maxes - top), 0))
-    winner = tl.argmax(keys, 0)  # the first slice of a tie: the smallest token index
-    token = tl.load(index_ptr + row * slices + winner)
+    winner = tl.load(index_ptr + row * slices + tl.argmax(keys, 0))  # the first slice of a tie
     temperature = tl.load(temperature_ptr + row)
-    scale = tl.where(temperature == 0, 1.0, 1.0 / temperature)
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32) * scale
+    greedy = temperature == 0
+    scale = tl.where(greedy, 1.0, 1.0 / temperature)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    token = winner
+    if not greedy:
+        key_floor, value_floor = 0, 0.0
+        if FILTERED:
+            key_floor = tl.load(key_floor_ptr + row)
+            value_floor = tl.load(value_floor_ptr + row)
+        cols = winner * RACE_CHUNK + tl.arange(0, RACE_CHUNK)
+        x = _scaled(base, cols, cols < vocab, scale, key_floor, value_floor, FILTERED, BITS)
+        weight = tl.exp(x - tl.max(x, 0))
+        counters = first_counter + row * (RACE_CHUNK // 4)
+        token = winner * RACE_CHUNK + tl.argmax(weight / -tl.log(_uniforms(tl.load(seed_ptr), counters, RACE_CHUNK)), 0)
+    x = tl.load(base + token).to(tl.float32) * scale
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(logprob_ptr + row, x - log_total)
 
@@ -145,10 +174,16 @@ def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, gen
     filtered = floors is not None
     floors = floors or Floors(index, partial, logits, chunk=BLOCK)  # without floors: pointers the kernel does not read
     assert BLOCK % floors.chunk == 0, "a race block must hold whole chunks"
+    assert BLOCK // RACE_CHUNK >= 4 and RACE_CHUNK >= 4, "the race draws its uniforms four at a time"
+    bits = logits.element_size() * 8
     _slice_race[(rows, slices)](logits, logits.stride(0), temperature, seed, floors.key, floors.value,
                                 floors.chunk_tops, partial[0], partial[1], partial[2], index, vocab, slices,
-                                floors.chunk_tops.shape[1], SLICE=SLICE, BLOCK=BLOCK, FILTERED=filtered,
-                                BITS=logits.element_size() * 8, CHUNK=floors.chunk, num_warps=8)
-    _combine_slices[(rows,)](logits, logits.stride(0), temperature, partial[0], partial[1], partial[2], index, tokens,
-                             logprobs, slices, SLICES_P2=max(2, triton.next_power_of_2(slices)), num_warps=1)
+                                floors.chunk_tops.shape[1], SLICE=SLICE, BLOCK=BLOCK, RACE_CHUNK=RACE_CHUNK,
+                                FILTERED=filtered, BITS=bits, CHUNK=floors.chunk, num_warps=8)
+    # The second level's counters follow every row's first-level ones.
+    first_counter = rows * triton.cdiv(vocab, BLOCK) * (BLOCK // RACE_CHUNK // 4)
+    _combine_slices[(rows,)](logits, logits.stride(0), temperature, seed, floors.key, floors.value, partial[0],
+                             partial[1], partial[2], index, tokens, logprobs, vocab, slices, first_counter,
+                             SLICES_P2=max(2, triton.next_power_of_2(slices)), RACE_CHUNK=RACE_CHUNK,
+                             FILTERED=filtered, BITS=bits, num_warps=4)
     return tokens, logprobs
