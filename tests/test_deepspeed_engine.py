@@ -120,6 +120,18 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(float((a[k] - b[k]).norm() / (b[k].norm() + 1e-12)) for k in a)
 
 
+def rounded_apart(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The share of bf16 weights that differ between ``a`` and ``b``; each may differ by one bf16
+    step at most (asserted)."""
+    assert a.keys() == b.keys() and a
+    differing = total = 0
+    for k in a:
+        gap, size = (a[k] - b[k]).abs(), torch.maximum(a[k].abs(), b[k].abs())
+        assert (gap <= torch.finfo(torch.bfloat16).eps * size).all(), f"{k}: more than one bf16 step apart"
+        differing, total = differing + int((gap > 0).sum()), total + gap.numel()
+    return differing / total
+
+
 def test_log_probs_equal_the_reference_backend(deepspeed_run, reference):
     for name in ("logprobs", "entropy"):
         torch.testing.assert_close(deepspeed_run["logprobs"][name], reference["logprobs"][name], atol=1e-5, rtol=0)
@@ -367,9 +379,9 @@ def test_bf16_zero_1_trains_as_zero_2(config_of, batch, tiny_policy, tmp_path):
     assert max_relative_error(one["grads"], two["grads"]) < 1e-6
     # Each optimizer sums the squares in its own order and precision (the reported norm differs in
     # the 5th digit) and keeps its fp32 masters in its own buffers: a weight may round to the next
-    # bf16 value.
+    # bf16 value (how many do depends on the CPU's bf16 kernels: a few on a CPU with AVX-512 BF16).
     assert one["step"]["grad_norm"] == pytest.approx(two["step"]["grad_norm"], rel=1e-4)
-    assert max_relative_error(one["after"], two["after"]) < 1e-6 and max_relative_error(one["after"], one["before"]) > 1e-4
+    assert rounded_apart(one["after"], two["after"]) <= 1e-4 and max_relative_error(one["after"], one["before"]) > 1e-4
     for ran in ("next", "resumed_next"):
         assert one[ran][0] == pytest.approx(two[ran][0], abs=1e-7)
         # Weights one bf16 value apart give slightly different gradients, which Adam's per-element

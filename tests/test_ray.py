@@ -4,7 +4,6 @@ the update of one rank on the same global batch; a dead worker is reported by ra
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -107,11 +106,17 @@ def test_a_worker_killed_mid_fwd_bwd_is_named_and_a_checkpoint_restores_every_ra
         client.save_checkpoint(str(tmp_path / "ckpt"))
         expected_loss = client.fwd_bwd(batch, PPO).metrics["loss"]  # the next step's loss, from the checkpoint
         client.step()
-        long_call = random_grpo_batch(vocab, groups=(24,) * 40, samples=8)  # ~7 s on 2 cores: the kill lands inside
-        killer = threading.Timer(0.5, ray.kill, [server.trainer.workers[1]])
-        killer.start()  # the call is under way by then: it fails only if the rank dies inside it
+        trainer, gather = server.trainer, server.trainer._gather
+
+        def rank_1_dies_inside_the_call(refs, what):
+            # Once every rank's task is submitted (not after a fixed time, which a fast CPU outruns).
+            trainer._gather = gather
+            ray.kill(trainer.workers[1])
+            return gather(refs, what)
+
+        trainer._gather = rank_1_dies_inside_the_call
         with pytest.raises(WorkerError, match="training worker rank 1 died during fwd_bwd") as info:
-            client.fwd_bwd(long_call, PPO)
+            client.fwd_bwd(batch, PPO)
         assert "load_checkpoint restarts the workers" in str(info.value)
         assert client.status().step == 2  # still answering
         health = _health(server, busy=False)
