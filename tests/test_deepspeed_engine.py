@@ -450,3 +450,24 @@ def test_a_build_lock_left_by_a_killed_build_is_named(tmp_path, monkeypatch, cap
         deepspeed_engine.warn_of_stale_build_locks(older_than=0.0)
     named = sorted(r.getMessage() for r in caplog.records if r.name == deepspeed_engine.__name__)
     assert [m.split(" is ")[0] for m in named] == [str(stale), str(fresh)]
+
+
+def test_a_world_of_one_starts_while_another_process_holds_its_master_port():
+    """Engines start side by side (a test run, a node's workers): a world of one binds no port, so
+    the port its variables name may be taken between import and start."""
+    import subprocess
+    import sys
+
+    script = """
+import os, socket, torch
+from arctic_zorro import deepspeed_engine
+taken = socket.socket()
+taken.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+taken.listen()
+deepspeed_engine.init_distributed()
+assert torch.distributed.get_world_size() == 1 and torch.distributed.get_rank() == 0
+print("started on", torch.distributed.get_backend())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "started on gloo"

@@ -45,9 +45,9 @@ def _prepare_environment() -> None:
     """Pick DeepSpeed's accelerator and a world of one before ``deepspeed`` is imported.
 
     DeepSpeed chooses its accelerator from ``DS_ACCELERATOR`` at import time and its comm layer
-    reads the usual launcher variables. Outside a multi-process launch we are a world of one, and
-    that world takes a fresh port: variables inherited from a parent Arctic process (a test
-    runner, a demo) would otherwise point at a port the parent still holds.
+    reads the usual launcher variables. Outside a multi-process launch we are a world of one, whose
+    variables are set afresh: ones inherited from a parent Arctic process (a test runner, a demo)
+    would describe the parent's world. The group itself binds no port (``_init_world_of_one``).
     """
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -77,12 +77,24 @@ def init_distributed() -> None:
         watchdog.daemon = True
         watchdog.start()
         try:
+            _init_world_of_one()
             # On the CPU it builds DeepSpeed's shared-memory op, which announces itself with print():
             # a user's program keeps its stdout for its own output.
             with contextlib.redirect_stdout(sys.stderr):
-                deepspeed.init_distributed(verbose=False)
+                deepspeed.init_distributed(verbose=False)  # adopts a group initialised before it
         finally:
             watchdog.cancel()
+
+
+def _init_world_of_one() -> None:
+    """A world of one's process group on an in-process store: no rendezvous, so no port to bind.
+
+    A port picked before the engine starts can be taken by another process in the meantime (several
+    engines start side by side in one test run or one node); a world of one has no peer to meet.
+    """
+    backend = deepspeed.accelerator.get_accelerator().communication_backend_name()
+    if os.environ.get("WORLD_SIZE", "1") == "1" and backend in ("nccl", "gloo") and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
 
 
 STALE_BUILD_LOCK_S = 600.0
