@@ -147,8 +147,9 @@ def plain_work_cases() -> tuple[float, int, bool]:
             torch_work.q_index[pairs : pairs + rows], kernel_work.q_index[pairs : pairs + rows]) and int(
             kernel_work.node.count) == 0 and not bool(builders[1].used_fca)
         padded_query = torch.cat([query, query.new_zeros(3, *query.shape[1:])])
-        expected = torch.cat([paged_decode_attention(query, key_cache, value_cache, tables[: len(requests)].clamp(min=0),
-                                                     lens[: len(requests)], 0.3), padded_query[len(requests):]])
+        real_tables, real_lens = tables[: len(requests)].clamp(min=0), lens[: len(requests)]
+        expected = torch.cat([paged_decode_attention(query, key_cache, value_cache, real_tables, real_lens, 0.3),
+                              padded_query[len(requests):]])
         for merging in (False, True):  # the merge launch, and the merge by each request's last item
             work = dataclasses.replace(kernel_work, tuning=kernel_work.tuning.replace(merge_in_passes=merging))
             out = triton_decode_attention(padded_query, key_cache, value_cache, work, 0.3,
