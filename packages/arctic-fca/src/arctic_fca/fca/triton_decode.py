@@ -46,7 +46,7 @@ def _partial_attention(
     q_ptr, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, q_index_ptr, items_ptr, count_ptr,
     out_ptr, lse_ptr, final_ptr, arrivals_ptr, indptr_ptr, rows_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_or, stride_oh, stride_lr, stride_items, stride_fr, stride_fh, num_heads, zero_requests,
+    stride_or, stride_oh, stride_lr, stride_items, stride_fr, stride_fh, stride_ar, zero_requests,
     scale_log2,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OWNED: tl.constexpr, MERGE: tl.constexpr,
@@ -67,7 +67,7 @@ def _partial_attention(
             GROUP, PAGE, HEAD_DIM, DIM_P2, BLOCK_Q, BLOCK_N, DIRECT, IEEE, OWNED)
         if MERGE:
             _merge_if_last(out_ptr, lse_ptr, final_ptr, arrivals_ptr, indptr_ptr, rows_ptr, request, head, row_ok,
-                           num_heads, stride_or, stride_oh, stride_lr, stride_fr, stride_fh, HEAD_DIM, DIM_P2,
+                           stride_or, stride_oh, stride_lr, stride_fr, stride_fh, stride_ar, HEAD_DIM, DIM_P2,
                            BLOCK_Q, MERGE_ROWS)
 
 
@@ -187,20 +187,22 @@ def _write_result(out_ptr, lse_ptr, acc, m, l, request, head, local, row_ok, out
 
 
 @triton.jit
-def _merge_if_last(part_ptr, lse_ptr, final_ptr, arrivals_ptr, indptr_ptr, rows_ptr, request, head, row_ok, num_heads,
-                   stride_pr, stride_ph, stride_lr, stride_fr, stride_fh, HEAD_DIM: tl.constexpr,
+def _merge_if_last(part_ptr, lse_ptr, final_ptr, arrivals_ptr, indptr_ptr, rows_ptr, request, head, row_ok,
+                   stride_pr, stride_ph, stride_lr, stride_fr, stride_fh, stride_ar, HEAD_DIM: tl.constexpr,
                    DIM_P2: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr):
     """The merge, done by the last item to write each (request, head): the item's rows count their
-    arrival, and a row whose count reaches its request's partial rows merges them into the output and
-    resets its count for the next launch. No merge launch: the work moves into the passes' tails."""
+    arrival, and a row whose count reaches its request's partial rows merges them into ``final``
+    and resets its count for the next launch. No merge launch: the work moves into the passes' tails."""
     first = tl.load(indptr_ptr + request, mask=row_ok, other=0)
     count = tl.load(indptr_ptr + request + 1, mask=row_ok, other=0) - first
-    tl.debug_barrier()  # every thread's partial stores are done before the arrival publishes them
-    counter = arrivals_ptr + request * num_heads + head
+    # Every thread's partial stores come before this program's arrivals (release), and the reads
+    # below after every thread's view of the arrivals (acquire), as with a semaphore.
+    tl.debug_barrier()
+    counter = arrivals_ptr + request * stride_ar + head
     arrived = tl.atomic_add(counter, 1, mask=row_ok, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
     last = row_ok & (arrived + 1 == count)
     if tl.max(last.to(tl.int32), 0) > 0:
-        tl.store(counter, 0, mask=last)
         count = tl.where(last, count, 0)
         dims = tl.arange(0, DIM_P2)
         dim_ok = dims < HEAD_DIM
@@ -216,30 +218,34 @@ def _merge_if_last(part_ptr, lse_ptr, final_ptr, arrivals_ptr, indptr_ptr, rows_
                 part = tl.load(part_ptr + row[:, None] * stride_pr + head[:, None] * stride_ph + dims[None, :],
                                mask=ok[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg")
                 m_new = tl.maximum(m, lse)
-                base = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to merge stay at 0
-                weight = tl.exp(lse - base)
-                alpha = tl.exp(m - base)
+                pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to merge: no inf - inf
+                weight = tl.exp(lse - pivot)
+                alpha = tl.exp(m - pivot)
                 total = total * alpha + weight
                 acc = acc * alpha[:, None] + weight[:, None] * part
                 m = m_new
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(final_ptr + request[:, None] * stride_fr + head[:, None] * stride_fh + dims[None, :],
                  out.to(final_ptr.dtype.element_ty), mask=last[:, None] & dim_ok[None, :])
+        tl.atomic_xchg(counter, 0, mask=last)  # ready for the next launch
 
 
 @triton.jit
 def _zero_idle_requests(final_ptr, indptr_ptr, kv_head, num_requests, stride_fr, stride_fh, GROUP: tl.constexpr,
                         HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Zeros for this KV head's query heads of the requests (strided over the programs) that have no
-    partial rows: no item arrives for them."""
+    """Zeros for this KV head's query heads of the requests without partial rows (padding: no item
+    arrives for them), as the merge launch writes; this program's share, ``BLOCK_Q // GROUP`` at a time."""
+    per_step: tl.constexpr = BLOCK_Q // GROUP
     rows = tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, DIM_P2)
-    ok = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
-    head = kv_head * GROUP + rows
-    for request in range(tl.program_id(0), num_requests, tl.num_programs(0)):
-        idle = tl.load(indptr_ptr + request + 1) == tl.load(indptr_ptr + request)
-        tl.store(final_ptr + request * stride_fr + head[:, None] * stride_fh + dims[None, :],
-                 tl.zeros([BLOCK_Q, DIM_P2], final_ptr.dtype.element_ty), mask=ok & idle)
+    head = kv_head * GROUP + rows % GROUP
+    for base in range(tl.program_id(0) * per_step, num_requests, tl.num_programs(0) * per_step):
+        request = base + rows // GROUP
+        real = (rows < per_step * GROUP) & (request < num_requests)
+        idle = real & (tl.load(indptr_ptr + request + 1, mask=real, other=0)
+                       == tl.load(indptr_ptr + request, mask=real, other=0))
+        tl.store(final_ptr + request[:, None] * stride_fr + head[:, None] * stride_fh + dims[None, :],
+                 tl.zeros([BLOCK_Q, DIM_P2], final_ptr.dtype.element_ty), mask=idle[:, None] & (dims < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -300,7 +306,7 @@ def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cach
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), launch.items.stride(0), final.stride(0), final.stride(1),
-        query.shape[1], zero_requests, scale * LOG2E,
+        arrivals.stride(0), zero_requests, scale * LOG2E,
         GROUP=group, PAGE=page, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
         BLOCK_N=config.block_n, DIRECT=work.direct, IEEE=query.dtype == torch.float32, OWNED=owned,
         MERGE=merge, MERGE_ROWS=tuning.merge_rows, num_warps=config.num_warps, num_stages=stages,
