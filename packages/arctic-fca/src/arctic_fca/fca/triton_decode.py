@@ -245,7 +245,8 @@ def _zero_idle_requests(final_ptr, indptr_ptr, kv_head, num_requests, stride_fr,
         idle = real & (tl.load(indptr_ptr + request + 1, mask=real, other=0)
                        == tl.load(indptr_ptr + request, mask=real, other=0))
         tl.store(final_ptr + request[:, None] * stride_fr + head[:, None] * stride_fh + dims[None, :],
-                 tl.zeros([BLOCK_Q, DIM_P2], final_ptr.dtype.element_ty), mask=idle[:, None] & (dims < HEAD_DIM)[None, :])
+                 tl.zeros([BLOCK_Q, DIM_P2], final_ptr.dtype.element_ty),
+                 mask=idle[:, None] & (dims < HEAD_DIM)[None, :])
 
 
 @triton.jit
