@@ -93,7 +93,8 @@ def _init_world_of_one() -> None:
     engines start side by side in one test run or one node); a world of one has no peer to meet.
     """
     backend = deepspeed.accelerator.get_accelerator().communication_backend_name()
-    if os.environ.get("WORLD_SIZE", "1") == "1" and backend in ("nccl", "gloo") and not torch.distributed.is_initialized():
+    alone = os.environ.get("WORLD_SIZE", "1") == "1" and not torch.distributed.is_initialized()
+    if alone and backend in ("nccl", "gloo"):
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
 
 

@@ -197,7 +197,8 @@ class DeviceWorkBuilder:
 
     def _build(self, num_requests: int, kind: Build) -> None:
         """The work of the first ``num_requests`` rows of the input buffers."""
-        self.work.arrivals.zero_()  # every step: a woken engine's memory may hold anything
+        if self.work.tuning.merge_in_passes:  # every step: a woken engine's memory may hold anything
+            self.work.arrivals.zero_()
         if kind == "plain":
             return self._build_plain(num_requests)
         if kind == "reuse":

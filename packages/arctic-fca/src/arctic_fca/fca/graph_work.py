@@ -97,7 +97,8 @@ class StaticDecodeWork:
         self.host["merge_indptr"][:] = work.merge_indptr
         self.host["merge_rows"][: work.merge_rows.size] = work.merge_rows
         copy_in(self.meta, self.meta_host)
-        self.work.arrivals.zero_()  # every step: a woken engine's memory may hold anything
+        if self.work.tuning.merge_in_passes:  # every step: a woken engine's memory may hold anything
+            self.work.arrivals.zero_()
         rows_size = self.num_requests * work.table_width  # the tables' rows, then the nodes' blocks
         if tables is not None:
             copy_in(self.kv_index[:rows_size], tables.reshape(-1))
