@@ -37,8 +37,8 @@ import triton.language as tl
 from arctic_fca.fca import fca_attention_with_lse
 from arctic_fca.fca.decode import prepare_decode
 from arctic_fca.fca.reference import paged_decode_attention
-from arctic_fca.fca.triton_decode import (LOG2E, _attend_block, _merge, _merge_if_last, _query_rows, _query_tile,
-                                          _write_result, _zero_idle_requests, launch_fitting_stages)
+from arctic_fca.fca.triton_decode import (LOG2E, _attend_block, _merge, _query_rows, _query_tile, _write_result,
+                                          launch_fitting_stages)
 from arctic_fca.fca.work import DeviceWork, device_sms
 from fca_common import (QWEN3_1_7B_HEADS, GPU_SUFFIX, attention_args, build_batch, describe, layer_copies,
                         max_abs_diff, parse_shapes, per_layer_us, tuning_of)
@@ -123,16 +123,16 @@ def _one_launch_attention(
             _write_result(out_ptr, lse_ptr, acc, m, l, request, head, local, row_ok, out_row,
                           stride_or, stride_oh, stride_lr, HEAD_DIM, DIM_P2, DIRECT)
             if MERGE:
-                _merge_if_last(out_ptr, lse_ptr, final_ptr, arrivals_ptr, indptr_ptr, rows_ptr, request, head,
-                               row_ok, stride_or, stride_oh, stride_lr, stride_fr, stride_fh, stride_ar, HEAD_DIM,
-                               DIM_P2, BLOCK_Q, 1)
+                _merge_on_last_arrival(out_ptr, lse_ptr, final_ptr, indptr_ptr, rows_ptr, arrivals_ptr, request,
+                                       head, row_ok, stride_or, stride_oh, stride_lr, stride_fr, stride_fh,
+                                       stride_ar, HEAD_DIM, DIM_P2, BLOCK_Q)
         # The next block's place, by arithmetic outside the branches above: the software pipeline
         # computes it stages ahead of the softmax that those branches wait for.
         slot = tl.where(last, slot + 1, slot)
         start = tl.where(last, 0, start + BLOCK_N)
     if MERGE:
-        _zero_idle_requests(final_ptr, indptr_ptr, kv_head, num_requests, stride_fr, stride_fh, GROUP, HEAD_DIM,
-                            DIM_P2, BLOCK_Q)
+        _zero_requests_without_rows(final_ptr, indptr_ptr, num_requests, kv_head, first, programs, stride_fr,
+                                    stride_fh, GROUP, HEAD_DIM, DIM_P2, BLOCK_Q)
 
 
 @triton.jit
@@ -142,10 +142,69 @@ def _item_column(node_ptr, single_ptr, item, node_count, in_node, in_single, col
             + tl.load(single_ptr + column * stride_single + (item - node_count), mask=in_single, other=0))
 
 
+@triton.jit
+def _merge_on_last_arrival(part_ptr, lse_ptr, final_ptr, indptr_ptr, rows_ptr, arrivals_ptr, request, head, row_ok,
+                           stride_pr, stride_ph, stride_lr, stride_fr, stride_fh, stride_ar,
+                           HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Count this item's rows in; the rows (request, head) whose count is now complete are merged
+    here, from the partials every program wrote (read through L2: other SMs wrote them)."""
+    first = tl.load(indptr_ptr + request, mask=row_ok, other=0)
+    parts = tl.load(indptr_ptr + request + 1, mask=row_ok, other=0) - first
+    # Every thread's partial stores above come before this program's arrivals (release), and the
+    # reads below come after every thread's view of the arrivals (acquire), as in a semaphore.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + request * stride_ar + head, 1, mask=row_ok, sem="acq_rel")
+    tl.debug_barrier()
+    last = row_ok & (arrived == parts - 1)
+    if tl.max(last.to(tl.int32), 0) > 0:
+        dims = tl.arange(0, DIM_P2)
+        dim_ok = dims < HEAD_DIM
+        m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, DIM_P2], tl.float32)
+        for j in range(0, tl.max(tl.where(last, parts, 0), 0)):
+            take = last & (j < parts)
+            row = tl.load(rows_ptr + first + j, mask=take, other=0).to(tl.int64)
+            lse = tl.load(lse_ptr + row * stride_lr + head, mask=take, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(part_ptr + row[:, None] * stride_pr + head[:, None] * stride_ph + dims[None, :],
+                           mask=take[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            pivot = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows not merged: no inf - inf
+            weight = tl.exp(lse - pivot)  # rows not taken: exp(-inf) = 0
+            alpha = tl.exp(m - pivot)
+            total = total * alpha + weight
+            acc = acc * alpha[:, None] + weight[:, None] * part
+            m = m_new
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(final_ptr + request[:, None] * stride_fr + head[:, None] * stride_fh + dims[None, :],
+                 out.to(final_ptr.dtype.element_ty), mask=last[:, None] & dim_ok[None, :])
+        tl.atomic_xchg(arrivals_ptr + request * stride_ar + head, 0, mask=last)  # ready for the next launch
+
+
+@triton.jit
+def _zero_requests_without_rows(final_ptr, indptr_ptr, num_requests, kv_head, first, programs, stride_fr, stride_fh,
+                                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+                                BLOCK_Q: tl.constexpr):
+    """Zeros for the requests with no partial rows (padding of a CUDA graph's batch), as the merge
+    launch writes: this program's share of the requests, ``BLOCK_Q // GROUP`` at a time."""
+    per_step: tl.constexpr = BLOCK_Q // GROUP
+    rows = tl.arange(0, BLOCK_Q)
+    dims = tl.arange(0, DIM_P2)
+    head = kv_head * GROUP + rows % GROUP
+    for base in range(first * per_step, num_requests, programs * per_step):
+        request = base + rows // GROUP
+        real = request < num_requests
+        empty = real & (tl.load(indptr_ptr + request + 1, mask=real, other=0)
+                        == tl.load(indptr_ptr + request, mask=real, other=0))
+        tl.store(final_ptr + request[:, None] * stride_fr + head[:, None] * stride_fh + dims[None, :],
+                 tl.zeros([BLOCK_Q, DIM_P2], tl.float32).to(final_ptr.dtype.element_ty),
+                 mask=empty[:, None] & (dims < HEAD_DIM)[None, :])
+
+
 def one_launch_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, work: DeviceWork,
                          scale: float, setting: OneLaunch) -> torch.Tensor:
     """``triton_decode_attention``'s result from one launch (and the merge launch unless
-    ``setting.merge``; the in-launch merge counts in ``work.arrivals``)."""
+    ``setting.merge``; the in-launch merge's counts are kept with ``work``: ``_arrivals``)."""
     out = torch.empty_like(query)
     head_dim = query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
@@ -156,7 +215,7 @@ def one_launch_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     capacity = node.items.shape[1] + work.single.items.shape[1]
     direct, merge = work.direct, setting.merge and not work.direct
     parts, lse = (out, out) if direct else (work.partial, work.lse)
-    arrivals = work.arrivals
+    arrivals = _arrivals(work)
     fit_key = ("one", query.device, query.dtype, head_dim, block_q, setting.block_n, setting.num_stages)
     launch_fitting_stages(fit_key, setting.num_stages, lambda stages: _one_launch_attention[(programs, num_kv_heads)](
         query, key_cache, value_cache, work.kv_index, work.q_index, node.items, node.count,
@@ -175,6 +234,15 @@ def one_launch_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     if not direct and not merge:
         _merge(work, out)
     return out
+
+
+def _arrivals(work: DeviceWork) -> torch.Tensor:
+    """[requests, q_heads] int32 counts kept with ``work``, zero between launches (the merging
+    program resets what it counted); made by a first, eager call, before any CUDA graph capture."""
+    if not hasattr(work, "arrivals"):
+        work.arrivals = torch.zeros(work.merge_indptr.numel(), work.lse.shape[1], dtype=torch.int32,
+                                    device=work.lse.device)
+    return work.arrivals
 
 
 # ----------------------------------------------------------------------------- CPU smoke
@@ -226,7 +294,7 @@ def gpu(shapes, settings: list[OneLaunch]) -> dict:
             runs[json.dumps(asdict(setting))] = (lambda layer, work=work, setting=setting:
                                                  one_launch_attention(query, *caches[layer], work, scale, setting))
         for name, run in runs.items():
-            diff = max_abs_diff(run(0), exact)  # eager first: compiles
+            diff = max_abs_diff(run(0), exact)  # eager first: compiles, and makes the arrival counts
             row = {"shape": f"{groups}x{samples}@{prefix}", "launch": name, "us": round(per_layer_us(run), 1),
                    "max_abs_diff_vs_torch": diff}
             print(row, flush=True)

@@ -634,7 +634,7 @@ def test_triton_kernels_and_engine_under_the_interpreter():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["cases"] == 175 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
+    assert result["cases"] == 148 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
     assert result["plain_kernel_equals_torch_build"]
     sampling = result["sampling"]
     assert sampling["logprob_max_abs_diff"] < 1e-5 and sampling["greedy_is_argmax"] and sampling["same_seed_same_tokens"]

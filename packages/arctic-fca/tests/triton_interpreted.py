@@ -42,9 +42,7 @@ def kernel_cases() -> tuple[float, int]:
             expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
             tuning = TUNING if seed < 2 else PER_LAUNCH_TUNING
             fca = build_plan(tables, lens, block_size)  # FCA in both layouts, and plain decode
-            merging = tuning.replace(merge_in_passes=True)  # the last item of a request merges it
-            for plan, layout in ((fca, tuning), (fca, tuning.replace(own_tokens_in_tiles=True)), (None, tuning),
-                                 (fca, merging), (None, merging)):
+            for plan, layout in ((fca, tuning), (fca, tuning.replace(own_tokens_in_tiles=True)), (None, tuning)):
                 work = plan_work(plan, tables, lens, block_size, heads[0], heads[1], 24, chunk=chunk, tuning=layout)
                 out = triton_decode_attention(query, key_cache, value_cache, work, 0.3)
                 worst = max(worst, max_abs_diff(out, expected))
@@ -105,8 +103,7 @@ def device_work_cases() -> tuple[float, int]:
         builder = DeviceWorkBuilder(len(requests), tables.shape[1], key_cache.shape[0], 16, num_q_heads=4,
                                     num_kv_heads=2, head_dim=16, kv_dtype=key_cache.dtype, device="cpu",
                                     costs=CostConstants(min_speedup=0.0), num_sms=8, chunk_range=(16, 32),
-                                    tuning=TUNING.replace(merge_in_passes=seed == 8))
-        builder.work.arrivals.fill_(7)  # what a woken engine's memory may hold: each build starts the counts
+                                    tuning=TUNING)
         # vLLM's layout: [num_blocks, 2, block_size, kv_heads, head_dim], read as strided views, and
         # the output written into a wider buffer's rows (what arctic_fca.vllm_attention does).
         kv_cache = torch.stack([key_cache, value_cache], dim=1)
@@ -150,12 +147,10 @@ def plain_work_cases() -> tuple[float, int, bool]:
         real_tables, real_lens = tables[: len(requests)].clamp(min=0), lens[: len(requests)]
         expected = torch.cat([paged_decode_attention(query, key_cache, value_cache, real_tables, real_lens, 0.3),
                               padded_query[len(requests):]])
-        for merging in (False, True):  # the merge launch, and the merge by each request's last item
-            work = dataclasses.replace(kernel_work, tuning=kernel_work.tuning.replace(merge_in_passes=merging))
-            out = triton_decode_attention(padded_query, key_cache, value_cache, work, 0.3,
-                                          out=torch.full_like(padded_query, float("nan")))
-            worst = max(worst, max_abs_diff(out, expected))  # padding rows: no items, zeros
-            cases += 1
+        out = triton_decode_attention(padded_query, key_cache, value_cache, kernel_work, 0.3,
+                                      out=torch.full_like(padded_query, float("nan")))
+        worst = max(worst, max_abs_diff(out, expected))  # padding rows: no items, the merge writes zeros
+        cases += 1
     # Split lengths at their boundaries: 8 items wanted (8 nominal SMs x 2 / 2 KV heads), so 256
     # tokens split in 32s and 257 in 64s.
     for total in (255, 256, 257):

@@ -48,7 +48,7 @@ def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr
     end = tl.minimum(vocab, (part + 1) * SLICE)
     # The row's Philox counters: one per four chunks, the last block's chunks past the vocabulary included.
     counters = row * tl.cdiv(vocab, BLOCK) * (BLOCK // RACE_CHUNK // 4)
-    key_floor, value_floor = _row_floors(key_floor_ptr, value_floor_ptr, row, FILTERED)
+    key_floor, value_floor = _load_row_floors(key_floor_ptr, value_floor_ptr, row, FILTERED)
     running_max, running_sum = float("-inf"), 0.0
     best_key, best_index = float("-inf"), 0
     for start in range(part * SLICE, end, BLOCK):
@@ -71,7 +71,7 @@ def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr
 
 
 @triton.jit
-def _row_floors(key_floor_ptr, value_floor_ptr, row, FILTERED: tl.constexpr):
+def _load_row_floors(key_floor_ptr, value_floor_ptr, row, FILTERED: tl.constexpr):
     """The row's floors (triton_filters): entries below either one are out of the race."""
     key_floor, value_floor = 0, 0.0
     if FILTERED:
@@ -149,7 +149,7 @@ def _combine_slices(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor
     base = logits_ptr + row.to(tl.int64) * stride_row
     token = winner
     if not greedy:
-        key_floor, value_floor = _row_floors(key_floor_ptr, value_floor_ptr, row, FILTERED)
+        key_floor, value_floor = _load_row_floors(key_floor_ptr, value_floor_ptr, row, FILTERED)
         cols = winner * RACE_CHUNK + tl.arange(0, RACE_CHUNK)
         x = _scaled(base, cols, cols < vocab, scale, key_floor, value_floor, FILTERED, BITS)
         weight = tl.exp(x - tl.max(x, 0))

@@ -114,7 +114,6 @@ class DeviceWorkBuilder:
             lse=torch.zeros(self.caps["rows"], num_q_heads, dtype=torch.float32, device=device),
             direct=False,
             tuning=tuning,
-            arrivals=ints(max_requests, num_q_heads),
         )
         self.used_fca = torch.zeros((), dtype=torch.bool, device=device)  # this step's choice, for metrics
         # What a full build keeps for the builds that reuse its forest (``forest_key``): each
@@ -197,8 +196,6 @@ class DeviceWorkBuilder:
 
     def _build(self, num_requests: int, kind: Build) -> None:
         """The work of the first ``num_requests`` rows of the input buffers."""
-        if self.work.tuning.merge_in_passes:  # every step: a woken engine's memory may hold anything
-            self.work.arrivals.zero_()
         if kind == "plain":
             return self._build_plain(num_requests)
         if kind == "reuse":

@@ -72,7 +72,6 @@ class StaticDecodeWork:
             tuning=tuning,
             kv_owner=owner,
             kv_valid=valid,
-            arrivals=torch.zeros(num_requests, num_q_heads, dtype=torch.int32, device=device),
         )
 
     def fits(self, work: DecodeWork) -> bool:
@@ -97,8 +96,6 @@ class StaticDecodeWork:
         self.host["merge_indptr"][:] = work.merge_indptr
         self.host["merge_rows"][: work.merge_rows.size] = work.merge_rows
         copy_in(self.meta, self.meta_host)
-        if self.work.tuning.merge_in_passes:  # every step: a woken engine's memory may hold anything
-            self.work.arrivals.zero_()
         rows_size = self.num_requests * work.table_width  # the tables' rows, then the nodes' blocks
         if tables is not None:
             copy_in(self.kv_index[:rows_size], tables.reshape(-1))

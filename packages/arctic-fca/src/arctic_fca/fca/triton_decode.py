@@ -44,31 +44,22 @@ _fitted_stages: dict[tuple, int] = {}
 @triton.jit
 def _partial_attention(
     q_ptr, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, q_index_ptr, items_ptr, count_ptr,
-    out_ptr, lse_ptr, final_ptr, arrivals_ptr, indptr_ptr, rows_ptr,
+    out_ptr, lse_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_or, stride_oh, stride_lr, stride_items, stride_fr, stride_fh, stride_ar, zero_requests,
+    stride_or, stride_oh, stride_lr, stride_items,
     scale_log2,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OWNED: tl.constexpr, MERGE: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OWNED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
-    if MERGE:  # requests without work (padding) get zeros, as the merge kernel gives them
-        _zero_idle_requests(final_ptr, indptr_ptr, kv_head, zero_requests, stride_fr, stride_fh, GROUP, HEAD_DIM,
-                            DIM_P2, BLOCK_Q)
     # Persistent over items: a fixed grid (a CUDA graph replays the same one every step) strides
     # over this step's items, however many there are.
     for item in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
-        request, head, row_ok = _attend_item(
-            q_ptr, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, q_index_ptr, items_ptr, out_ptr,
-            lse_ptr, item, kv_head,
-            stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            stride_or, stride_oh, stride_lr, stride_items, scale_log2,
-            GROUP, PAGE, HEAD_DIM, DIM_P2, BLOCK_Q, BLOCK_N, DIRECT, IEEE, OWNED)
-        if MERGE:
-            _merge_if_last(out_ptr, lse_ptr, final_ptr, arrivals_ptr, indptr_ptr, rows_ptr, request, head, row_ok,
-                           stride_or, stride_oh, stride_lr, stride_fr, stride_fh, stride_ar, HEAD_DIM, DIM_P2,
-                           BLOCK_Q, MERGE_ROWS)
+        _attend_item(q_ptr, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, q_index_ptr, items_ptr, out_ptr,
+                     lse_ptr, item, kv_head,
+                     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                     stride_or, stride_oh, stride_lr, stride_items, scale_log2,
+                     GROUP, PAGE, HEAD_DIM, DIM_P2, BLOCK_Q, BLOCK_N, DIRECT, IEEE, OWNED)
 
 
 @triton.jit
@@ -97,7 +88,6 @@ def _attend_item(q_ptr, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, 
                                   PAGE, HEAD_DIM, DIM_P2, BLOCK_N, IEEE, OWNED)
     _write_result(out_ptr, lse_ptr, acc, m, l, request, head, local, row_ok, out_row,
                   stride_or, stride_oh, stride_lr, HEAD_DIM, DIM_P2, DIRECT)
-    return request, head, row_ok
 
 
 @triton.jit
@@ -187,69 +177,6 @@ def _write_result(out_ptr, lse_ptr, acc, m, l, request, head, local, row_ok, out
 
 
 @triton.jit
-def _merge_if_last(part_ptr, lse_ptr, final_ptr, arrivals_ptr, indptr_ptr, rows_ptr, request, head, row_ok,
-                   stride_pr, stride_ph, stride_lr, stride_fr, stride_fh, stride_ar, HEAD_DIM: tl.constexpr,
-                   DIM_P2: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr):
-    """The merge, done by the last item to write each (request, head): the item's rows count their
-    arrival, and a row whose count reaches its request's partial rows merges them into ``final``
-    and resets its count for the next launch. No merge launch: the work moves into the passes' tails."""
-    first = tl.load(indptr_ptr + request, mask=row_ok, other=0)
-    count = tl.load(indptr_ptr + request + 1, mask=row_ok, other=0) - first
-    # Every thread's partial stores come before this program's arrivals (release), and the reads
-    # below after every thread's view of the arrivals (acquire), as with a semaphore.
-    tl.debug_barrier()
-    counter = arrivals_ptr + request * stride_ar + head
-    arrived = tl.atomic_add(counter, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()
-    last = row_ok & (arrived + 1 == count)
-    if tl.max(last.to(tl.int32), 0) > 0:
-        count = tl.where(last, count, 0)
-        dims = tl.arange(0, DIM_P2)
-        dim_ok = dims < HEAD_DIM
-        m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_Q], tl.float32)
-        acc = tl.zeros([BLOCK_Q, DIM_P2], tl.float32)
-        for start in range(0, tl.max(count, 0), ROWS):
-            for offset in tl.static_range(ROWS):  # ROWS independent gathers in flight, then reduced in order
-                ok = start + offset < count
-                row = tl.load(rows_ptr + first + start + offset, mask=ok, other=0).to(tl.int64)
-                # .cg: through L2, where the other programs' partial rows are (not a stale L1 line)
-                lse = tl.load(lse_ptr + row * stride_lr + head, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                part = tl.load(part_ptr + row[:, None] * stride_pr + head[:, None] * stride_ph + dims[None, :],
-                               mask=ok[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, lse)
-                pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to merge: no inf - inf
-                weight = tl.exp(lse - pivot)
-                alpha = tl.exp(m - pivot)
-                total = total * alpha + weight
-                acc = acc * alpha[:, None] + weight[:, None] * part
-                m = m_new
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(final_ptr + request[:, None] * stride_fr + head[:, None] * stride_fh + dims[None, :],
-                 out.to(final_ptr.dtype.element_ty), mask=last[:, None] & dim_ok[None, :])
-        tl.atomic_xchg(counter, 0, mask=last)  # ready for the next launch
-
-
-@triton.jit
-def _zero_idle_requests(final_ptr, indptr_ptr, kv_head, num_requests, stride_fr, stride_fh, GROUP: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """Zeros for this KV head's query heads of the requests without partial rows (padding: no item
-    arrives for them), as the merge launch writes; this program's share, ``BLOCK_Q // GROUP`` at a time."""
-    per_step: tl.constexpr = BLOCK_Q // GROUP
-    rows = tl.arange(0, BLOCK_Q)
-    dims = tl.arange(0, DIM_P2)
-    head = kv_head * GROUP + rows % GROUP
-    for base in range(tl.program_id(0) * per_step, num_requests, tl.num_programs(0) * per_step):
-        request = base + rows // GROUP
-        real = (rows < per_step * GROUP) & (request < num_requests)
-        idle = real & (tl.load(indptr_ptr + request + 1, mask=real, other=0)
-                       == tl.load(indptr_ptr + request, mask=real, other=0))
-        tl.store(final_ptr + request[:, None] * stride_fr + head[:, None] * stride_fh + dims[None, :],
-                 tl.zeros([BLOCK_Q, DIM_P2], final_ptr.dtype.element_ty),
-                 mask=idle[:, None] & (dims < HEAD_DIM)[None, :])
-
-
-@triton.jit
 def _merge_partials(
     part_ptr, lse_ptr, indptr_ptr, rows_ptr, out_ptr,
     stride_pr, stride_ph, stride_lr, stride_or, stride_oh,
@@ -283,9 +210,7 @@ def _merge_partials(
     tl.store(out_ptr + request * stride_or + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
-def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cache, out, lse, scale: float,
-            final: torch.Tensor | None = None) -> None:
-    """One launch of the partial kernel; with ``final``, its items also merge (``_merge_if_last``)."""
+def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cache, out, lse, scale: float) -> None:
     head_dim = query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     group = query.shape[1] // num_kv_heads
@@ -295,22 +220,18 @@ def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cach
     per_sm = config.programs_per_sm or tuning.programs_per_sm
     programs = max(1, min(launch.items.shape[1], int(per_sm * device_sms(query.device)) // num_kv_heads))
     owned = work.kv_owner is not None
-    merge = final is not None
-    fit_key = (query.device, query.dtype, head_dim, block_q, config.block_n, config.num_stages, owned, merge)
+    fit_key = (query.device, query.dtype, head_dim, block_q, config.block_n, config.num_stages, owned)
     owner, valid = (work.kv_owner, work.kv_valid) if owned else (work.kv_index, work.kv_index)  # unread unless owned
-    final, arrivals = (final, work.arrivals) if merge else (out, work.kv_index)  # unread unless merging
-    # The single launch zeroes the requests without work (the node launch need not: both run each step).
-    zero_requests = final.shape[0] if merge and launch is work.single else 0
     launch_fitting_stages(fit_key, config.num_stages, lambda stages: _partial_attention[(programs, num_kv_heads)](
         query, key_cache, value_cache, work.kv_index, owner, valid, work.q_index, launch.items, launch.count,
-        out, lse, final, arrivals, work.merge_indptr, work.merge_rows,
+        out, lse,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        out.stride(0), out.stride(1), lse.stride(0), launch.items.stride(0), final.stride(0), final.stride(1),
-        arrivals.stride(0), zero_requests, scale * LOG2E,
+        out.stride(0), out.stride(1), lse.stride(0), launch.items.stride(0),
+        scale * LOG2E,
         GROUP=group, PAGE=page, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
         BLOCK_N=config.block_n, DIRECT=work.direct, IEEE=query.dtype == torch.float32, OWNED=owned,
-        MERGE=merge, MERGE_ROWS=tuning.merge_rows, num_warps=config.num_warps, num_stages=stages,
+        num_warps=config.num_warps, num_stages=stages,
     ))
 
 
@@ -344,18 +265,9 @@ def triton_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     if work.direct:
         _launch(work.single, work, query, key_cache, value_cache, out, out, scale)
         return out
-    if merges_in_passes(work):
-        _launch_partials(work, query, key_cache, value_cache, scale, final=out)
-    else:
-        _launch_partials(work, query, key_cache, value_cache, scale)
-        _merge(work, out)
+    _launch_partials(work, query, key_cache, value_cache, scale)
+    _merge(work, out)
     return out
-
-
-def merges_in_passes(work: DeviceWork) -> bool:
-    """Whether the partial launches merge (``Tuning.merge_in_passes``): not in the grouped layout,
-    whose items write partial rows for requests that saw nothing there, which the merge skips."""
-    return work.tuning.merge_in_passes and work.arrivals is not None and work.kv_owner is None
 
 
 def _merge(work: DeviceWork, out: torch.Tensor) -> None:
@@ -369,13 +281,12 @@ def _merge(work: DeviceWork, out: torch.Tensor) -> None:
     )
 
 
-def _launch_partials(work: DeviceWork, query, key_cache, value_cache, scale: float,
-                     final: torch.Tensor | None = None) -> None:
+def _launch_partials(work: DeviceWork, query, key_cache, value_cache, scale: float) -> None:
     """The node and single launches, on two streams where that can help (CUDA, both present)."""
     if work.node is None or not query.is_cuda or not work.tuning.overlap_launches:
         for launch in (work.node, work.single):
             if launch is not None:
-                _launch(launch, work, query, key_cache, value_cache, work.partial, work.lse, scale, final)
+                _launch(launch, work, query, key_cache, value_cache, work.partial, work.lse, scale)
         return
     main = torch.cuda.current_stream(query.device)
     side = _side_streams.get(query.device)
@@ -383,6 +294,6 @@ def _launch_partials(work: DeviceWork, query, key_cache, value_cache, scale: flo
         side = _side_streams[query.device] = torch.cuda.Stream(query.device)
     side.wait_stream(main)  # fork: the side stream sees this step's query and cache writes
     with torch.cuda.stream(side):
-        _launch(work.node, work, query, key_cache, value_cache, work.partial, work.lse, scale, final)
-    _launch(work.single, work, query, key_cache, value_cache, work.partial, work.lse, scale, final)
+        _launch(work.node, work, query, key_cache, value_cache, work.partial, work.lse, scale)
+    _launch(work.single, work, query, key_cache, value_cache, work.partial, work.lse, scale)
     main.wait_stream(side)  # join: the merge (and any later free of the inputs) waits for both

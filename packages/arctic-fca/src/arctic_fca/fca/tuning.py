@@ -33,9 +33,6 @@ class Tuning:
     # at 8x8@2048 / 16x16@4096 / 64x8@2048 on the H200, against 3.8 / 7.4 / 12.1 with 16 and two.
     merge_rows: int = 4
     merge_warps: int = 1
-    # The merge done by the partial launches themselves: the last item to write a request's partial
-    # row merges the request (an atomic count per request and head), instead of a merge launch.
-    merge_in_passes: bool = False
     overlap_launches: bool = True  # node and single launches on two CUDA streams (they write disjoint rows)
     items_per_sm: int = 2  # split target: work items (x KV heads) per streaming multiprocessor
     node_tile_rows: int = 64  # query rows (requests x heads per KV head) a node item serves at once

@@ -406,9 +406,6 @@ class DeviceWork:
     # The grouped layout (``DecodeWork.grouped``): each kv_index entry's owner and valid tokens.
     kv_owner: torch.Tensor | None = None
     kv_valid: torch.Tensor | None = None
-    # Per (request, query head): the partial rows written so far this launch, for the merge in the
-    # partial launches (``Tuning.merge_in_passes``); zeros between launches (the last item resets).
-    arrivals: torch.Tensor | None = None
 
 
 def item_columns(launch: Launch) -> np.ndarray:
@@ -443,7 +440,6 @@ def to_device(work: DecodeWork, block_tables: torch.Tensor, num_q_heads: int, he
         kv_owner=tensor(np.concatenate([np.full(table_entries, -1), work.node_kv_owner])) if work.grouped else None,
         kv_valid=(tensor(np.concatenate([np.full(table_entries, ALL_VALID), work.node_kv_valid])) if work.grouped
                   else None),
-        arrivals=torch.zeros(work.merge_indptr.size - 1, num_q_heads, dtype=torch.int32, device=device),
     )
 
 
