@@ -11,7 +11,10 @@ fastest reported; --wide: narrower column tiles, warps and pipeline stages too, 
 parallel processes). The chain: a layer's products and the small kernels between them, 28 layers, per layer: as the
 decoder runs them for many rows (add + RMSNorm kernels, cuBLAS, the SiLU x up kernel) and for a
 few (``fused_linear``: the norms, residual adds and SiLU x up folded into four products), the
-latter with and without programmatic dependent launch.
+latter with and without programmatic dependent launch. --fold-limits: what folding the two small
+kernels left beside the products into them would have to beat (the rotary + QK-norm + cache-store
+kernel after QKV, whose epilogue would need a whole head, 128 columns, per program; the LM head on
+the Triton kernel against cuBLAS, for the draw's first stage in its epilogue).
 
 --smoke (CPU, under TRITON_INTERPRET=1): the Triton kernel against F.linear in fp32.
 
@@ -29,11 +32,12 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 
 from arctic_fca.engine.fused_linear import LinearConfig, Normed, fused_linear
-from arctic_fca.engine.fused_ops import add_rms_norm, silu_and_mul
+from arctic_fca.engine.fused_ops import add_rms_norm, qk_rope_store, silu_and_mul
+from arctic_fca.engine.kv_cache import PagedKVCache
 from fca_common import copy_bandwidth_bytes_per_s, graphed, smoke_or_gpu, time_us
 
 LAYERS = 28
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 2048, 16, 8, 128, 6144
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 2048, 16, 8, 128, 6144, 151936
 # name: (output columns, depth)
 PRODUCTS = {
     "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
@@ -151,6 +155,46 @@ def chain_us(rows: int, device: str) -> dict:
     return {name: time_us(graphed(lambda f=step, p=pdl: f(p))) / LAYERS for name, (step, pdl) in variants.items()}
 
 
+# Tiles that give a program whole heads (HEAD_DIM columns), as a rotary + QK-norm epilogue needs.
+WHOLE_HEAD_TILES = [LinearConfig(block_n=HEAD_DIM, block_k=bk, split_k=s)
+                    for bk, s in itertools.product((128, 256), (1, 2, 4, 8))]
+
+
+def fold_limits(rows: int, device: str) -> dict:
+    """Microseconds: per layer, 28 layers' QKV products in one CUDA graph (programmatic dependent
+    launch), alone with the tiles in use, followed by the rotary + QK-norm + cache-store kernel, and
+    alone with whole-head tiles; and the LM head's product on cuBLAS and on the Triton kernel."""
+    gen = torch.Generator(device=device).manual_seed(3)
+    randn = lambda *shape: (torch.randn(*shape, generator=gen, device=device) * shape[-1] ** -0.5).bfloat16()
+    n, k = PRODUCTS["qkv"]
+    weights = [randn(n, k) for _ in range(LAYERS)]
+    ones = lambda size: torch.ones(size, device=device, dtype=torch.bfloat16)
+    normed = Normed.of(randn(rows, k), ones(k))
+    blocks, page = 4 * rows, 16
+    cache = PagedKVCache(LAYERS, blocks, page, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device(device))
+    slots = torch.randperm(blocks * page, generator=gen, device=device)[:rows]
+    positions = torch.arange(rows, device=device) + 1024
+    cos, sin = (torch.rand(2048, HEAD_DIM, generator=gen, device=device) for _ in range(2))
+    head_norm = ones(HEAD_DIM)
+
+    def qkv_chain(config: LinearConfig | None = None, rope: bool = False):
+        def run() -> None:
+            for layer, weight in enumerate(weights):
+                qkv = fused_linear(normed, weight, eps=1e-6, pdl=True, config=config)
+                if rope:
+                    qk_rope_store(qkv, (HEADS, KV_HEADS, HEAD_DIM), positions, cos, sin, head_norm, head_norm, 1e-6,
+                                  cache, layer, slots, triton=True, pdl=True)
+        return graphed(run)
+
+    result = {"qkv_us": time_us(qkv_chain()) / LAYERS, "qkv_then_rope_us": time_us(qkv_chain(rope=True)) / LAYERS,
+              "qkv_whole_head_tiles_us": {config_name(c): time_us(qkv_chain(c)) / LAYERS for c in WHOLE_HEAD_TILES}}
+    weights.clear()  # the LM head's 622 MB next
+    head, x = randn(VOCAB, HIDDEN), randn(rows, HIDDEN)
+    result["lm_head_cublas_us"] = time_us(graphed(lambda: F.linear(x, head)))
+    result["lm_head_triton_us"] = time_us(graphed(lambda: fused_linear(x, head)))
+    return result
+
+
 def check(rows: int, device: str, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Each product on the Triton kernel against cuBLAS (gate/up: gated): largest difference over
     the largest value."""
@@ -177,12 +221,17 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="a grid of tile settings at each row count")
     parser.add_argument("--wide", action="store_true", help="with --sweep: also block_n 16, warps and stages")
     parser.add_argument("--no-chain", action="store_true", help="skip the chain of a layer's products")
+    parser.add_argument("--fold-limits", action="store_true", help="only the small kernels a fold would remove")
     args = parser.parse_args()
     sweep = (WIDE_SWEEP if args.wide else SWEEP) if args.sweep else []
     if smoke_or_gpu(args.smoke, smoke, "decode_gemm.py"):
         return
     device = "cuda"
     results = {"copy_read_tb_s": copy_bandwidth_bytes_per_s() / 2e12, "check": {r: check(r, device) for r in args.rows}}
+    if args.fold_limits:
+        results |= {f"fold_limits@{rows}": fold_limits(rows, device) for rows in args.rows}
+        print(json.dumps(results))
+        return
     for rows in [] if args.no_chain else args.rows:
         results[f"chain@{rows}"] = chain_us(rows, device)
         print("chain", rows, results[f"chain@{rows}"], flush=True)
