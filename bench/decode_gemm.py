@@ -67,6 +67,11 @@ def cublaslt(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torc
         torch.backends.cuda.preferred_blas_library(before)
 
 
+def scaled_randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """bf16 normal values over sqrt(the last dim): a weight whose products stay of unit scale."""
+    return (torch.randn(*shape, generator=gen, device=gen.device) * shape[-1] ** -0.5).bfloat16()
+
+
 def per_call_us(fn, weights: list[torch.Tensor]) -> float:
     replay = graphed(lambda: [fn(w) for w in weights])
     return time_us(replay, min_seconds=0.05) / len(weights)
@@ -127,8 +132,7 @@ def chain_us(rows: int, device: str) -> dict:
     """A layer's products and small kernels over 28 layers (attention left out: the output
     product's input is cut from the QKV product's), microseconds per layer."""
     gen = torch.Generator(device=device).manual_seed(2)
-    randn = lambda *shape: (torch.randn(*shape, generator=gen, device=device) * shape[-1] ** -0.5).bfloat16()
-    layers = [{name: randn(n, k) for name, (n, k) in PRODUCTS.items()} for _ in range(LAYERS)]
+    layers = [{name: scaled_randn(gen, n, k) for name, (n, k) in PRODUCTS.items()} for _ in range(LAYERS)]
     norm = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
     hidden = torch.randn(rows, HIDDEN, generator=gen, device=device).bfloat16()
 
@@ -165,11 +169,10 @@ def fold_limits(rows: int, device: str) -> dict:
     launch), alone with the tiles in use, followed by the rotary + QK-norm + cache-store kernel, and
     alone with whole-head tiles; and the LM head's product on cuBLAS and on the Triton kernel."""
     gen = torch.Generator(device=device).manual_seed(3)
-    randn = lambda *shape: (torch.randn(*shape, generator=gen, device=device) * shape[-1] ** -0.5).bfloat16()
     n, k = PRODUCTS["qkv"]
-    weights = [randn(n, k) for _ in range(LAYERS)]
+    weights = [scaled_randn(gen, n, k) for _ in range(LAYERS)]
     ones = lambda size: torch.ones(size, device=device, dtype=torch.bfloat16)
-    normed = Normed.of(randn(rows, k), ones(k))
+    normed = Normed.of(scaled_randn(gen, rows, k), ones(k))
     blocks, page = 4 * rows, 16
     cache = PagedKVCache(LAYERS, blocks, page, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device(device))
     slots = torch.randperm(blocks * page, generator=gen, device=device)[:rows]
@@ -189,7 +192,7 @@ def fold_limits(rows: int, device: str) -> dict:
     result = {"qkv_us": time_us(qkv_chain()) / LAYERS, "qkv_then_rope_us": time_us(qkv_chain(rope=True)) / LAYERS,
               "qkv_whole_head_tiles_us": {config_name(c): time_us(qkv_chain(c)) / LAYERS for c in WHOLE_HEAD_TILES}}
     weights.clear()  # the LM head's 622 MB next
-    head, x = randn(VOCAB, HIDDEN), randn(rows, HIDDEN)
+    head, x = scaled_randn(gen, VOCAB, HIDDEN), scaled_randn(gen, rows, HIDDEN)
     result["lm_head_cublas_us"] = time_us(graphed(lambda: F.linear(x, head)))
     result["lm_head_triton_us"] = time_us(graphed(lambda: fused_linear(x, head)))
     return result
@@ -239,7 +242,7 @@ def main() -> None:
         compile_in_parallel(sweep, args.rows)
     gen = torch.Generator(device=device).manual_seed(1)
     for name, (n, k) in PRODUCTS.items():
-        weights = [(torch.randn(n, k, generator=gen, device=device) * k**-0.5).bfloat16() for _ in range(LAYERS)]
+        weights = [scaled_randn(gen, n, k) for _ in range(LAYERS)]
         for rows in args.rows:
             x = torch.randn(rows, k, generator=gen, device=device).bfloat16()
             results[f"{name}@{rows}"] = time_product(name, weights, x, sweep)
