@@ -23,8 +23,10 @@ _SEPARATORS = ",\u00a0\u202f\u2009"
 NUMBER = (rf"-?(?:\d{{1,3}}(?P<sep>[{_SEPARATORS}])\d{{3}}(?:(?P=sep)\d{{3}})*(?!\d)|\d+)"
           r"(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+)?|-?\.\d+(?:[eE][-+]?\d+)?")
 _BOXED = re.compile(r"\\boxed\s*\{")
-_HASHES = re.compile(r"####\s*([^\n]*)")
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*([^\n]*)", re.IGNORECASE)
+# The rest of the line is captured in a lookahead, so a second marker on the same line is a match
+# of its own ("the answer is 4; no, the answer is 5" reads 5).
+_HASHES = re.compile(r"####\s*(?=([^\n]*))")
+_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*(?=([^\n]*))", re.IGNORECASE)
 _FRAC = re.compile(r"\\d?frac\{(-?[\d.,]+)\}\{(-?[\d.,]+)\}")
 _TIME = re.compile(r"(?<![\d:.])\d{1,2}:\d{2}(?::\d{2})?(?![\d:])")  # h:mm or h:mm:ss
 _MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})

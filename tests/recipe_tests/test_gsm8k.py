@@ -39,6 +39,24 @@ def test_reward_cases(completion, reference, expected):
     assert compute_score("openai/gsm8k", completion, reference) == expected
 
 
+
+# Each completion tells the documented rule apart from its plausible alternatives (the first match
+# instead of the last, a case-sensitive "answer is", the last number of the text instead of the
+# marked one): the reward must read ``answer`` and none of ``not_these``.
+@pytest.mark.parametrize(("completion", "answer", "not_these"), [
+    ("\\boxed{3} was a slip; so \\boxed{5}, after 7 tries", "5", ["3", "7"]),  # the last \boxed
+    ("\\boxed{\\frac{1}{2}} then \\boxed{6} of 9", "6", ["0.5", "9"]),
+    ("#### 3\nrecounting the 8 boxes:\n#### 5\n(11 in all)", "5", ["3", "8", "11"]),  # the last #### line
+    ("ANSWER IS 5 after 7 tries", "5", ["7"]),  # "answer is" in any case
+    ("Answer: 5, from 7 apples", "5", ["7"]),
+    ("The Answer Is 4. Rechecking the 9 rows, the answer is 5 of 7", "5", ["4", "9", "7"]),  # the last one
+    ("#### 5\nThe answer is 4 of 7", "5", ["4", "7"]),  # #### before "answer is"
+    ("The answer is 4\n\\boxed{5} of 7", "5", ["4", "7"]),  # \boxed before "answer is"
+])
+def test_the_final_answer_is_the_last_marked_one(completion, answer, not_these):
+    assert score(completion, answer) == 1.0
+    assert [score(completion, other) for other in not_these] == [0.0] * len(not_these)
+
 @pytest.mark.parametrize(("completion", "reference", "expected"), [
     ("The answer is \u22123", "3", 0.0),  # U+2212, the minus sign
     ("The answer is \u22123", "-3", 1.0),
