@@ -233,6 +233,30 @@ def test_a_step_over_non_finite_gradients_or_an_empty_batch_changes_nothing(back
         assert all(torch.equal(weights(clean)[k], v) for k, v in weights(client).items())
 
 
+@pytest.mark.parametrize("backend", ["torch", "deepspeed-zero2"])
+def test_a_batch_whose_tokens_are_all_masked_is_a_zero_gradient_that_the_next_step_applies(backend, tiny_policy):
+    """As every framework's loop does: the backward of a batch whose response tokens are all masked
+    out is a zero gradient, and the next step applies it. The step counts, the schedule advances,
+    AdamW's weight decay moves every weight by exactly ``lr * weight_decay`` (its zero moments move
+    nothing), and the step after it runs at the schedule's next rate."""
+    decay = 0.1
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0, "trainer": {
+        **TRAINER, **BACKENDS[backend], "optimizer": {**TRAINER["optimizer"], "weight_decay": decay},
+        "scheduler": {"name": "linear", "warmup_steps": 2, "total_steps": 9}}})
+    with build_client(config) as client:
+        batch = random_grpo_batch(server_of(client).sampler.model.config.vocab_size)
+        masked = batch.replace(loss_mask=torch.zeros_like(batch.loss_mask))
+        before = weights(client)
+        client.fwd_bwd(masked, LOSS)
+        metrics = client.step().metrics
+        assert metrics["skipped"] == 0.0 and metrics["step"] == 1.0 and metrics["grad_norm"] == 0.0
+        assert metrics["lr"] == pytest.approx(0.5e-2)
+        for name, weight in weights(client).items():
+            torch.testing.assert_close(weight, before[name] * (1 - 0.5e-2 * decay), rtol=1e-6, atol=0)
+        client.fwd_bwd(batch, LOSS)
+        metrics = client.step().metrics
+        assert metrics["step"] == 2.0 and metrics["lr"] == pytest.approx(1e-2) and metrics["grad_norm"] > 0
+
 def test_a_failed_fwd_bwd_discards_the_step_and_a_refused_one_changes_nothing(tiny_policy):
     """A call that fails part-way has added part of its gradient: it is discarded, with what the
     step had before it. A refused call touched nothing: what came before it stays."""
