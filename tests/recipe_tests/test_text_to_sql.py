@@ -1,12 +1,16 @@
 """The text-to-SQL recipe: execution-match reward, its read-only sandbox against adversarial
-queries (each scores 0 within the time limit and the database file stays byte for byte the same),
-and BIRD-format data preparation."""
+queries (each scores 0 within the time limit and the database file stays byte for byte the same;
+each of the child's layers alone stops the attack it is there for), the caller's memory bounded
+whatever a query returns, and BIRD-format data preparation."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -83,6 +87,10 @@ ADVERSARIAL = [
     "SELECT 1; DROP TABLE singer",
     "SELECT load_extension('/tmp/evil.so')",
     "VACUUM INTO '/tmp/copy.sqlite'",
+    # Writes that start as a query: they pass the check of the statement's kind and reach the sandbox.
+    "WITH x AS (SELECT 1) DELETE FROM singer",
+    "WITH x AS (SELECT 1) UPDATE singer SET age = 0",
+    "WITH x AS (SELECT 1) INSERT INTO singer VALUES (99999, 'x', 'y', 1)",
     # A recursive CTE that never ends, and 3,200^3 rows counted: both stopped at the time limit.
     "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT count(*) FROM r",
     "SELECT count(*) FROM singer a, singer b, singer c",
@@ -105,6 +113,130 @@ def test_adversarial_queries_score_zero_and_leave_the_database_alone(database, m
         assert not execute(database, sql).ok
     assert digest(database) == before
     assert score(GOLD, GOLD, database) == 1.0  # still readable, still the same
+
+
+NOT_QUERIES = [
+    "REINDEX",  # no index to rebuild: it reaches no authorizer check and returns no rows
+    "VACUUM",
+    "ANALYZE",
+    "BEGIN",
+    "PRAGMA table_info(singer)",
+    "-- a comment first\n/* and another */ REINDEX",
+    "WITH gone AS (SELECT 1) DELETE FROM singer",
+    "EXPLAIN SELECT name FROM singer",  # it returns rows, but of bytecode
+    "SELECT fts3_tokenizer('simple')",  # a heap address
+]
+
+
+@pytest.mark.parametrize("sql", NOT_QUERIES)
+def test_only_a_query_is_a_prediction(database, sql):
+    assert score(f"```sql\n{sql}\n```", NO_ROWS, database) == 0.0
+    assert not execute(database, sql).ok
+
+
+@pytest.mark.parametrize("completion", [
+    "```sql\n-- the query\n/* Mars */ ;SELECT name FROM singer WHERE age > 1000\n```",
+    "```sql\nWITH old AS (SELECT name FROM singer WHERE age > 1000) SELECT * FROM old\n```",
+    "```sql\nVALUES (1) EXCEPT VALUES (1)\n```",
+])
+def test_queries_after_comments_and_with_or_values_queries_are_predictions(database, completion):
+    assert score(completion, NO_ROWS, database) == 1.0
+
+
+WRITE = "WITH gone AS (SELECT 1) DELETE FROM singer"
+
+
+def test_with_every_layer_off_only_queries_still_run(database, tmp_path, monkeypatch):
+    """The statement's kind is checked outside the sandbox: before it runs (``VACUUM INTO`` would
+    write a file, a second statement would run after the first) and after (a ``WITH ... DELETE``
+    returns no columns)."""
+    monkeypatch.setattr(sql_reward, "LAYERS", frozenset())
+    copy = tmp_path / "copy.sqlite"
+    assert not execute(database, f"VACUUM INTO '{copy}'").ok
+    assert not copy.exists()
+    assert "one statement at a time" in execute(database, "SELECT 1; DELETE FROM singer").error
+    assert execute(database, WRITE).error == "the statement is not a query (SELECT, WITH or VALUES)"
+    assert score(WRITE, NO_ROWS, database) == 0.0
+
+
+@pytest.mark.parametrize(("layer", "refusal"), [
+    ("authorizer", "not authorized"),
+    ("query_only", "attempt to write a readonly database"),
+    ("read_only_file", "attempt to write a readonly database"),
+])
+def test_each_layer_alone_stops_a_write(database, monkeypatch, layer, refusal):
+    """With every other layer off, the write reaches SQLite (with none, it runs: the test above)
+    and this layer refuses it, leaving the database and its folder as they were (no journal)."""
+    monkeypatch.setattr(sql_reward, "LAYERS", frozenset({layer}))
+    before, files = digest(database), sorted(Path(database).parent.iterdir())
+    assert refusal in execute(database, WRITE).error
+    assert digest(database) == before and sorted(Path(database).parent.iterdir()) == files
+
+
+def test_the_authorizer_alone_refuses_fts3_tokenizer(database, monkeypatch):
+    monkeypatch.setattr(sql_reward, "LAYERS", frozenset())
+    assert execute(database, "SELECT fts3_tokenizer('simple')").ok  # a heap address, without the authorizer
+    monkeypatch.setattr(sql_reward, "LAYERS", frozenset({"authorizer"}))
+    refused = execute(database, "SELECT fts3_tokenizer('simple')")
+    assert not refused.ok and "not authorized to use function: fts3_tokenizer" in refused.error
+
+
+ROOT = Path(__file__).resolve().parents[2]
+# ``execute`` in a fresh Python, with the child's layers and memory cap given, reporting its result
+# and the peak resident memory (MB) of the caller and of the query's child (its only child). The
+# caller's peak is its VmHWM: its ru_maxrss would include the pytest process it was forked from.
+MEASURE = """
+import json, re, resource, sys
+from recipes.text_to_sql import reward
+settings = json.loads(sys.argv[1])
+reward.LAYERS, reward.MEMORY_BYTES = frozenset(settings["layers"]), settings["memory_bytes"]
+done = reward.execute(settings["db"], settings["sql"])
+caller_kb = int(re.search(r"VmHWM:\\s*(\\d+) kB", open("/proc/self/status").read()).group(1))
+child_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(json.dumps({"ok": done.ok, "error": done.error, "caller_mb": caller_kb // 1024, "child_mb": child_kb // 1024}))
+"""
+
+
+def execute_measured(database, sql: str, layers, memory_bytes: int = sql_reward.MEMORY_BYTES) -> dict:
+    settings = {"db": database, "sql": sql, "layers": sorted(layers), "memory_bytes": memory_bytes}
+    done = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(settings)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=True)
+    return json.loads(done.stdout)
+
+
+# 40 strings of 9 MB built at once (each under the 10 MB value cap), returned as 40 lengths.
+HUGE_VALUES = ("WITH RECURSIVE r(i, s) AS (SELECT 1, printf('%.*c', 100000, 'x') UNION ALL SELECT i + 1, s FROM r "
+               "WHERE i < 90) SELECT " + ", ".join(f"length(group_concat(s, '{i}'))" for i in range(40)) + " FROM r")
+
+
+def test_the_memory_limit_alone_stops_a_query_that_builds_huge_values(database):
+    """Under a 256 MB cap (2 GiB in training, where 2,000 columns of 10 MB would do the same), the
+    query fails inside the cap; without it, it succeeds and its process grows past the cap."""
+    cap_mb = 256
+    free = execute_measured(database, HUGE_VALUES, layers=set(), memory_bytes=cap_mb << 20)
+    assert free["ok"] and free["child_mb"] > cap_mb, free
+    capped = execute_measured(database, HUGE_VALUES, layers={"memory_limit"}, memory_bytes=cap_mb << 20)
+    assert capped["error"].startswith("MemoryError") and capped["child_mb"] < cap_mb, capped
+
+
+# 10,000 rows of 10 KB: a 100 MB answer, built and sent in a second when nothing stops it.
+HUGE_ANSWER = ("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 10000) "
+               "SELECT i, printf('%.*c', 10000, 'x') FROM r")
+
+
+def test_a_huge_answer_costs_the_caller_no_memory(database):
+    """The child sends its whole 100 MB answer (its own answer limit off): the caller reads a few
+    MB of it, kills it and scores 0. Reading it all would take the caller past 100 MB."""
+    sent = execute_measured(database, HUGE_ANSWER, layers=sql_reward.LAYERS - {"answer_limit"})
+    assert not sent["ok"] and sent["error"] == f"the answer is larger than {sql_reward.MAX_ANSWER_BYTES} bytes"
+    assert sent["child_mb"] > 100 and sent["caller_mb"] < 50, sent
+    assert score(HUGE_ANSWER, HUGE_ANSWER, database) == 0.0
+
+
+def test_the_answer_limit_alone_stops_the_child_building_a_huge_answer(database):
+    stopped = execute_measured(database, HUGE_ANSWER, layers={"answer_limit"})
+    assert stopped["error"] == f"the answer is larger than {sql_reward.MAX_ANSWER_BYTES} bytes"
+    assert stopped["child_mb"] < 50 and stopped["caller_mb"] < 50, stopped
 
 
 def test_prepare_bird_records(tmp_path, database):
