@@ -12,9 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from arctic_core import LossContext, RolloutBatch, hookimpl
-from arctic_core.config import StrictModel, validate
-from arctic_core.losses.aggregation import aggregate
+from arctic_core.plugins import LossContext, RolloutBatch, StrictModel, aggregate, hookimpl, validate
 
 
 class ReinforceOptions(StrictModel):

@@ -10,9 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from arctic_core import _old_paths
 from arctic_core.errors import (ArcticError, BatchError, ConfigError, PluginConflictError, PluginNotFoundError,
                                 RemoteError, RequestError, WorkerError)
 from arctic_core.plugins.hookspecs import hookimpl
+
+_old_paths.install()  # modules that moved still import from their old paths, with a DeprecationWarning
 
 if TYPE_CHECKING:
     from arctic_core.batch import RolloutBatch

@@ -12,6 +12,9 @@ def arctic_training_backends():
                       options="arctic_zorro.torch_backend:TorchOptions"),
         "deepspeed": Lazy("arctic_zorro.deepspeed_engine:DeepSpeedTrainer", "DeepSpeed engine, ZeRO stage 0-3 (options.zero_stage), torch AdamW.",
                           options="arctic_zorro.deepspeed_options:DeepSpeedTrainerOptions"),
+        # arctic-zorro 0.1's name for the torch backend, kept working with a DeprecationWarning.
+        "reference": Lazy("arctic_zorro.torch_backend:TorchTrainer", "The torch backend's old name.",
+                          options="arctic_zorro.torch_backend:TorchOptions", renamed_to="torch"),
     }
 
 
@@ -22,4 +25,6 @@ def arctic_logprob_backends():
                       options="arctic_zorro.torch_backend:TorchOptions"),
         "deepspeed": Lazy("arctic_zorro.deepspeed_engine:DeepSpeedLogProbEngine", "Forward-only DeepSpeed engine (ZeRO-3 partitions the weights).",
                           options="arctic_zorro.deepspeed_options:DeepSpeedLogProbOptions"),
+        "reference": Lazy("arctic_zorro.torch_backend:TorchLogProbEngine", "The torch backend's old name.",
+                          options="arctic_zorro.torch_backend:TorchOptions", renamed_to="torch"),
     }

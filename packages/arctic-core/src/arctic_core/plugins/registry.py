@@ -7,6 +7,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -52,6 +53,9 @@ class Lazy:
     """The optional dependencies the product imports, as a pip requirement with extras
     (``"arctic-fca[vllm]"``): the extra's packages are checked against the installed versions
     before any engine is built, so a missing one fails at once rather than after the others load."""
+    renamed_to: str | None = None
+    """Set on an old name kept working: the product's current name. Looking the old name up warns
+    (DeprecationWarning) and gives this product; listings and errors show only the current name."""
     product: str = field(default="", compare=False, repr=False)
     """What it is registered as (``"loss 'x' of plugin 'y'"``), set by the registry so that an
     import failure names the product and its plugin rather than only a module."""
@@ -172,13 +176,23 @@ class Registry:
                 f"{', '.join(names) or '(none)'}.{install} "
                 f"Plugins come from the '{ENTRY_POINT_GROUP}' entry-point group (arctic-rl plugins lists them)."
             )
+        renamed_to = getattr(found.factory, "renamed_to", None)
+        if renamed_to:
+            warnings.warn(f"the {kind.replace('_', ' ')} name {name!r} is deprecated: use {renamed_to!r}",
+                          DeprecationWarning, stacklevel=2)
         return found
 
     def names(self, kind: str) -> list[str]:
-        return sorted(self.entries.get(kind, {}))
+        """The current names registered for ``kind`` (old names kept working are left out)."""
+        return sorted(name for name, p in self.entries.get(kind, {}).items() if not _is_old_name(p))
 
     def all(self) -> list[Provided]:
-        return [p for kind in KINDS for p in sorted(self.entries.get(kind, {}).values(), key=lambda p: p.name)]
+        return [p for kind in KINDS for p in sorted(self.entries.get(kind, {}).values(), key=lambda p: p.name)
+                if not _is_old_name(p)]
+
+
+def _is_old_name(provided: Provided) -> bool:
+    return bool(getattr(provided.factory, "renamed_to", None))
 
 
 def build_registry(extra_plugins: dict[str, object] | None = None) -> Registry:
