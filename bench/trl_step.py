@@ -21,9 +21,16 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     ADMISSION=worst_case SAMPLER_MEMORY=0.35 P=4096 STEPS=7 python3 bench/trl_step.py  # groups wait for their max_tokens' blocks
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
+    P=2048 STEPS=6 python3 bench/trl_step.py --baseline    # the baseline: TRL's own GRPOTrainer, vLLM colocate
+    uv run python bench/trl_step.py --smoke --baseline     # its harness on the CPU (TRL generates, no vLLM)
+
 The only change from a plain TRL script is the import of GRPOTrainer: the backend runs in process,
 the DeepSpeed trainer and the sampler sharing the GPU (the sampler's memory is capped so the
-trainer fits beside it). The last line is a JSON object.
+trainer fits beside it). ``--baseline`` runs the same script, model, prompts, reward and settings on
+TRL's own GRPOTrainer with vLLM in colocate mode (``vllm_gpu_memory_utilization`` 0.35 or
+``SAMPLER_MEMORY``; vLLM 0.24 must be installed). The last line is a JSON object: each step's
+seconds, and the median of the steady steps (after the first two, which compile kernels and
+capture CUDA graphs on both sides) with their range.
 """
 
 from __future__ import annotations
@@ -37,10 +44,12 @@ import pstats
 import random
 import sys
 import time
+import statistics
 import traceback
 import warnings
 
 import torch
+import trl
 from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig
@@ -229,8 +238,9 @@ def compiled_processors() -> None:
 
 def main() -> None:
     smoke = "--smoke" in sys.argv  # a tiny model on the CPU: checks the harness end to end in seconds
+    baseline = "--baseline" in sys.argv  # TRL's own GRPOTrainer (vLLM colocate on a GPU)
     if not smoke and not torch.cuda.is_available():
-        sys.exit("bench/trl_step.py measures the H200; run it with --smoke on the CPU")
+        sys.exit("bench/trl_step.py measures a GPU; run it with --smoke on the CPU")
     folder = "/tmp/tiny-qwen3-arctic" if smoke else "/tmp/qwen3-1.7b-shape-arctic"
     started = time.time()
     make_model(folder, SMOKE_SHAPE if smoke else QWEN3_1_7B)
@@ -246,20 +256,45 @@ def main() -> None:
     def reward(completions, **kwargs):
         return [float(len(c) % 7) for c in completions]
 
+    sampler_memory = os.environ.get("SAMPLER_MEMORY")  # the sampler's share of the card
+    # The baseline's vLLM shares the card at 0.35, as TRL's colocate examples size it; vLLM does not
+    # run on this harness's CPU, where TRL generates with transformers instead.
+    vllm = {"use_vllm": not smoke, "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": float(sampler_memory or 0.35)} if baseline else {}
     args = GRPOConfig(output_dir="/tmp/trl_arctic_out", per_device_train_batch_size=8,
                       gradient_accumulation_steps=prompts * samples // 8, num_generations=samples,
                       max_completion_length=new_tokens, bf16=not smoke, use_cpu=smoke, gradient_checkpointing=True, learning_rate=1e-6,
                       logging_steps=1, max_steps=int(os.environ.get("STEPS", 2 if smoke else 4)), report_to=[], temperature=1.0,
                       beta=0.0, save_strategy="no",
-                      vllm_importance_sampling_correction=os.environ.get("SAMPLER_CORRECTION", "1") != "0")
+                      vllm_importance_sampling_correction=os.environ.get("SAMPLER_CORRECTION", "1") != "0", **vllm)
     timer = StepTimer()
-    memory = os.environ.get("SAMPLER_MEMORY")  # a share of the card instead
-    if os.environ.get("SAMPLER", "embedded") == "vllm":  # the same switch a user flips: arctic={"sampler": ...}
-        sampler = {"backend": "vllm", "options": {"gpu_memory_utilization": float(memory or 0.35), "fca": True}}
-    elif memory:
-        sampler = {"options": {"gpu_memory_utilization": float(memory)}}
+    dataset = Dataset.from_dict({"prompt": texts})
+    if baseline:
+        trainer = trl.GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=dataset, callbacks=[timer])
+        system, sampler = f"trl-{trl.__version__}", "vllm colocate" if args.use_vllm else "transformers generate"
     else:
-        sampler = {"options": {"kv_cache_tokens": rollout_kv_tokens(tokenizer, texts, prompts, samples, new_tokens)}}
+        trainer, sampler = arctic_trainer(folder, reward, args, dataset, timer, rollout_kv_tokens(
+            tokenizer, texts, prompts, samples, new_tokens), sampler_memory)
+        system = f"trl-{trl.__version__} on arctic"
+    print("backend ready", round(time.time() - started, 1), "s", flush=True)
+    trainer.train()
+    # The first two steps compile kernels and capture CUDA graphs (the second meets new shapes).
+    steady = timer.steps[2:] or timer.steps
+    print(json.dumps({"system": system, "sampler": sampler, "prompts": prompts, "n": samples, "prompt_len": prompt_len,
+                      "max_new": new_tokens, "step_s_steady_median": round(statistics.median(steady), 2),
+                      "step_s_steady_range": [round(min(steady), 2), round(max(steady), 2)],
+                      "step_s_steady_mean": round(sum(steady) / len(steady), 2),
+                      "steps": [round(s, 2) for s in timer.steps]}), flush=True)
+
+
+def arctic_trainer(folder, reward, args, dataset, timer, kv_tokens: int, sampler_memory: str | None):
+    """TRL's GRPO script on Arctic (the changed import), with the bench's variants from the environment."""
+    if os.environ.get("SAMPLER", "embedded") == "vllm":  # the same switch a user flips: arctic={"sampler": ...}
+        sampler = {"backend": "vllm", "options": {"gpu_memory_utilization": float(sampler_memory or 0.35), "fca": True}}
+    elif sampler_memory:
+        sampler = {"options": {"gpu_memory_utilization": float(sampler_memory)}}
+    else:
+        sampler = {"options": {"kv_cache_tokens": kv_tokens}}
     if os.environ.get("ADMISSION"):  # the embedded engine's: on_demand (default) or worst_case
         sampler["options"]["admission"] = os.environ["ADMISSION"]
     arctic = {"sampler": sampler}
@@ -277,10 +312,9 @@ def main() -> None:
     # Which layers checkpoint_layers: auto keeps, as it changes them.
     logging.getLogger("arctic_zorro.checkpoint_policy").setLevel(logging.INFO)
     logging.getLogger("arctic_zorro.checkpoint_policy").addHandler(logging.StreamHandler(sys.stdout))
-    trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict({"prompt": texts}),
-                          callbacks=[timer], arctic=arctic)
+    trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=dataset, callbacks=[timer],
+                          arctic=arctic)
     timer.wrap(trainer.arctic)
-    print("backend ready", round(time.time() - started, 1), "s", flush=True)
     if os.environ.get("FLEX") == "any-length":
         flex_for_any_length()
     if os.environ.get("PROCESSORS") == "compiled":
@@ -293,13 +327,7 @@ def main() -> None:
         from arctic_zorro import deepspeed_engine
 
         deepspeed_engine.accumulate_bf16_grads_in_one_pass = lambda optimizer: None
-    trainer.train()
-    # The first two steps compile kernels and capture CUDA graphs (the second meets new shapes).
-    steady = timer.steps[2:] or timer.steps
-    print(json.dumps({"system": "trl-1.16 on arctic", "sampler": arctic["sampler"].get("backend", "embedded"),
-                      "prompts": prompts, "n": samples, "prompt_len": prompt_len,
-                      "max_new": new_tokens, "step_s_steady_mean": round(sum(steady) / len(steady), 2),
-                      "steps": [round(s, 2) for s in timer.steps]}), flush=True)
+    return trainer, sampler.get("backend", "embedded")
 
 
 if __name__ == "__main__":
