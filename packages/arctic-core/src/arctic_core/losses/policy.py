@@ -276,7 +276,11 @@ class CISPOLoss(PolicyTerm):
         opts = self.options
         weight = ratio.clamp(min=opts.ratio_floor, max=opts.ratio_cap).detach()
         capped = (ratio > opts.ratio_cap) & (adv > 0)
-        return -weight * adv * logp, {"capfrac": token_mean(capped.float(), mask, ctx)}
+        if opts.level == "sequence":  # per sequence, as the ratio is (TRL's cispo_clip_ratio)
+            capfrac = capped[:, 0].float().sum() / ctx.num_sequences
+        else:
+            capfrac = token_mean(capped.float(), mask, ctx)
+        return -weight * adv * logp, {"capfrac": capfrac}
 
 
 class PolicyGradientLoss(PolicyTerm):
