@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import re
 import shutil
@@ -22,7 +24,7 @@ from arctic_core.demo.task import CountingTask
 from arctic_core.demo.tiny_model import save_tiny_policy
 from arctic_core.config import ArcticConfig
 from arctic_trl import GRPOTrainer
-from arctic_trl.mapping import arctic_config, regroup_is_exact
+from arctic_trl.mapping import VLLM_SETTINGS, arctic_config, regroup_is_exact, unsupported, vllm_notice
 from arctic_trl.trainer import _model_folder, group_micro_batches
 from helpers import weights
 
@@ -76,19 +78,80 @@ def variety_reward(completion_ids, **kwargs) -> list[float]:
 DATASET = Dataset.from_dict({"prompt": ["count up from 3:", "count down from 9:", "repeat 5:", "count up from 1:"] * 2})
 
 
+# The lengths the parity tests' completions end at, sample by sample (groups of num_generations=4
+# samples per prompt): EOS at different positions, or max_completion_length (8) without EOS, a
+# truncated completion. The tiny policy's own samples run to the limit, and with completions all of
+# one length a per-token mean, a per-sequence mean and Dr. GRPO's constant normaliser agree: a loss
+# type mapped to another's reduction would pass. With lengths that differ within each group, and
+# the padding after each EOS masked, every loss type's reduction is pinned down (and so are the
+# sequence-level ratios, the sampler correction's sequence modes and the per-sequence metrics).
+COMPLETION_LENGTHS = (8, 3, 6, 1, 5, 8, 2, 8)
+
+
+def varied_lengths(completions: list[list[int]], eos: int, limit: int) -> list[list[int]]:
+    """The sampled ``completions`` cut to ``COMPLETION_LENGTHS`` in turn: ending with ``eos``, or,
+    at ``limit``, as sampled (truncated)."""
+    cut = []
+    for i, ids in enumerate(completions):
+        length = COMPLETION_LENGTHS[i % len(COMPLETION_LENGTHS)]
+        cut.append(list(ids[:length]) if length == limit else [*ids[:length - 1], eos])
+    return cut
+
+
+class VariedLengthGRPOTrainer(trl.GRPOTrainer):
+    """Plain TRL whose generation (the model's own sampling) ends each completion at a length of
+    ``COMPLETION_LENGTHS``; everything after generation (rewards, masks, log-probs, the loss) is TRL's."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        completions, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                              has_tool_images)
+        assert logprobs is None  # transformers' generation: no sampler log-probs to cut with them
+        return varied_lengths(completions, self.eos_token_ids[0], self.max_completion_length), logprobs
+
+
+def assert_lengths_differ(inputs: dict, num_generations: int = 4) -> None:
+    """The prepared batch has completions of at least 3 lengths among each prompt's samples, and
+    masked positions (the padding after an EOS)."""
+    mask = inputs["completion_mask"]
+    assert (mask == 0).any(), "no masked completion tokens"
+    groups: dict[tuple, list[int]] = {}  # TRL shuffles the rows: a prompt's samples by their prompt
+    for prompt, prompt_mask, length in zip(inputs["prompt_ids"], inputs["prompt_mask"], mask.sum(1).tolist()):
+        groups.setdefault(tuple(prompt[prompt_mask.bool()].tolist()), []).append(length)
+    assert all(len(lengths) >= num_generations and len(set(lengths)) >= 3 for lengths in groups.values()), groups
+
+
+def mean_token_reward(completion_ids, **kwargs) -> list[float]:
+    """The mean token id: differs between any two samples of a prompt (the tiny policy's samples
+    mostly have no repeated token, so variety_reward ties), so every row has an advantage and rows
+    of every length weigh in the loss."""
+    return [sum(ids) / len(ids) / 100 for ids in completion_ids]
+
+
 def plain_and_arctic(policy: str, tmp_path, **settings):
-    """A plain TRL trainer with its first prepared batch, and an Arctic trainer with the same
-    settings: each test computes the same loss on both sides."""
+    """A plain TRL trainer with its first prepared batch (completions of varied lengths, each with
+    an advantage), and an Arctic trainer with the same settings: each test computes the same loss
+    on both sides."""
+    plain, window, arctic = plain_window_and_arctic(policy, tmp_path, **settings)
+    return plain, window[0], arctic
+
+
+def plain_window_and_arctic(policy: str, tmp_path, **settings):
+    """``plain_and_arctic`` with the prepared micro-batches of the first optimizer step (all of
+    them: ``gradient_accumulation_steps``), whose rows together have varied lengths and advantages."""
     args = grpo_args(tmp_path, **settings)
-    plain = trl.GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+    plain = VariedLengthGRPOTrainer(model=policy, reward_funcs=mean_token_reward, args=args, train_dataset=DATASET)
     plain.current_gradient_accumulation_steps = args.gradient_accumulation_steps  # set by HF's loop
     plain.model.train()
-    inputs = plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
-    assert inputs["advantages"].abs().sum() > 0  # a batch that teaches something
-    arctic = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=grpo_args(tmp_path, **settings),
+    plain._prepare_inputs(next(iter(plain.get_train_dataloader())))
+    window = plain._buffered_inputs[:args.gradient_accumulation_steps]
+    keys = ("prompt_ids", "prompt_mask", "completion_mask", "advantages")
+    rows = {key: torch.cat([batch[key] for batch in window]) for key in keys}
+    assert (rows["advantages"] != 0).all()  # a batch that teaches something, through every row
+    assert_lengths_differ(rows, args.num_generations)
+    arctic = GRPOTrainer(model=policy, reward_funcs=mean_token_reward, args=grpo_args(tmp_path, **settings),
                          train_dataset=DATASET)
     arctic.current_gradient_accumulation_steps = args.gradient_accumulation_steps
-    return plain, inputs, arctic
+    return plain, window, arctic
 
 
 def plain_loss_and_grads(plain, inputs: dict):
@@ -244,6 +307,33 @@ def test_the_loss_matrix_equals_plain_trl(pair, level, kl, entropy_quantile, dat
             assert_trl_metrics_equal(plain, logged, arctic, metrics, loss_type, beta, case)
 
 
+def test_an_accumulated_step_equals_plain_trls_for_every_loss_type(policy, tmp_path):
+    """Two micro-batches per optimizer step with different numbers of loss tokens. dapo, cispo and
+    vespo normalise by the tokens of the whole accumulation window, the other loss types per
+    micro-batch (divided by the accumulation steps): with one micro-batch per step the two scopes
+    give the same weights, here they do not. Each loss type's micro-batch losses and the step's
+    accumulated gradients equal plain TRL's (with the KL and an entropy bonus, which TRL scales per
+    micro-batch whatever the loss type)."""
+    plain, window, arctic = plain_window_and_arctic(policy, tmp_path, per_device_train_batch_size=4,
+                                                    gradient_accumulation_steps=2, beta=0.04, entropy_coef=0.01)
+    tokens = [int(batch["completion_mask"].sum()) for batch in window]
+    assert len(tokens) == 2 and tokens[0] != tokens[1], tokens
+    for loss_type in LOSS_TYPES:
+        settings = dict(loss_type=loss_type, epsilon_high=1.2 if loss_type == "cispo" else 0.28,
+                        vllm_importance_sampling_correction=False)
+        configure(plain, **settings)
+        configure(arctic, **settings)
+        plain.model.zero_grad(set_to_none=True)
+        for index, inputs in enumerate(window):  # TRL's backward per micro-batch: the gradients add up
+            expected = plain.compute_loss(plain.model, inputs)
+            expected.backward()
+            metrics = arctic.arctic_fwd_bwd(inputs)
+            assert metrics["loss"] == pytest.approx(expected.item(), abs=1e-5), (loss_type, index)
+        expected_grads = {n: p.grad.clone() for n, p in plain.model.named_parameters() if p.grad is not None}
+        assert_grads_equal(take_arctic_grads(arctic), expected_grads, loss_type)
+    arctic.arctic.close()
+
+
 def trl_vllm_importance_sampling(plain, inputs: dict) -> dict:
     """``inputs`` as TRL prepares them when vLLM sampled (``_generate_and_score_completions`` with
     ``use_vllm`` and ``vllm_importance_sampling_correction``): the trainer's old log-probs and the
@@ -354,9 +444,11 @@ def test_a_second_iteration_on_the_same_batch_equals_plain_trl(policy, tmp_path)
     """num_iterations=2: after one optimizer step the batch is trained on again with the old
     log-probs of before the step, so every ratio differs from 1; Arctic's loss and gradients equal
     plain TRL's on that second pass, so both took the same first step (weight decay included, which
-    Hugging Face's Trainer does not apply to biases and norm weights)."""
+    Hugging Face's Trainer does not apply to biases and norm weights). Adam's first step is
+    lr * g / (|g| + eps): with the default eps (1e-8) a weight whose gradient is within rounding of 0
+    moves by +lr or -lr as that rounding falls, so eps is larger here (and reaches the backend)."""
     settings = dict(num_iterations=2, max_grad_norm=0.0, learning_rate=1e-2, beta=0.04, loss_type="grpo",
-                    epsilon_high=0.28, delta=1.5, weight_decay=0.1)
+                    epsilon_high=0.28, delta=1.5, weight_decay=0.1, adam_epsilon=1e-4)
     plain, inputs, arctic = plain_and_arctic(policy, tmp_path, **settings)
     assert inputs["old_per_token_logps"] is not None  # TRL computed them: the data goes off-policy
     optimizer = plain.create_optimizer()  # Hugging Face's AdamW: no weight decay for biases and norm weights
@@ -452,6 +544,86 @@ def test_unsupported_settings_fail_clearly(policy, tmp_path):
     args = grpo_args(tmp_path, generation_kwargs={"top_p": 0.9, "typical_p": 0.5, "no_repeat_ngram_size": 2})
     with pytest.raises(ValueError, match=r"generation_kwargs \['no_repeat_ngram_size', 'typical_p'\]"):
         GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+
+
+def test_use_vllm_samples_on_arctics_sampler_with_the_same_results_as_without(policy, tmp_path, caplog):
+    """A TRL script with use_vllm=True runs as it is: Arctic's sampler generates in vLLM's place
+    (TRL starts no vLLM), with the samples and updates of the same script without use_vllm; in
+    colocate mode vllm_gpu_memory_utilization reaches the sampler's options, and server mode (no
+    server needed) says so in one notice."""
+    runs = {"without": {}, "colocate": dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.5),
+            "server": dict(use_vllm=True, vllm_mode="server", vllm_server_host="10.0.0.2")}
+    results, notices = {}, {}
+    for name, settings in runs.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="arctic_trl"):
+            trainer = GRPOTrainer(model=policy, reward_funcs=variety_reward, train_dataset=DATASET,
+                                  args=grpo_args(tmp_path / name, max_steps=2, **settings))
+            trainer.train()
+        notices[name] = [r.getMessage() for r in caplog.records if r.name.startswith("arctic_trl")]
+        logged = [h[key] for h in trainer.state.log_history if "loss" in h for key in ("loss", "reward", "grad_norm")]
+        results[name] = logged, weights(trainer.arctic)
+        assert len(logged) == 6 and not hasattr(trainer, "vllm_generation"), name
+        if name == "colocate":
+            assert trainer.arctic.transport.server.config.sampler.options == {"gpu_memory_utilization": 0.5}
+        trainer.arctic.close()
+    for name in ("colocate", "server"):
+        assert results[name][0] == pytest.approx(results["without"][0], rel=1e-5, abs=1e-9), name
+        assert all(torch.allclose(v, results["without"][1][k], atol=1e-6) for k, v in results[name][1].items()), name
+    assert notices["without"] == notices["colocate"] == []
+    assert notices["server"] == ["arctic_trl: vllm_mode='server': Arctic's own sampler generates instead of a vLLM "
+                                 "server (no `trl vllm-serve` needed), vllm_server_host unused"]
+
+
+def test_trls_vllm_settings_become_the_samplers_options(tmp_path):
+    """Colocate mode: vllm_gpu_memory_utilization and vllm_max_model_length set the sampler's
+    options of those names (the embedded engine's or vLLM's, each checked by the backend's own
+    options model), vllm_model_impl='transformers' its transformers' modules, and
+    vllm_enable_sleep_mode Arctic's colocate. TRL's defaults (0.3: vLLM's share beside TRL's own
+    trainer) leave the sampler's, arctic= options win, and server mode reads none of them (as TRL)."""
+    from arctic_core.config import validate_options
+    from arctic_fca.engine import EngineOptions
+    from arctic_fca.vllm_sampler import VllmOptions
+
+    def built(overrides=None, **settings) -> ArcticConfig:
+        return ArcticConfig.from_dict(arctic_config("m", grpo_args(tmp_path, use_vllm=True, **settings), overrides))
+
+    sized = dict(vllm_gpu_memory_utilization=0.5, vllm_max_model_length=256, vllm_model_impl="transformers")
+    embedded = built(**sized).sampler
+    assert embedded.options == {"gpu_memory_utilization": 0.5, "max_model_len": 256, "fused_decoder": False}
+    validate_options(EngineOptions, embedded, "embedded")
+    vllm = built({"sampler": {"backend": "vllm", "options": {"fca": False}}}, **sized).sampler
+    assert vllm.options == {"gpu_memory_utilization": 0.5, "max_model_len": 256, "fca": False,
+                            "engine_args": {"model_impl": "transformers"}}
+    validate_options(VllmOptions, vllm, "vllm")
+    assert built().sampler.options == {} and not built().colocate
+    mine = built({"sampler": {"options": {"gpu_memory_utilization": 0.7}}}, vllm_gpu_memory_utilization=0.5)
+    assert mine.sampler.options == {"gpu_memory_utilization": 0.7}
+    assert built(vllm_mode="server", vllm_enable_sleep_mode=True, **sized).sampler.options == {}
+    sleeping = built(vllm_enable_sleep_mode=True, bf16=True)
+    assert sleeping.colocate and sleeping.trainer.options == {}  # not ZeRO stage 1, which cannot sleep
+    # Where no option has the meaning, the notice names the setting.
+    args = grpo_args(tmp_path, use_vllm=True, vllm_gpu_memory_utilization=0.5)
+    assert vllm_notice(args, {}) is None
+    assert vllm_notice(args, {"sampler": {"backend": "hf-generate"}}) == \
+        "arctic_trl: vllm_gpu_memory_utilization not applied: the 'hf-generate' sampler has no such option"
+    assert vllm_notice(args, None) == ("arctic_trl: vllm_gpu_memory_utilization not applied: the backend's sampler "
+                                       "is configured where the backend runs")
+
+
+def test_vllm_settings_arctics_samplers_cannot_honour_are_refused_by_name(policy, tmp_path):
+    """Structured outputs and tensor parallelism are refused, each with its reason; every vllm_*
+    setting of TRL's GRPOConfig has its row in the adapter's table."""
+    args = grpo_args(tmp_path, use_vllm=True, vllm_structured_outputs_regex=r"\d+", vllm_tensor_parallel_size=2)
+    with pytest.raises(ValueError) as refused:
+        GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+    for named in (r"vllm_structured_outputs_regex='\\d+': Arctic's samplers do not constrain decoding to a regex",
+                  "vllm_tensor_parallel_size=2: Arctic's samplers do not shard a model over GPUs"):
+        assert named in str(refused.value)
+    assert unsupported(grpo_args(tmp_path, use_vllm=True, vllm_mode="remote")) == [
+        "vllm_mode='remote' (TRL's: colocate, server)"]
+    assert {f.name for f in dataclasses.fields(trl.GRPOConfig) if f.name.startswith("vllm_")} == set(VLLM_SETTINGS)
+
 
 def test_a_hub_model_id_is_fetched_into_the_hub_cache_for_the_backend(hub_cache, tmp_path):
     assert _model_folder("arctic-test/tiny-policy") == str(hub_cache)
@@ -571,6 +743,8 @@ def test_truncated_sampling_under_trls_default_correction_is_warned_about(policy
     trainer.arctic.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
+        # accelerate's own, when its state starts afresh without OMP_NUM_THREADS set
+        warnings.filterwarnings("ignore", "OMP_NUM_THREADS/MKL_NUM_THREADS unset", UserWarning)
         trainer = GRPOTrainer(model=policy, reward_funcs=variety_reward, train_dataset=DATASET,
                               args=grpo_args(tmp_path, top_k=5, vllm_importance_sampling_correction=False))
     trainer.arctic.close()

@@ -7,17 +7,21 @@ by term for every ``loss_type`` (the clipped family grpo / bnpo / dr_grpo / dapo
 cispo, sapo, vespo), at either importance-sampling level, with two-sided clipping (``delta``),
 the bias-corrected KL, entropy masking, the off-policy mask and the entropy bonus, with the same
 normalisation per loss type: a micro-batch's loss and gradients are TRL's.
+
+``use_vllm=True`` keeps Arctic's sampler generating in vLLM's place; ``VLLM_SETTINGS`` says what
+becomes of each of TRL's ``vllm_*`` settings.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 from transformers import PretrainedConfig
 from trl import GRPOConfig
 
-from arctic_core.config import TrainerConfig
+from arctic_core.config import SamplerConfig, TrainerConfig
 from arctic_core.hf import max_positions
 
 # loss_type -> how TRL reduces per-token losses within a micro-batch (our aggregation)
@@ -32,6 +36,63 @@ SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate",
 # generation_kwargs keys with an Arctic sampling setting of the same meaning
 GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "repetition_penalty"}
+
+# TRL 1.16's vLLM settings, read with use_vllm=True: Arctic's own sampler then generates in vLLM's
+# place (in either vllm_mode). Each is (the vllm_mode TRL reads it in, None for both; what the
+# adapter does with it). Read in TRL's mode only, and only where the value is not TRL's default
+# (TRL's defaults size vLLM beside TRL's own trainer, not Arctic's sampler):
+#   mode      colocate: Arctic's sampler in this process; server: the same, with a notice
+#   sampler   an option of the same meaning of the sampler the config runs (SAMPLER_OPTIONS)
+#   colocate  Arctic's colocate: the engines sleep in turn, as vLLM sleeps while TRL trains
+#   server    configures the vLLM server Arctic's sampler replaces: unused, named in the notice
+#   loss      the sampler correction, honoured with or without use_vllm (sampler_correction)
+#   refused   no counterpart (VLLM_REFUSED says why)
+VLLM_SETTINGS: dict[str, tuple[str | None, str]] = {
+    "vllm_mode": (None, "mode"),
+    "vllm_gpu_memory_utilization": ("colocate", "sampler"),
+    "vllm_max_model_length": ("colocate", "sampler"),
+    "vllm_model_impl": ("colocate", "sampler"),
+    "vllm_enable_sleep_mode": ("colocate", "colocate"),
+    "vllm_tensor_parallel_size": ("colocate", "refused"),
+    "vllm_structured_outputs_regex": (None, "refused"),
+    "vllm_server_base_url": ("server", "server"),
+    "vllm_server_host": ("server", "server"),
+    "vllm_server_port": ("server", "server"),
+    "vllm_server_timeout": ("server", "server"),
+    "vllm_group_port": ("server", "server"),
+    "vllm_importance_sampling_correction": (None, "loss"),
+    "vllm_importance_sampling_mode": (None, "loss"),
+    "vllm_importance_sampling_clip_min": (None, "loss"),
+    "vllm_importance_sampling_clip_max": (None, "loss"),
+    "vllm_importance_sampling_cap": (None, "loss"),  # TRL moves it to clip_max
+}
+VLLM_REFUSED = {
+    "vllm_tensor_parallel_size": "Arctic's samplers do not shard a model over GPUs; on several GPUs run sampler "
+                                 "replicas (arctic={'sampler': {'backend': 'ray', 'options': {'replicas': N}}})",
+    "vllm_structured_outputs_regex": "Arctic's samplers do not constrain decoding to a regex",
+}
+VLLM_MODES = ("colocate", "server")
+VLLM_MODEL_IMPLS = ("vllm", "transformers", "auto")
+TRL_DEFAULTS = {field.name: field.default for field in fields(GRPOConfig)}
+
+
+def _vllm_memory(value: float) -> dict[str, Any]:
+    return {"gpu_memory_utilization": value}
+
+
+def _vllm_length(value: int) -> dict[str, Any]:
+    return {"max_model_len": value}
+
+
+# The "sampler" settings as options of the sampling backends that have them. The embedded engine
+# runs its own decoder for the models it knows and transformers' modules for others, as vLLM does:
+# model_impl='transformers' asks for transformers' modules whatever the model.
+SAMPLER_OPTIONS: dict[str, dict[str, Callable[[Any], dict[str, Any]]]] = {
+    "embedded": {"vllm_gpu_memory_utilization": _vllm_memory, "vllm_max_model_length": _vllm_length,
+                 "vllm_model_impl": lambda impl: {"fused_decoder": impl != "transformers"}},
+    "vllm": {"vllm_gpu_memory_utilization": _vllm_memory, "vllm_max_model_length": _vllm_length,
+             "vllm_model_impl": lambda impl: {"engine_args": {"model_impl": impl}}},
+}
 
 
 def unsupported(args: GRPOConfig) -> list[str]:
@@ -49,9 +110,7 @@ def unsupported(args: GRPOConfig) -> list[str]:
     if args.vllm_importance_sampling_correction and args.vllm_importance_sampling_mode not in SAMPLER_CORRECTION_MODES:
         problems.append(f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r} (TRL's: "
                         f"{', '.join(SAMPLER_CORRECTION_MODES)})")
-    if args.use_vllm:
-        problems.append("use_vllm: Arctic samples for you (its sampler can be vLLM: arctic={'sampler': "
-                        "{'backend': 'vllm'}}); drop use_vllm")
+    problems += unsupported_vllm(args)
     if sampler_correction(args, True) and args.loss_type == "vespo" and \
             not args.vllm_importance_sampling_mode.startswith("token"):
         problems.append(f"loss_type='vespo' with vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r}: "
@@ -73,6 +132,63 @@ def unsupported(args: GRPOConfig) -> list[str]:
         problems.append(f"model_init_kwargs {sorted(args.model_init_kwargs)}: the backend loads the model folder as "
                         "it is (set the dtype with arctic={'model': {'dtype': ...}})")
     return problems
+
+
+def unsupported_vllm(args: GRPOConfig) -> list[str]:
+    """The vLLM settings of ``args`` Arctic's samplers have no counterpart for."""
+    if not args.use_vllm:
+        return []
+    if args.vllm_mode not in VLLM_MODES:
+        return [f"vllm_mode={args.vllm_mode!r} (TRL's: {', '.join(VLLM_MODES)})"]
+    problems = [f"{key}={value!r}: {VLLM_REFUSED[key]}" for key, value in vllm_settings(args, "refused").items()]
+    impl = vllm_settings(args, "sampler").get("vllm_model_impl")
+    if impl is not None and impl not in VLLM_MODEL_IMPLS:
+        problems.append(f"vllm_model_impl={impl!r}: Arctic's samplers run their own implementation ('vllm', "
+                        "'auto') or transformers' ('transformers')")
+    return problems
+
+
+def vllm_settings(args: GRPOConfig, handling: str) -> dict[str, Any]:
+    """The vLLM settings TRL reads from ``args`` (with use_vllm, in its vllm_mode) that are not TRL's
+    defaults and that the adapter handles as ``handling`` (see ``VLLM_SETTINGS``)."""
+    if not args.use_vllm:
+        return {}
+    return {key: getattr(args, key) for key, (mode, how) in VLLM_SETTINGS.items()
+            if how == handling and mode in (None, args.vllm_mode) and getattr(args, key) != TRL_DEFAULTS[key]}
+
+
+def vllm_sampler_options(args: GRPOConfig, backend: str) -> tuple[dict[str, Any], list[str]]:
+    """The options of sampling backend ``backend`` that TRL's vLLM settings give, and the settings
+    that backend has no option for."""
+    options: dict[str, Any] = {}
+    unmatched = []
+    for key, value in vllm_settings(args, "sampler").items():
+        option = SAMPLER_OPTIONS.get(backend, {}).get(key)
+        if option is None:
+            unmatched.append(key)
+        else:
+            options = _merged(options, option(value))
+    return options, unmatched
+
+
+def vllm_notice(args: GRPOConfig, overrides: dict[str, Any] | None) -> str | None:
+    """One line on the vLLM settings that do nothing on Arctic, or None. ``overrides``: the arctic=
+    dict of an in-process backend; None for a backend started elsewhere (its sampler was set up
+    there)."""
+    notes = []
+    if args.use_vllm and args.vllm_mode == "server":
+        unused = "".join(f", {key} unused" for key in vllm_settings(args, "server"))
+        notes.append(f"vllm_mode='server': Arctic's own sampler generates instead of a vLLM server (no "
+                     f"`trl vllm-serve` needed){unused}")
+    if overrides is None:
+        unused = [*vllm_settings(args, "sampler"), *vllm_settings(args, "colocate")]
+        reason = "the backend's sampler is configured where the backend runs"
+    else:
+        backend = overrides.get("sampler", {}).get("backend", SamplerConfig().backend)
+        unused, reason = vllm_sampler_options(args, backend)[1], f"the {backend!r} sampler has no such option"
+    if unused:
+        notes.append(f"{', '.join(unused)} not applied: {reason}")
+    return "arctic_trl: " + "; ".join(notes) if notes else None
 
 
 def unsupported_model(args: GRPOConfig, config: PretrainedConfig) -> list[str]:
@@ -216,8 +332,12 @@ def one_gpu_bf16_trainer(args: GRPOConfig, overrides: dict[str, Any]) -> bool:
 
 
 def arctic_config(model_path: str, args: GRPOConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """An in-process Arctic server for ``model_path`` with TRL's optimizer settings. The schedule is
-    TRL's: its learning rate is passed with every step."""
+    """An in-process Arctic server for ``model_path`` with TRL's optimizer settings and vLLM
+    settings (``VLLM_SETTINGS``), under ``overrides`` (which win). The schedule is TRL's: its
+    learning rate is passed with every step."""
+    overrides = overrides or {}
+    if vllm_settings(args, "colocate"):  # vLLM sleeps while TRL trains: Arctic's engines sleep in turn
+        overrides = {"colocate": True, **overrides}
     device = "cpu" if args.use_cpu else "auto"
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     config: dict[str, Any] = {
@@ -235,10 +355,22 @@ def arctic_config(model_path: str, args: GRPOConfig, overrides: dict[str, Any] |
         config["trainer"]["checkpoint_layers"] = "auto"
     if args.beta != 0.0:
         config["reference"] = {}
-    if one_gpu_bf16_trainer(args, overrides or {}):
+    if one_gpu_bf16_trainer(args, overrides):
         # DeepSpeed's bf16 optimizer (stage 1) accumulates in fp32 as stage 2 does, and ends each
         # step sooner on one GPU; it cannot sleep, hence not with colocated engines.
         config["trainer"]["options"] = {"zero_stage": 1}
-    for key, value in (overrides or {}).items():
+    for key, value in overrides.items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    sampler = config.get("sampler", {})
+    options = vllm_sampler_options(args, sampler.get("backend", SamplerConfig().backend))[0]
+    if options:  # under the user's own sampler options
+        config["sampler"] = {**sampler, "options": _merged(options, sampler.get("options", {}))}
     return config
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over``'s keys, nested dicts merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

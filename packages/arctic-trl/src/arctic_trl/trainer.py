@@ -18,6 +18,7 @@ policy's config, its generation config and one placeholder parameter).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import tempfile
 import time
@@ -35,7 +36,9 @@ from arctic_core.client import ArcticClient
 from arctic_core.model_folders import model_folder
 from arctic_core.serving.server import HF_EXPORT
 from arctic_trl.mapping import (MicroBatch, arctic_config, loss_terms, policy_loss, regroup_is_exact, sampling_params,
-                                truncated_sampling_caveat, unsupported, unsupported_model)
+                                truncated_sampling_caveat, unsupported, unsupported_model, vllm_notice)
+
+log = logging.getLogger(__name__)
 
 REFERENCE = "reference"  # stands for TRL's ref_model: log-probs come from Arctic's reference engine
 SEEDS_PER_STEP = 1009  # sampling seeds set apart per optimizer step (more than a step's generation calls)
@@ -95,7 +98,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     """Drop-in for ``trl.GRPOTrainer``. ``model`` is a local model folder, a Hub model id (fetched
     into the Hub's cache) or a loaded model (saved to a temporary folder for the backend). ``arctic``: an ``ArcticClient``, an
     ``http://`` URL of ``arctic-rl serve``, or a dict of ArcticConfig overrides for the in-process
-    backend (default: DeepSpeed + ZoRRo trainer and the embedded FCA sampler on this machine)."""
+    backend (default: DeepSpeed + ZoRRo trainer and the embedded FCA sampler on this machine).
+    ``use_vllm=True`` keeps Arctic's sampler (``mapping.VLLM_SETTINGS``)."""
 
     def __init__(self, model: str | PreTrainedModel, reward_funcs: Any, args: trl.GRPOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
@@ -115,11 +119,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         caveat = truncated_sampling_caveat(args)
         if caveat:
             warnings.warn(caveat, stacklevel=2)
+        notice = vllm_notice(args, (arctic or {}) if isinstance(arctic, dict | None) else None)
+        if notice:
+            log.warning(notice)
         self.arctic = _connect(arctic, path, args)
         beta = args.beta
-        # TRL must not build a reference model or clip the placeholder: both are the backend's job
-        # (it was configured with these values above).
-        args.beta, args.gradient_checkpointing, args.max_grad_norm = 0.0, False, 0.0
+        # TRL must not build a reference model, clip the placeholder or start vLLM: the backend does
+        # each (it was configured with these values above).
+        args.beta, args.gradient_checkpointing, args.max_grad_norm, args.use_vllm = 0.0, False, 0.0, False
         stub = PolicyStub.from_path(path)
         self._step_metrics: dict[str, float] = {}
         self._policy_loss = 0.0  # TRL's policy_loss metric of the last micro-batch (with an entropy bonus)
