@@ -7,8 +7,10 @@ A recipe YAML holds ``cluster`` (``nodes``, ``gpus_per_node``), ``reward`` (the 
 relative to the repository root), ``verl`` (``main_ppo``'s settings as dotted keys), ``arctic``
 (the backend's configuration, ``+arctic.config.*``) and ``arctic_server`` (``+arctic.num_gpus``
 and the like). ``--dry-run`` composes verl's config exactly as ``main_ppo`` would, runs
-arctic-verl's checks on it, validates every Ray engine's options, places the engines' Ray actors
-on the cluster's GPUs and prints that plan with the command; it needs verl's environment, no GPU.
+the start-up checks on it (arctic-verl's and verl's own, and that the model, the data files and
+the reward file are there), validates every Ray engine's options, places the engines' Ray actors
+on the cluster's GPUs and prints that plan with the command, or every problem it found, each
+naming its setting; it needs verl's environment, no GPU, and writes nothing.
 
 ``--set KEY=VALUE`` (the value read as YAML) changes one setting: a verl key as on ``main_ppo``'s
 command line, except that ``trainer.nnodes`` and ``trainer.n_gpus_per_node`` (or ``cluster.nodes``,
@@ -21,10 +23,15 @@ of ``arctic_server``. The launcher adds Hydra's ``+`` to the arctic keys itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import importlib.util
+import io
 import os
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,20 +216,144 @@ def place(actors: list[Actor], nodes: int, gpus_per_node: int) -> dict[int, list
     return plan
 
 
+# The verl settings the start-up checks read (lengths: the rollout's, which verl sets from data.*).
+MODEL_KEY = "actor_rollout_ref.model.path"
+PROMPT_KEY, RESPONSE_KEY = "actor_rollout_ref.rollout.prompt_length", "actor_rollout_ref.rollout.response_length"
+DATA_KEYS = ("data.train_files", "data.val_files")
+REWARD_KEY = "reward.custom_reward_function.path"
+STARTUP_KEYS = (MODEL_KEY, PROMPT_KEY, RESPONSE_KEY, *DATA_KEYS, REWARD_KEY)
+LENGTHS = f"{PROMPT_KEY} + response_length (data.max_prompt_length + data.max_response_length unless set)"
+DATA_FIX = "run the recipe's prepare_data (its README says how) or --set {key}=PATH"
+REWARD_FIX = "set the recipe's reward: (relative to the repository root) or --set {key}=PATH"
+# What a failed check raises besides ArcticError: verl's checks (bare asserts among them), a model
+# config that cannot be read, and the placement's SystemExit.
+REFUSALS = (AssertionError, ValueError, TypeError, OSError, SystemExit)
+
+
+def attempt(problems: list[str], check: Callable, *args, whose: str = "Arctic's"):
+    """``check(*args)``; when it refuses, its reason joins ``problems`` and the result is None, so
+    that one run reports every problem, not the first."""
+    from arctic_core.adapters.preflight import describe
+    from arctic_core.errors import ArcticError
+
+    try:
+        return check(*args)
+    except (ArcticError, *REFUSALS) as exc:
+        problems.append(describe(exc, whose) if not isinstance(exc, SystemExit) else str(exc.code))
+        return None
+
+
+def check_model(key: str, path: str) -> str | None:
+    """Raise naming ``key`` when the model at ``path`` is not here: a missing path, a folder with
+    no config.json. A Hub model id not in the cache is the run's to fetch (the dry run does not
+    download it): a note, unless the Hub is switched off (``HF_HUB_OFFLINE``)."""
+    from huggingface_hub import constants
+
+    from arctic_core.model_folders import cached_model_folder, hub_id, model_folder
+
+    if hub_id(path) and not constants.HF_HUB_OFFLINE and cached_model_folder(path) is None:
+        return (f"{key}: {path!r} is no local folder, so the run fetches it from the Hugging Face Hub as a "
+                "model id; the dry run checks its positions once it is in the cache")
+    model_folder(path, key, fetch=False)
+    return None
+
+
+def missing_files(key: str, value: object, fix: str) -> list[str]:
+    """A problem for each path in ``value`` (one path or a list, as verl takes them) that is not
+    here. Relative paths are read from the repository root, where the launcher runs main_ppo;
+    remote ones (hdfs://...) verl copies at start, so they are not checked here."""
+    paths = [] if value is None else [value] if isinstance(value, str) else list(value)
+    problems = []
+    for path in map(str, paths):
+        if "://" not in path and not (ROOT / os.path.expanduser(path)).exists():
+            where = "" if os.path.isabs(os.path.expanduser(path)) else f" (read from {ROOT})"
+            problems.append(f"{key}: {path!r} does not exist{where}: {fix.format(key=key)}")
+    return problems
+
+
+def startup_problems(settings: Mapping[str, object]) -> tuple[list[str], list[str]]:
+    """The problems and notes of the model, the lengths, the data and the reward file in verl's
+    ``settings`` (each of STARTUP_KEYS -> its value); needs no verl."""
+    from arctic_core.adapters.preflight import check_positions
+
+    problems: list[str] = []
+    model = str(settings[MODEL_KEY])
+    with contextlib.chdir(ROOT):  # main_ppo runs from the repository root: a relative path is read from there
+        note = attempt(problems, check_model, MODEL_KEY, model)
+        # arctic-verl's own check; it skips a model that is not here (reported just above)
+        attempt(problems, check_positions, model, settings[PROMPT_KEY] + settings[RESPONSE_KEY], LENGTHS)
+    for key in DATA_KEYS:
+        problems += missing_files(key, settings.get(key), DATA_FIX)
+    problems += missing_files(REWARD_KEY, settings.get(REWARD_KEY), REWARD_FIX)
+    return problems, [note] if note else []
+
+
+def verl_problems(config) -> list[str]:
+    """verl's own ``validate_config``, as main_ppo runs it before Ray starts. arctic-verl wraps it to
+    run its checks first, stopping at the first problem; the dry run runs those itself, so it hands
+    verl's a copy that does not ask for Arctic. verl's prints (a success line) are left out."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    plain = copy.deepcopy(config)
+    OmegaConf.update(plain, "trainer.v1.trainer_mode", "dry-run")
+    problems: list[str] = []
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")  # verl's notices about its own engines
+        attempt(problems, lambda: validate_config(plain, need_reference_policy(plain), need_critic(plain)),
+                whose="verl's")
+    return [f"verl's config check: {problem}" for problem in problems]
+
+
+def arctic_problems(config, cluster: dict) -> tuple[list[str], object, dict | None]:
+    """arctic-verl's start-up checks (as its preflight runs them in main_ppo, every one reported),
+    then the engines placed: the problems, Arctic's config and the plan (None where not reached)."""
+    from arctic_core.adapters.preflight import check_server
+    from arctic_core.plugins.checks import check_plugins
+    from arctic_core.plugins.registry import default_registry
+    from arctic_verl.mapping import arctic_config, get, refusals
+    from arctic_verl.settings import read_settings
+
+    problems: list[str] = []
+    settings = attempt(problems, read_settings, config)
+    if settings is None:
+        return problems, None, None
+    problems += refusals(config, settings)
+    if settings.url:
+        from verl.trainer.ppo.utils import need_reference_policy
+
+        needs = "verl's KL (use_kl_loss / use_kl_in_reward)" if need_reference_policy(config) else None
+        attempt(problems, check_server, settings, str(get(config, MODEL_KEY)), MODEL_KEY, needs)
+    arctic = attempt(problems, arctic_config, config, settings, True)
+    if arctic is None:
+        return problems, None, None
+    attempt(problems, check_plugins, arctic, default_registry())
+    if arctic.reference is not None and arctic.reference.model is not None:
+        attempt(problems, check_model, "arctic.config.reference.model.path", arctic.reference.model.path)
+    actors = attempt(problems, engine_actors, arctic, settings, True)
+    plan = attempt(problems, place, actors, cluster["nodes"], cluster["gpus_per_node"]) if actors else None
+    return problems, arctic, plan
+
+
 def dry_run(recipe: dict) -> str:
-    """Compose verl's config, run arctic-verl's checks and place the engines; the plan as text."""
+    """Compose verl's config, run the start-up checks and place the engines; the plan as text, or
+    SystemExit listing every problem."""
     import verl
 
-    from arctic_verl.mapping import arctic_config, check_supported
-    from arctic_verl.settings import read_settings
+    from arctic_verl.mapping import get
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     config = compose_verl(config_dir, overrides(recipe))
-    settings = read_settings(config)
-    check_supported(config, settings)
-    arctic = arctic_config(config, settings, on_gpu=True)
     cluster = recipe["cluster"]
-    plan = place(engine_actors(arctic, settings, cluster_has_gpus=True), cluster["nodes"], cluster["gpus_per_node"])
+    problems, notes = startup_problems({key: get(config, key) for key in STARTUP_KEYS})
+    problems += verl_problems(config)
+    found, arctic, plan = arctic_problems(config, cluster)
+    problems += found
+    if problems:
+        raise SystemExit(f"the dry run found {len(problems)} problem(s), each of which stops main_ppo:\n"
+                         + "\n".join("  - " + problem.replace("\n", "\n    ") for problem in problems)
+                         + "".join(f"\nnote: {note}" for note in notes))
     lines = [f"model: {arctic.model.path} ({arctic.model.dtype}); trainer: {arctic.trainer.backend} "
              f"{arctic.trainer.options}; sampler: {arctic.sampler.backend} {arctic.sampler.options}",
              f"placement on {cluster['nodes']} nodes x {cluster['gpus_per_node']} GPUs:"]
@@ -230,7 +361,7 @@ def dry_run(recipe: dict) -> str:
         used = sum(a.gpus for a in actors)
         names = ", ".join(a.label() for a in sorted(actors, key=lambda a: (a.engine, a.index)))
         lines.append(f"  node {node}: {used:g}/{cluster['gpus_per_node']} GPUs  {names or '-'}")
-    return "\n".join(lines)
+    return "\n".join(lines + [f"note: {note}" for note in notes])
 
 
 def compose_verl(config_dir: str, items: list[str]):

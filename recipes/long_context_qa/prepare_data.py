@@ -12,6 +12,11 @@ documents with their headers, the question and the instruction. Records without 
 answer or a supporting paragraph, records with a malformed field, unanswerable ones, and ones whose
 supporting paragraphs alone do not fit the target are counted, listed in
 ``<split>.rejected.jsonl`` and left out.
+
+``--records`` may also be a ``.parquet`` file or a saved Hugging Face dataset folder of either
+format's fields. ``--format`` picks the files (default ``trl verl``: ``<split>.jsonl`` and
+``<split>.parquet``); ``skyrl`` writes ``<split>.skyrl.parquet`` for the ``long_context_qa``
+environment of ``recipes.skyrl_env``, which scores with this recipe's reward.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from recipes.common import PrepReport, list_field, prepare_rows, text_field, write_split
+from recipes.common import (PrepReport, add_format_argument, description, list_field, prepare_rows, text_field,
+                            write_split)
 
 DATA_SOURCE = "multihop_qa"
+ENV_CLASS = "long_context_qa"  # SkyRL's environment for these rows: recipes.skyrl_env registers it
 INSTRUCTION = ("Answer the question from the documents. Think step by step, then give a short answer "
                "on the last line as 'Answer: <answer>'.")
 
@@ -170,12 +177,13 @@ def token_counter(tokenizer: str | None):
 
 
 def main(argv: list[str] | None = None) -> PrepReport:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--records", required=True, type=Path, help="HotpotQA .json or MuSiQue .jsonl")
     parser.add_argument("--target-tokens", type=int, default=32768, help="the prompt length to pack to")
     parser.add_argument("--tokenizer", default=None, help="tokenizer counting the length (default: words)")
     parser.add_argument("--split", default="train")
     parser.add_argument("--seed", type=int, default=0)
+    add_format_argument(parser)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     if not args.records.exists():
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> PrepReport:
             rows.append(build_row(question, packer.pack(question), index, args.split))
         except ValueError as exc:
             report.withdraw(index, str(exc), question.question)
-    write_split(rows, args.out, args.split, report)
+    write_split(rows, args.out, args.split, report, args.formats, ENV_CLASS)
     return report
 
 

@@ -1,6 +1,6 @@
 """BIRD's public release (``train.json`` / ``dev.json``: ``db_id``, ``question``, ``evidence``,
 ``SQL``; one SQLite database per ``db_id`` under ``<split>_databases/<db_id>/<db_id>.sqlite``) to
-the rows verl (and TRL) read.
+the rows verl (and TRL, SkyRL) read.
 
     python -m recipes.text_to_sql.prepare_data --records ~/bird/train/train.json \\
         --databases ~/bird/train/train_databases --split train --out ~/data/bird
@@ -9,6 +9,11 @@ Each prompt holds the database's schema (its CREATE statements), the evidence an
 Every gold query is run once through the reward's read-only sandbox: records whose database is
 missing or whose gold query fails, runs past the time limit or returns too many rows are counted,
 listed in ``<split>.rejected.jsonl`` and left out.
+
+``--records`` may also be a ``.jsonl`` or ``.parquet`` file or a saved Hugging Face dataset folder
+of BIRD's fields. ``--format`` picks the files (default ``trl verl``: ``<split>.jsonl`` and
+``<split>.parquet``); ``skyrl`` writes ``<split>.skyrl.parquet`` for the ``text_to_sql``
+environment of ``recipes.skyrl_env``, which scores with this recipe's reward.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import argparse
 import functools
 from pathlib import Path
 
-from recipes.common import PrepReport, prepare_rows, text_field, write_split
+from recipes.common import PrepReport, add_format_argument, description, prepare_rows, text_field, write_split
 from recipes.text_to_sql.reward import execute
 
 DATA_SOURCE = "bird"
+ENV_CLASS = "text_to_sql"  # SkyRL's environment for these rows: recipes.skyrl_env registers it
 INSTRUCTION = "Write one SQLite query that answers the question. Put it in a ```sql code block."
 
 
@@ -54,10 +60,11 @@ def prepare_record(record: object, index: int, split: str, databases: Path) -> d
 
 
 def main(argv: list[str] | None = None) -> PrepReport:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=description(__doc__))
     parser.add_argument("--records", required=True, type=Path, help="BIRD's train.json or dev.json")
     parser.add_argument("--databases", required=True, type=Path, help="the <split>_databases folder")
     parser.add_argument("--split", default="train")
+    add_format_argument(parser)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     for path in (args.records, args.databases):
@@ -65,7 +72,7 @@ def main(argv: list[str] | None = None) -> PrepReport:
             parser.error(f"not found: {path}")
     rows, report = prepare_rows(args.records, lambda record, index: prepare_record(record, index, args.split,
                                                                                  args.databases))
-    write_split(rows, args.out, args.split, report)
+    write_split(rows, args.out, args.split, report, args.formats, ENV_CLASS)
     return report
 
 
