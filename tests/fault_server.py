@@ -1,19 +1,25 @@
-"""An ``arctic-rl serve``-like HTTP server process that kills itself (SIGKILL) in the middle of its
-second ``save_checkpoint``, at a chosen point; run by tests/test_faults.py.
+"""An ``arctic-rl serve``-like HTTP server process that kills itself (SIGKILL) at a chosen point:
+in the middle of its second ``save_checkpoint`` (tests/test_faults.py), or mid-run of a framework
+(the adapters' tests of a server that goes away).
 
 usage: python fault_server.py CONFIG_JSON KILL_POINT   (prints the server's URL on one line)
 
 Kill points:
 - ``trainer-files``: the trainer has written one file of its checkpoint into the staging folder;
-- ``between-renames``: the previous checkpoint has been moved aside, the new one not yet moved in.
+- ``between-renames``: the previous checkpoint has been moved aside, the new one not yet moved in;
+- ``generate-after-step``: a ``generate`` arrives after an optimizer ``step`` (the second training
+  step's sampling), before it is answered.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -56,8 +62,28 @@ def arm(server: ArcticServer, point: str) -> None:
             return os_replace(src, dst, *args, **kwargs)
 
         os.replace = replace
+    elif point == "generate-after-step":
+        arm_generate_after_step(server)
     else:
         raise SystemExit(f"unknown kill point {point!r}")
+
+
+def arm_generate_after_step(server: ArcticServer) -> None:
+    step_op, generate_op = server._op_step, server._op_generate
+    stepped = False
+
+    def step(request):
+        nonlocal stepped
+        result = step_op(request)
+        stepped = True
+        return result
+
+    def generate(request):
+        if stepped:
+            die()
+        return generate_op(request)
+
+    server._op_step, server._op_generate = step, generate
 
 
 def main() -> None:
@@ -69,6 +95,18 @@ def main() -> None:
     sock.listen(64)  # connections wait in the backlog until uvicorn accepts them
     print(f"http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
     uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning")).run(sockets=[sock])
+
+
+def start_for(policy: Path, point: str) -> tuple[subprocess.Popen[str], str]:
+    """This script in a process of its own, serving ``policy`` on the torch backend until ``point``
+    (the adapters' tests of a server that goes away); returns the process and its URL."""
+    config = {"model": {"path": str(policy), "device": "cpu"}, "trainer": {"backend": "torch"}}
+    proc = subprocess.Popen([sys.executable, __file__, json.dumps(config), point],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:  # libraries print banners first; the URL comes once it listens
+        if line.startswith("http://127.0.0.1:"):
+            return proc, line.strip()
+    raise AssertionError(f"the server did not start (exit status {proc.wait()})")
 
 
 if __name__ == "__main__":

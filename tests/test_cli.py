@@ -12,9 +12,18 @@ import pytest
 import yaml
 
 
-def arctic_rl(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def arctic_rl(*args: str, timeout: float = 300, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
+    """``arctic-rl *args`` with this environment and ``env`` over it (None: a variable removed)."""
+    merged = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "arctic_core.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env={k: v for k, v in merged.items() if v is not None})
+
+
+# Other libraries' lines about a GPU that is not there, on every CPU run.
+BANNERS = ("Setting accelerator to CPU", "No CUDA runtime is found", "deepspeed_shm_comm_op built successfully")
+# As a user's shell has it: nothing picks DeepSpeed's accelerator (an engine imported by an earlier
+# test sets DS_ACCELERATOR in this process), no verbosity asked for.
+USER_ENV: dict[str, str | None] = {"DS_ACCELERATOR": None, "ARCTIC_RL_VERBOSE": None}
 
 
 def config_file(tmp_path: Path, data: dict) -> Path:
@@ -89,6 +98,17 @@ def test_tiny_model_writes_a_folder_transformers_loads(tmp_path):
     assert_one_line_error(arctic_rl("tiny-model", str(tmp_path / "x"), "--family", "gpt9"), "unknown family 'gpt9'")
 
 
+def test_tiny_model_prints_no_library_banners_unless_verbose(tmp_path):
+    import torch
+
+    quiet = arctic_rl("tiny-model", str(tmp_path / "quiet"), env=USER_ENV)
+    assert quiet.returncode == 0 and quiet.stdout == f"{tmp_path / 'quiet'}\n", quiet.stderr[-3000:]
+    assert not [b for b in BANNERS if b in quiet.stderr], quiet.stderr[-3000:]
+    if not torch.cuda.is_available():  # DeepSpeed's notice is there to be kept
+        loud = arctic_rl("tiny-model", str(tmp_path / "loud"), "--verbose", env=USER_ENV)
+        assert loud.returncode == 0 and "Setting accelerator to CPU" in loud.stderr, loud.stderr[-3000:]
+
+
 def test_tiny_model_refuses_a_path_that_is_a_file(tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
     assert_one_line_error(arctic_rl("tiny-model", str(tmp_path / "notes.txt")), f"{tmp_path / 'notes.txt'} exists and is not a folder")
@@ -138,13 +158,17 @@ def test_help_and_version_answer_as_clis_do():
 
 @pytest.mark.slow
 def test_demo_stdout_is_one_json_line_and_progress_goes_to_stderr(tmp_path):
-    proc = arctic_rl("demo", "--out", str(tmp_path / "demo"), "--steps", "2", "--warmup-steps", "2")
+    extensions = tmp_path / "torch_extensions"  # where DeepSpeed would build its ops
+    proc = arctic_rl("demo", "--out", str(tmp_path / "demo"), "--steps", "2", "--warmup-steps", "2",
+                     env={**USER_ENV, "TORCH_EXTENSIONS_DIR": str(extensions)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, proc.stdout[:3000]  # `arctic-rl demo | jq` works
     assert json.loads(lines[0])["steps"] == 2
     assert "SFT warm-up" in proc.stderr and "GRPO" in proc.stderr  # both phases show progress bars
     assert "Loading weights" not in proc.stderr
+    assert not [b for b in BANNERS if b in proc.stderr], proc.stderr[-3000:]
+    assert not extensions.exists() or not any(extensions.iterdir())  # a world of one builds no comm op
 
 
 def test_a_tiny_mistral_runs_on_the_default_sampler(tmp_path):

@@ -1,8 +1,7 @@
 """The DeepSpeed backends against the reference ones, through the real client, for ZeRO stages 0, 2, 3.
 
 Each stage runs one scripted session (module-scoped, since building engines dominates the cost);
-the tests below check what it recorded. The first DeepSpeed engine of a machine JIT-compiles a
-comm op (~40 s) into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); later runs reuse it.
+the tests below check what it recorded.
 """
 
 from __future__ import annotations
@@ -450,6 +449,31 @@ def test_a_build_lock_left_by_a_killed_build_is_named(tmp_path, monkeypatch, cap
         deepspeed_engine.warn_of_stale_build_locks(older_than=0.0)
     named = sorted(r.getMessage() for r in caplog.records if r.name == deepspeed_engine.__name__)
     assert [m.split(" is ")[0] for m in named] == [str(stale), str(fresh)]
+
+
+def test_a_world_of_one_on_the_cpu_starts_without_building_deepspeeds_comm_op(tmp_path):
+    """DeepSpeed's CPU comm layer would JIT-compile its shared-memory op (tens of seconds, the first
+    time): a fresh extensions folder stays empty, and the comm layer runs on torch.distributed."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import importlib, torch
+from arctic_zorro import deepspeed_engine
+import deepspeed
+deepspeed_engine.init_distributed()
+assert importlib.import_module("deepspeed.comm.comm").cdb.shm_comm_op is None
+counts = torch.ones(2)
+deepspeed.comm.all_reduce(counts)
+print("reduced", counts.tolist())
+"""
+    extensions = tmp_path / "torch_extensions"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "reduced [1.0, 1.0]"
+    assert not extensions.exists() or not any(extensions.iterdir())
 
 
 def test_a_world_of_one_starts_while_another_process_holds_its_master_port():

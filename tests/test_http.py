@@ -25,6 +25,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
+from arctic_core.adapters import lost_server as lost_server_module
+from arctic_core.adapters.lost_server import lost_server
+from arctic_core.adapters.settings import BackendSettings
 from arctic_core.serving import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.cli import app as cli_app, bind_port
@@ -287,6 +290,20 @@ def test_waiting_for_a_server_that_never_answers_raises_a_remote_error():
     assert info.value.status is None
     with pytest.raises(RemoteError, match=f"ServerExited .*{url} ended before it answered /health"):
         wait_until_serving(url, timeout=60, alive=lambda: False)
+
+
+def test_a_server_is_lost_only_when_no_connection_can_be_made(guarded, monkeypatch):
+    """What the adapters ask when a run fails: a server that answers, even to refuse the token, or
+    that takes a connection and is slow to answer (busy with the failed run's last call) is there."""
+    monkeypatch.setattr(lost_server_module, "PROBE_TIMEOUT_S", 0.5)
+    assert lost_server(BackendSettings(url=guarded.url, token=TOKEN)) is None
+    assert lost_server(BackendSettings(url=guarded.url, token="wrong-token")) is None
+    assert lost_server(BackendSettings()) is None  # a backend the adapter started: no URL to ask
+    with socket.socket() as busy:  # connections wait in its backlog, never answered
+        busy.bind((HOST, 0))
+        busy.listen(8)
+        assert lost_server(BackendSettings(url=f"http://{HOST}:{busy.getsockname()[1]}")) is None
+    assert lost_server(BackendSettings(url=f"http://{HOST}:{unused_port()}")).startswith("ConnectError: ")
 
 
 def test_a_url_without_a_scheme_or_a_bad_timeout_is_refused_at_once_and_none_waits_without_limit(shared):

@@ -15,12 +15,15 @@ checked byte for byte against a recorded file in ``test_contract.py``; here the 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from transformers import AutoTokenizer
 
 from arctic_core.demo.grpo import chat_prompt_ids
 from arctic_core.demo.task import CountingTask, Problem
@@ -164,3 +167,19 @@ def pack(samples: list[dict]) -> MicroBatch:
     flat = {key: [v for s in samples for v in s[key]] for key in samples[0]}
     return MicroBatch(**flat, position_ids=[t for n in lengths for t in range(n)], sequence_lengths=lengths,
                       env_names=["counting"] * sum(lengths), seq_lens=lengths)
+
+
+def main() -> None:
+    """``python fake_orchestrator.py @ orchestrator.json``: started by ``arctic-primerl rl`` as its
+    ``orchestrator_command``, it reads the config written for PRIME-RL's orchestrator and runs the
+    demo's counting task, small (2 problems of 4 samples a step), for max_steps steps."""
+    config = json.loads(Path(sys.argv[-1]).read_text())
+    model = config["model"]["name"]
+    orchestrator = FakeOrchestrator(config["model"]["client"]["base_url"].removesuffix("/v1"), Path(config["output_dir"]),
+                                    model, AutoTokenizer.from_pretrained(model), CountingTask(), problems_per_step=2,
+                                    group_size=4, max_tokens=8, seq_len=config["seq_len"])
+    asyncio.run(orchestrator.run(config["max_steps"]))
+
+
+if __name__ == "__main__":
+    main()

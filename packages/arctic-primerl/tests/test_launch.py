@@ -3,6 +3,7 @@ processes configured as its own launcher configures them, bad runs stopped in se
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 
 from arctic_core.errors import ArcticError, ConfigError
 from arctic_primerl.config import read_run
-from arctic_primerl.launch import Process, Watchdog, env_sources, preflight, prime_rl_processes
+from arctic_primerl.launch import Process, Watchdog, check_commands, env_sources, preflight, prime_rl_processes
 from arctic_primerl.schedule import LRSchedule
 from runs import write_toml
 
@@ -206,14 +207,45 @@ def test_bad_runs_stop_in_seconds_with_one_line(tmp_path, policy):
         assert line.startswith("arctic-primerl: error:") and message in line
 
 
-def test_dry_run_writes_prime_rls_configs(tmp_path, policy):
+def test_a_command_given_as_a_path_is_named_as_missing_or_not_executable(tmp_path, policy, monkeypatch):
+    """A path is started as it is (a relative one from the working folder), never looked up on PATH."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "orchestrator").write_text("#!/bin/sh\n")  # not executable
+    for command, message in (("prime-rl/bin/orchestrator", f"does not exist ({tmp_path / 'prime-rl' / 'bin' / 'orchestrator'})"),
+                             (str(tmp_path / "nowhere" / "orchestrator"), "does not exist:"),
+                             ("./bin/orchestrator", f"is not executable ({tmp_path / 'bin' / 'orchestrator'})")):
+        toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", arctic=f'orchestrator_command = ["{command}"]')
+        with pytest.raises(ArcticError) as refused:
+            check_commands(read_run(toml))
+        assert f"orchestrator command {command!r} {message}" in str(refused.value)
+        assert "PATH" not in str(refused.value)
+
+
+def test_dry_run_prints_the_commands_and_writes_nothing(tmp_path, policy):
+    """With PRIME-RL's defaults (no output_dir, no run name: a new run folder at every launch)."""
     commands = f'orchestrator_command = ["{sys.executable}", "-m", "prime_rl.entrypoints.orchestrator"]\n' \
                f'env_server_command = ["{sys.executable}"]'
     toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", arctic=commands)
+    toml.write_text(toml.read_text().replace(f'output_dir = "{tmp_path}"\n', "").replace('[run]\nname = "run"\n', ""))
+    before = sorted(tmp_path.rglob("*"))
     result = run_cli("rl", "@", str(toml), "--dry-run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"{sys.executable} -m prime_rl.entrypoints.orchestrator @ {tmp_path / 'run' / 'configs' / 'orchestrator.json'}"
-    assert (tmp_path / "run" / "configs" / "orchestrator.json").is_file()
+    assert re.fullmatch(rf"{re.escape(sys.executable)} -m prime_rl.entrypoints.orchestrator @ "
+                        rf"runs/primerl/no-env--{Path(policy).name.lower()}--[0-9a-f]{{8}}/configs/orchestrator.json",
+                        result.stdout.strip()), result.stdout
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_process_writes_its_config_when_it_starts(tmp_path, policy):
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", arctic=f'orchestrator_command = ["{sys.executable}"]')
+    (orchestrator,) = prime_rl_processes(read_run(toml))
+    assert not (tmp_path / "run").exists()
+    orchestrator.command = [sys.executable, "-c", "pass"]
+    orchestrator.start(dict(os.environ))
+    orchestrator.popen.wait(timeout=60)
+    config = json.loads((tmp_path / "run" / "configs" / "orchestrator.json").read_text())
+    assert config["output_dir"] == str(tmp_path / "run")
 
 
 

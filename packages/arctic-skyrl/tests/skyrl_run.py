@@ -16,6 +16,7 @@ import pandas as pd
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from arctic_core.demo.task import CountingTask
+from arctic_skyrl import example
 
 TESTS = Path(__file__).parent
 
@@ -34,9 +35,7 @@ def gsm8k_rows(count: int) -> list[dict]:
 
 def counting_rows(task: CountingTask, env_class: str = "counting") -> list[dict]:
     """The demo's counting task as SkyRL prompts for an environment of :mod:`counting_env`."""
-    return [{"data_source": "counting", "prompt": [{"role": "user", "content": problem.prompt}],
-             "env_class": env_class, "reward_spec": {"method": "rule", "ground_truth": problem.prompt},
-             "extra_info": {"index": index}} for index, problem in enumerate(task.problems())]
+    return example.counting_rows(task.problems(), env_class)
 
 
 def write_parquet(rows: list[dict], path: Path) -> Path:
@@ -65,11 +64,13 @@ def main_base_args(model: Path, train: Path, out: Path, *, steps: int, batch: in
     ]
 
 
-def run_main_base(args: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+def run_main_base(args: list[str], cwd: Path, timeout: float = 900, merged: bool = False) -> subprocess.CompletedProcess:
+    """The run's outputs; ``merged``: stderr into stdout, in the order they were written."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0",
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "TENSORBOARD_DIR": str(cwd / "tensorboard")}
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True, timeout=timeout)
 
 
 def logged_scalars(folder: Path) -> dict[str, dict[int, float]]:

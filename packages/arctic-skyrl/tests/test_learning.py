@@ -1,39 +1,55 @@
-"""SkyRL's GRPO on Arctic learns: the demo's task as a skyrl-gym environment.
+"""SkyRL's GRPO on Arctic learns: the SkyRL guide's "See it learn on the CPU" command, as written.
 
-As in the demo, a short SFT warm-up teaches the tiny random policy the answer format (its sampled
-reward stays low, about 0.1); SkyRL's own loop then runs GRPO through the Arctic override and must
-raise the mean reward SkyRL logs (``reward/avg_raw_reward``) by at least 0.25 (its first five
-steps against its last five). The task is the demo's "repeat a digit" part, which GRPO teaches the
-tiny policy within minutes of CPU time. Sampling is not seeded: the same task through verl gained
-0.55-0.65 in most runs of 35 steps but 0.27 in one, so the run is longer and the windows wider than
-a typical run needs; without learning the gain would be 0 +- 0.05.
+The command (``python -m arctic_skyrl.example counting``) gives the demo's tiny policy a short SFT
+warm-up (it then writes the answer format, with a sampled reward of about 0.1) and runs SkyRL's own
+``main_base`` through the Arctic override on the demo's "repeat a digit" task, as a skyrl-gym
+environment; the mean reward SkyRL logs (``reward/avg_raw_reward``) must rise by at least 0.25
+between the first five and the last five of its 45 steps. Sampling is not seeded: the same task
+through verl gained 0.55-0.65 in most runs of 35 steps but 0.27 in one, hence 45 steps and
+five-step windows; without learning the gain would be 0 +- 0.05.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from arctic_core.demo.grpo import warmed_up_policy
-from arctic_core.demo.task import CountingTask
-from skyrl_run import counting_rows, logged_scalars, main_base_args, run_main_base, write_parquet
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guides" / "skyrl.md"
+SECTION = "## See it learn on the CPU"
+ENVIRONMENT = "UV_PROJECT_ENVIRONMENT=.venv-skyrl uv run --locked --extra skyrl"  # the one this suite runs in
+GAIN = 0.25
 
-OPS = ("repeat",)
-STEPS = 45
-WINDOW = 5
+
+def documented_command() -> list[str]:
+    """The section's command, less the ``uv run`` that picks SkyRL's environment (this one)."""
+    section = GUIDE.read_text().split(SECTION, 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"^```bash\n(.*?)^```", section, re.S | re.M).group(1)
+    command = shlex.split(code, comments=True)
+    prefix = shlex.split(ENVIRONMENT)
+    assert command[:len(prefix)] == prefix, command
+    return [sys.executable if arg == "python" else arg for arg in command[len(prefix):]]
 
 
 @pytest.mark.timeout(1500)
-def test_skyrl_grpo_on_arctic_raises_the_task_reward(tmp_path):
-    policy = warmed_up_policy(tmp_path / "demo", OPS)
-    data = write_parquet(counting_rows(CountingTask(ops=OPS)), tmp_path / "task.parquet")
-    extra = ("trainer.policy.optimizer_config.lr=1e-3", "trainer.algorithm.eps_clip_high=0.28",
-             "trainer.epochs=1000", "trainer.ckpt_interval=-1")
-    args = main_base_args(policy, data, tmp_path, steps=STEPS, batch=8, n=16, response_length=16,
-                          entrypoint="counting_env", extra=extra)
-    result = run_main_base(args, cwd=tmp_path, timeout=1200)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    rewards = [value for _, value in sorted(logged_scalars(tmp_path / "tensorboard")["reward/avg_raw_reward"].items())]
-    assert len(rewards) == STEPS
-    first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
-    print(f"SkyRL GRPO on Arctic: reward {first:.3f} -> {last:.3f} over {STEPS} steps")
-    assert last - first >= 0.25, rewards
+def test_the_guides_command_raises_the_reward_through_skyrls_main_base(tmp_path):
+    command = documented_command()
+    assert command[1:4] == ["-m", "arctic_skyrl.example", "counting"], command
+    result = subprocess.run(command, cwd=tmp_path, env=os.environ, capture_output=True, text=True, timeout=1400)
+    assert result.returncode == 0, result.stderr[-6000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"SkyRL GRPO on Arctic: reward {summary['initial_reward']:.3f} -> {summary['final_reward']:.3f} "
+          f"over {summary['steps']} steps, {summary['seconds']} s")
+    assert summary["steps"] == 45 and summary["reward_window"] == 5, summary
+    assert summary["final_reward"] - summary["initial_reward"] >= GAIN, summary
+    assert "skyrl step 45/45: reward" in result.stderr  # a line per step, as SkyRL logs it
+    out = Path(summary["out"])
+    assert out.is_relative_to(tmp_path / "runs") and [p.name for p in tmp_path.iterdir()] == ["runs"]
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*")) and (out / "run.log").stat().st_size > 0

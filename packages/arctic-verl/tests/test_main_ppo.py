@@ -50,7 +50,9 @@ def test_three_grpo_steps_checkpoint_and_resume(policy, tmp_path):
     assert json.loads((checkpoint / "actor" / "arctic_state.json").read_text())["step"] == 3
     assert (checkpoint / "actor" / "huggingface" / "config.json").is_file()  # where verl puts hf_model
     assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    assert list((tmp_path / "tensorboard_log").rglob("events.out.tfevents.*"))  # verl's TensorBoard logger
+    # verl's TensorBoard logger (in verl's task runner, a Ray actor), under runs/ as Hydra's run folder
+    assert list((tmp_path / "runs" / "verl" / "tensorboard" / "arctic" / "test").glob("events.out.tfevents.*"))
+    assert not (tmp_path / "tensorboard_log").exists() and not (tmp_path / "outputs").exists()
 
     second = run_main_ppo(main_ppo_args(policy, train, val, tmp_path, steps=4, extra=extra), cwd=tmp_path)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-6000:]

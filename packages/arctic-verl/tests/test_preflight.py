@@ -39,6 +39,8 @@ STOPS = {
     "unreachable-url": ("+arctic.url=http://127.0.0.1:{port}", "127.0.0.1:{port}"),
     "missing-model": ("actor_rollout_ref.model.path=/nonexistent/model", "/nonexistent/model"),
     "legacy-trainer": ("trainer.use_v1=False", "trainer.use_v1=False: trainer.v1.trainer_mode=arctic runs in verl's v1"),
+    "misspelt-mode": ("trainer.v1.trainer_mode=artic",  # after main_ppo_args' own: Hydra's last value wins
+                      "trainer.v1.trainer_mode='artic': no such trainer mode; did you mean 'arctic'?"),
 }
 
 
@@ -66,6 +68,34 @@ def test_main_ppo_stops_with_one_line(stops, case):
     assert named.format(port=port) in message, result.stderr[-4000:]
     assert "Traceback" not in result.stderr
     assert not (folder / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("mode", ["artic", "Arctic", "arctic-verl", "arcitc"])
+def test_a_misspelt_arctic_mode_stops_before_ray(mode, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        plugin._check_mode_spelling(verl_config(f"trainer.v1.trainer_mode={mode}"))
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"arctic-verl: error: trainer.v1.trainer_mode={mode!r}: no such trainer mode; did you mean 'arctic'? "
+        "(verl's modes: arctic, colocate_async, separate_async, sync)")
+
+
+@pytest.mark.parametrize("overrides", [("trainer.v1.trainer_mode=sync",), ("trainer.v1.trainer_mode=colocate_async",),
+                                       ("trainer.v1.trainer_mode=separate_async",), ("trainer.v1.trainer_mode=arctic",),
+                                       ("trainer.v1.trainer_mode=my_trainer",),  # unknown, but no 'arctic': verl's to say
+                                       ("trainer.v1.trainer_mode=artic", "trainer.use_v1=False")])  # no v1: unread
+def test_verls_other_modes_pass_untouched(overrides, capsys):
+    plugin._check_mode_spelling(verl_config(*overrides))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_registered_mode_close_to_arctic_passes(monkeypatch, capsys):
+    from verl.trainer.ppo.v1 import PPOTrainerSync
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    monkeypatch.setitem(TRAINER_REGISTRY, "arctic2", PPOTrainerSync)  # another plugin's mode
+    plugin._check_mode_spelling(verl_config("trainer.v1.trainer_mode=arctic2"))
+    assert capsys.readouterr().err == ""
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,6 @@ import verl
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from arctic_core.demo.task import CountingTask
-
-COUNTING_REWARD = Path(__file__).with_name("counting_reward.py")
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 
 
@@ -42,13 +39,6 @@ def gsm8k_rows(count: int) -> list[dict]:
                      "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
                      "extra_info": {"split": "train", "index": index}})
     return rows
-
-
-def counting_rows(task: CountingTask) -> list[dict]:
-    """The demo's counting task as a verl dataset: the raw prompt, scored by counting_reward.py."""
-    return [{"data_source": "counting", "prompt": [{"role": "user", "content": problem.prompt}],
-             "ability": "counting", "reward_model": {"style": "rule", "ground_truth": problem.prompt},
-             "extra_info": {"index": index}} for index, problem in enumerate(task.problems())]
 
 
 def write_parquet(rows: list[dict], path: Path) -> Path:
@@ -84,9 +74,11 @@ def main_ppo_args(model: Path, train: Path, val: Path, out: Path, *, steps: int,
     ]
 
 
-def run_main_ppo(args: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+def run_main_ppo(args: list[str], cwd: Path, timeout: float = 900, merged: bool = False) -> subprocess.CompletedProcess:
+    """The run's outputs; ``merged``: stderr into stdout, in the order they were written."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True, timeout=timeout)
 
 
 STEP_LINE = re.compile(r"step:(\d+) - (.*)$")

@@ -41,11 +41,27 @@ def _version(show: bool) -> None:
 
 
 @app.callback()
-def _options(debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error.")] = False,
+def _options(debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an error (implies "
+                                                                  "--verbose).")] = False,
+             verbose: Annotated[bool, typer.Option("--verbose", help="Log at INFO and keep other libraries' start-up "
+                                                                      "banners (also: ARCTIC_RL_VERBOSE=1).")] = False,
              version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                    help="Print the version and exit.")] = False) -> None:
     global _debug
     _debug = debug
+    _set_verbosity(verbose or debug)
+
+
+def _set_verbosity(verbose: bool) -> None:
+    """Quiet by default: other libraries' banners about the missing GPU are dropped. Verbose goes
+    into the environment, so that the processes this one starts (Ray workers) follow it."""
+    from arctic_core.quiet import VERBOSE_ENV, hide_banners, verbose as env_verbose
+
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    if env_verbose():
+        logging.getLogger().setLevel(logging.INFO)
+    hide_banners()
 
 
 @app.command()
@@ -304,14 +320,19 @@ def _quiet_model_loading() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _debug_first(args: list[str]) -> list[str]:
-    """``--debug`` is an option of ``arctic-rl`` itself, but is as often typed after the subcommand
-    (``arctic-rl serve config.yaml --debug``): moved to the front, it works in either place."""
+GLOBAL_FLAGS = ("--debug", "--verbose")
+
+
+def _global_flags_first(args: list[str]) -> list[str]:
+    """``--debug`` and ``--verbose`` are options of ``arctic-rl`` itself, but are as often typed
+    after the subcommand (``arctic-rl serve config.yaml --debug``): moved to the front, they work in
+    either place."""
     end = args.index("--") if "--" in args else len(args)
-    if "--debug" not in args[:end]:
+    flags = [flag for flag in GLOBAL_FLAGS if flag in args[:end]]
+    if not flags:
         return args
-    rest = [arg for arg in args[:end] if arg != "--debug"]
-    return ["--debug", *rest, *args[end:]]
+    rest = [arg for arg in args[:end] if arg not in GLOBAL_FLAGS]
+    return [*flags, *rest, *args[end:]]
 
 
 def main() -> None:
@@ -321,7 +342,7 @@ def main() -> None:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        app(args=_debug_first(sys.argv[1:]))
+        app(args=_global_flags_first(sys.argv[1:]))
     except ArcticError as exc:
         if _debug:
             raise

@@ -4,7 +4,8 @@
     arctic-primerl rl @ rl.toml --dry-run
 
 Bad settings, a missing PRIME-RL command, a model folder that does not exist or a port in use end
-the command in seconds with one line naming the problem (exit status 2).
+the command in seconds with one line naming the problem (exit status 2); so does a server on
+``[arctic] url`` that goes away mid-run, once PRIME-RL's processes are stopped.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from typing import Annotated
 
 import typer
 
+from arctic_core.adapters.lost_server import end_if_server_lost
 from arctic_core.adapters.preflight import exit_with
 from arctic_core.errors import ArcticError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 NAME = "arctic-primerl"
+RERUN = "rerun with a [resume] table in the config to continue from the last checkpoint"
 
 
 @app.callback()
@@ -32,7 +35,7 @@ def _main() -> None:
 @app.command()
 def rl(
     config: Annotated[list[str], typer.Argument(help="@ rl.toml: PRIME-RL's rl config, with an \\[arctic] table.")],
-    dry_run: Annotated[bool, typer.Option(help="Check the settings and write the PRIME-RL configs; start nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Check the settings and print the commands; start and write nothing.")] = False,
 ) -> None:
     """Run PRIME-RL's orchestrator and environment servers; Arctic trains and samples."""
     from arctic_primerl.config import read_run
@@ -58,7 +61,7 @@ def rl(
 def _run(run, processes, token, process_env: dict[str, str]) -> None:
     import torch
 
-    from arctic_primerl.launch import EXIT_WAIT_S, Watchdog
+    from arctic_primerl.launch import Watchdog
     from arctic_primerl.service import ArcticPrimeRL
 
     try:
@@ -75,6 +78,21 @@ def _run(run, processes, token, process_env: dict[str, str]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     watchdog = Watchdog(processes, service.trainer.settings.stop, lambda: service.trainer.awaited)
     try:
+        _train(service, processes, process_env, watchdog)
+    except Exception:
+        end_if_server_lost(NAME, run.arctic, RERUN)  # a server on [arctic] url that went away is named last
+        raise
+    if watchdog.reason:
+        end_if_server_lost(NAME, run.arctic, RERUN, failure=f"{NAME}: {watchdog.reason}")
+        exit_with(NAME, watchdog.reason)
+
+
+def _train(service, processes, process_env: dict[str, str], watchdog) -> None:
+    """Start PRIME-RL's processes and train until the last step or the watchdog's stop; the
+    processes and the service are stopped however it ends."""
+    from arctic_primerl.launch import EXIT_WAIT_S
+
+    try:
         for process in processes:
             process.start(process_env)
         watchdog.start()
@@ -85,8 +103,6 @@ def _run(run, processes, token, process_env: dict[str, str]) -> None:
         for process in processes:
             process.stop()
         service.stop()
-    if watchdog.reason:
-        exit_with(NAME, watchdog.reason)
 
 
 def main() -> None:

@@ -152,9 +152,14 @@ def read_run(path: Path) -> RunSettings:
     )
 
 
+DEFAULT_OUTPUT_DIR = "runs/primerl"
+
+
 def run_folder(raw: dict[str, Any], model_name: str, orchestrator: dict[str, Any], resuming: bool) -> Path:
     """PRIME-RL's run folder: ``output_dir / run.dir`` (default ``run.name``); with neither, a new
-    folder at every launch, named ``<envs>--<model>--<8 hex digits>`` as PRIME-RL names it."""
+    folder at every launch, named ``<envs>--<model>--<8 hex digits>`` as PRIME-RL names it.
+    ``output_dir`` defaults to ``runs/primerl`` (PRIME-RL's own default, ``outputs``, would put the
+    runs of a checkout beside its sources)."""
     run = raw.get("run", {})
     name = run.get("dir") or run.get("name")
     if name is None:
@@ -164,7 +169,7 @@ def run_folder(raw: dict[str, Any], model_name: str, orchestrator: dict[str, Any
         sources = orchestrator.get("train", {}).get("source", [])
         envs = "+".join(dict.fromkeys(source_name(source) for source in sources))
         name = f"{envs or 'no-env'}--{model_name.split('/')[-1]}--{uuid.uuid4().hex[:8]}".lower()
-    return Path(raw.get("output_dir", "outputs")) / name
+    return Path(raw.get("output_dir", DEFAULT_OUTPUT_DIR)) / name
 
 
 def source_name(source: dict[str, Any]) -> str:

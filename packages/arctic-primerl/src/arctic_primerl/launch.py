@@ -3,8 +3,8 @@
 What PRIME-RL's ``rl`` launcher starts, less the two sides Arctic serves: one ``env-server`` per
 environment source (at the address its orchestrator derives: ``env_server_base_port`` + index, train
 sources first) and the ``orchestrator``, each with its config written as JSON under
-``{run}/configs`` and its log under ``{run}/logs``. The trainer loop runs here; a process that fails
-ends the run with its log's last lines.
+``{run}/configs`` when it starts and its log under ``{run}/logs``. The trainer loop runs here; a
+process that fails ends the run with its log's last lines.
 """
 
 from __future__ import annotations
@@ -34,8 +34,13 @@ class Process:
     command: list[str]
     log: Path
     popen: subprocess.Popen | None = None
+    config_file: Path | None = None
+    config: dict[str, Any] | None = None
+    """Written to ``config_file`` when the process starts (a dry run writes nothing)."""
 
     def start(self, env: dict[str, str]) -> None:
+        if self.config_file is not None:
+            _write(self.config_file, self.config)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as out:
             self.popen = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -71,7 +76,8 @@ def env_sources(orchestrator: dict[str, Any]) -> list[tuple[str, dict[str, Any],
 
 
 def prime_rl_processes(run: RunSettings) -> list[Process]:
-    """The env servers PRIME-RL's launcher would start, then the orchestrator; configs written."""
+    """The env servers PRIME-RL's launcher would start, then the orchestrator; each writes its
+    config when it starts."""
     configs, logs = run.run_dir / "configs", run.run_dir / "logs"
     orchestrator = run.orchestrator_config()
     processes = []
@@ -80,11 +86,12 @@ def prime_rl_processes(run: RunSettings) -> list[Process]:
             continue  # an externally managed server: only the orchestrator connects to it
         name = source_name(source)
         config = {"env": source.get("env", {}), "serve": {**source.get("serve", {}), "address": address}}
-        path = _write(configs / "envs" / split / f"{name}.json", config)
+        path = configs / "envs" / split / f"{name}.json"
         processes.append(Process(f"env server {split}/{name}", [*run.arctic.env_server_command, "@", str(path)],
-                                 logs / "envs" / split / f"{name}.log"))
-    path = _write(configs / "orchestrator.json", orchestrator)
-    processes.append(Process("orchestrator", [*run.arctic.orchestrator_command, "@", str(path)], logs / "orchestrator.log"))
+                                 logs / "envs" / split / f"{name}.log", config_file=path, config=config))
+    path = configs / "orchestrator.json"
+    processes.append(Process("orchestrator", [*run.arctic.orchestrator_command, "@", str(path)], logs / "orchestrator.log",
+                             config_file=path, config=orchestrator))
     return processes
 
 
@@ -97,8 +104,19 @@ def _write(path: Path, config: dict[str, Any]) -> Path:
 def check_commands(run: RunSettings) -> None:
     for what, command in (("orchestrator", run.arctic.orchestrator_command), ("env-server", run.arctic.env_server_command)):
         if shutil.which(command[0]) is None:
-            raise ArcticError(f"PRIME-RL's {what} command {command[0]!r} is not on PATH: run arctic-primerl in PRIME-RL's "
-                              f"environment (install arctic-primerl there), or set [arctic] {what.replace('-', '_')}_command")
+            raise ArcticError(f"PRIME-RL's {what} command {command[0]!r} {not_found(command[0])}: run arctic-primerl in "
+                              f"PRIME-RL's environment (install arctic-primerl there), or set [arctic] "
+                              f"{what.replace('-', '_')}_command")
+
+
+def not_found(program: str) -> str:
+    """Why ``shutil.which`` finds no ``program``: a name with a folder in it is a path, started as it
+    is (a relative one from the working folder), never looked up on PATH."""
+    if os.sep not in program and not (os.altsep and os.altsep in program):
+        return "is not on PATH"
+    path = Path(program)
+    where = "" if path.is_absolute() else f" ({path.resolve()})"
+    return f"is not executable{where}" if path.is_file() else f"does not exist{where}"
 
 
 def check_port(host: str, port: int) -> None:
@@ -143,8 +161,8 @@ class Watchdog(threading.Thread):
 
 
 def preflight(run: RunSettings) -> tuple[str | None, list[Process]]:
-    """The front's token and PRIME-RL's processes (configs written), once every check passes; the
-    first problem raises an ArcticError naming it, before any model is loaded."""
+    """The front's token and PRIME-RL's processes (not started; nothing written), once every check
+    passes; the first problem raises an ArcticError naming it, before any model is loaded."""
     token = api_token(run.orchestrator)
     if not token and not is_loopback(run.arctic.host):
         raise ArcticError(f"[arctic] host = {run.arctic.host!r} exposes the inference front: set the orchestrator's "

@@ -12,9 +12,9 @@ finalises the accumulated gradients, clips, updates and zeroes them. With one ac
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -30,6 +30,7 @@ from arctic_core.errors import ConfigError, RequestError, engine_asleep
 from arctic_core.hf import check_batch_fits, copy_weights_, enable_gradient_checkpointing, load_causal_lm
 from arctic_core.plugins.interfaces import LossContext, NamedTensors, Objective, Processor
 from arctic_core.ports import free_port
+from arctic_core.quiet import hide_banners
 from arctic_zorro.checkpoint_policy import fixed_layers, training_forward
 from arctic_zorro.fused_elementwise import apply_compile_elementwise
 from arctic_zorro.hyperparameters import Hyperparameters
@@ -49,6 +50,7 @@ def _prepare_environment() -> None:
     variables are set afresh: ones inherited from a parent Arctic process (a test runner, a demo)
     would describe the parent's world. The group itself binds no port (``_init_world_of_one``).
     """
+    hide_banners()
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -78,12 +80,26 @@ def init_distributed() -> None:
         watchdog.start()
         try:
             _init_world_of_one()
-            # On the CPU it builds DeepSpeed's shared-memory op, which announces itself with print():
-            # a user's program keeps its stdout for its own output.
-            with contextlib.redirect_stdout(sys.stderr):
+            with without_shm_comm_op():
                 deepspeed.init_distributed(verbose=False)  # adopts a group initialised before it
         finally:
             watchdog.cancel()
+
+
+@contextlib.contextmanager
+def without_shm_comm_op() -> Iterator[None]:
+    """DeepSpeed's comm layer on the CPU JIT-compiles a shared-memory all-reduce op when it starts
+    (tens of seconds with a C++ compiler, the first time on a machine). Only its
+    ``inference_all_reduce`` (tensor-parallel inference) uses the op, which Arctic never calls, and
+    without it DeepSpeed falls back to torch.distributed: so the op is neither built nor loaded."""
+    # By its full name: the package's attribute ``torch`` is the torch library, not this module.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    build = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = build
 
 
 def _init_world_of_one() -> None:
@@ -99,7 +115,7 @@ def _init_world_of_one() -> None:
 
 
 STALE_BUILD_LOCK_S = 600.0
-BUILD_WAIT_S = 120.0  # the CPU communication op builds in ~40 s on 2 cores
+BUILD_WAIT_S = 120.0  # longer than a DeepSpeed op takes to build on 2 cores (~40 s)
 
 
 def warn_of_stale_build_locks(older_than: float = STALE_BUILD_LOCK_S) -> None:

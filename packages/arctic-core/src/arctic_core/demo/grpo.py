@@ -170,17 +170,17 @@ def run_demo(out: Path, settings: DemoSettings) -> dict[str, object]:
     return GRPODemo(out, settings).run()
 
 
-def clear_earlier_run(out: Path) -> None:
-    """Make ``out`` ready for a run: new, empty, or an earlier run's folder (its outputs removed, so
-    that its TensorBoard curves do not mix with this run's). A folder holding anything else is
-    refused, never written into."""
+def clear_earlier_run(out: Path, outputs: set[str] = DEMO_OUTPUTS, owner: str = "demo") -> None:
+    """Make ``out`` ready for a run: new, empty, or an earlier run's folder (its ``outputs``
+    removed, so that its TensorBoard curves do not mix with this run's). A folder holding anything
+    else is refused, never written into."""
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"the demo's folder {out} is a file")
+        raise ConfigError(f"the {owner}'s folder {out} is a file")
     entries = list(out.iterdir()) if out.is_dir() else []
-    others = sorted(entry.name for entry in entries if entry.name not in DEMO_OUTPUTS)
+    others = sorted(entry.name for entry in entries if entry.name not in outputs)
     if others:
-        raise ConfigError(f"the demo's folder {out} holds {others[:3]}, which no demo run wrote: choose a new or "
-                          "empty folder (an earlier run's folder is reused)")
+        raise ConfigError(f"the {owner}'s folder {out} holds {others[:3]}, which no {owner} run wrote: choose a new "
+                          "or empty folder (an earlier run's folder is reused)")
     for entry in entries:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)

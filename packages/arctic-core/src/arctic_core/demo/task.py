@@ -36,6 +36,13 @@ class CountingTask:
     def sample(self, rng: random.Random, k: int) -> list[Problem]:
         return [rng.choice(self.problems()) for _ in range(k)]
 
+    def problem(self, prompt: str) -> Problem:
+        """The problem whose prompt is ``prompt`` (what a framework's dataset row keeps as its ground truth)."""
+        for problem in self.problems():
+            if problem.prompt == prompt:
+                return problem
+        raise ValueError(f"no problem of the task has the prompt {prompt!r}")
+
     def answer(self, problem: Problem) -> str:
         step = STEPS[problem.op]
         return " ".join(str((problem.start + step * i) % 10) for i in range(self.length))
