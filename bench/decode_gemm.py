@@ -171,7 +171,10 @@ def fold_limits(rows: int, device: str) -> dict:
     gen = torch.Generator(device=device).manual_seed(3)
     n, k = PRODUCTS["qkv"]
     weights = [scaled_randn(gen, n, k) for _ in range(LAYERS)]
-    ones = lambda size: torch.ones(size, device=device, dtype=torch.bfloat16)
+
+    def ones(size: int) -> torch.Tensor:
+        return torch.ones(size, device=device, dtype=torch.bfloat16)
+
     normed = Normed.of(scaled_randn(gen, rows, k), ones(k))
     blocks, page = 4 * rows, 16
     cache = PagedKVCache(LAYERS, blocks, page, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device(device))

@@ -47,7 +47,8 @@ def idle_report(prof, top: int = 15, min_gap_us: float = 200.0, top_kernels: int
     device = [e for e in events if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
               and not getattr(e, "is_user_annotation", False) and not e.name.startswith(PHASE_PREFIX)]
     host = [e for e in events if e.device_type == DeviceType.CPU]
-    phases = [(e.time_range.start, e.time_range.end, e.name[len(PHASE_PREFIX):]) for e in host if e.name.startswith(PHASE_PREFIX)]
+    phases = [(e.time_range.start, e.time_range.end, e.name[len(PHASE_PREFIX):]) for e in host
+              if e.name.startswith(PHASE_PREFIX)]
     busy = _merged([(e.time_range.start, e.time_range.end) for e in device])
     if not busy:
         return "no device activity recorded"
@@ -74,19 +75,23 @@ def _phase_lines(busy: list[tuple[float, float]], phases: list[tuple[float, floa
     per_phase["outside"] = [end - begin - covered, total_busy - sum(used for _, used in per_phase.values())]
     lines = [f"device busy {total_busy / 1e3:.1f} of {(end - begin) / 1e3:.1f} ms"]
     for name, (wall, used) in sorted(per_phase.items(), key=lambda kv: -kv[1][0]):
-        lines.append(f"  {name}: wall {wall / 1e3:.1f} ms, device busy {used / 1e3:.1f}, idle {(wall - used) / 1e3:.1f}")
+        lines.append(f"  {name}: wall {wall / 1e3:.1f} ms, device busy {used / 1e3:.1f}, "
+                     f"idle {(wall - used) / 1e3:.1f}")
     return lines
 
 
 def _gap_lines(busy: list[tuple[float, float]], host: list, phase_at, top: int, min_gap_us: float) -> list[str]:
-    gaps = [(b1, b0) for (_, b1), (b0, _) in zip(busy, busy[1:]) if b0 - b1 >= min_gap_us]
-    lines = [f"{len(gaps)} gaps >= {min_gap_us / 1e3:.1f} ms, {sum(b - a for a, b in gaps) / 1e3:.1f} ms in all; the longest:"]
+    gaps = [(b1, b0) for (_, b1), (b0, _) in zip(busy, busy[1:], strict=False) if b0 - b1 >= min_gap_us]
+    lines = [f"{len(gaps)} gaps >= {min_gap_us / 1e3:.1f} ms, {sum(b - a for a, b in gaps) / 1e3:.1f} ms in all; "
+             "the longest:"]
     for start, stop in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
         middle = (start + stop) / 2
-        running = sorted((e for e in host if e.time_range.start <= middle < e.time_range.end and not e.name.startswith(PHASE_PREFIX)),
+        running = sorted((e for e in host if e.time_range.start <= middle < e.time_range.end
+                          and not e.name.startswith(PHASE_PREFIX)),
                          key=lambda e: e.time_range.end - e.time_range.start)
         names = " < ".join(e.name for e in running[:4]) or "(no recorded host op)"
-        lines.append(f"  {(stop - start) / 1e3:.2f} ms at +{(start - busy[0][0]) / 1e3:.1f} ms in {phase_at(middle)}: {names}")
+        lines.append(f"  {(stop - start) / 1e3:.2f} ms at +{(start - busy[0][0]) / 1e3:.1f} ms "
+                     f"in {phase_at(middle)}: {names}")
     return lines
 
 

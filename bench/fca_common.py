@@ -95,8 +95,10 @@ def describe(batch: dict) -> dict:
     """The plan's shape and what it saves."""
     query, key_cache = batch["query"], batch["key_cache"]
     plan = build_plan(batch["block_tables"], batch["seq_lens"], key_cache.shape[1])
-    heads = dict(num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2], head_dim=query.shape[2], dtype=query.dtype)
-    return {"plan": plan, "nodes": plan.num_nodes, "byte_ratio": round(plan.plain_kv_tokens() / plan.fca_kv_tokens(), 3),
+    heads = dict(num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2], head_dim=query.shape[2],
+                 dtype=query.dtype)
+    return {"plan": plan, "nodes": plan.num_nodes,
+            "byte_ratio": round(plan.plain_kv_tokens() / plan.fca_kv_tokens(), 3),
             "choice": choose(plan, **heads), "bytes": estimate_bytes(plan, **heads)}
 
 
@@ -153,8 +155,8 @@ def per_layer_us(fn, layers: int = TIMED_LAYERS, rounds: int = TIMED_ROUNDS) -> 
     """Microseconds per call of ``fn(layer)`` as an engine's decode step runs it: one CUDA graph
     calls it for each layer in turn (each layer reads KV of its own, so L2 carries nothing from
     one call to the next, as the weights in between would flush it), ``rounds`` times over. A graph
-    of one call would charge that call the graph's whole launch latency (5-10 us on the H200),
-    which a step of many layers pays once."""
+    of one call would charge that call the graph's whole launch latency (docs/benchmarks.md, FCA
+    decode kernels), which a step of many layers pays once."""
     replay = graphed(lambda: [fn(layer) for _ in range(rounds) for layer in range(layers)])
     return time_us(replay) / (layers * rounds)
 

@@ -40,9 +40,9 @@ def profile_build(groups: int = 32, samples: int = 8, prefix: int = 7680, width:
 def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
     """The vLLM path's per-step cost: ``DeviceWorkBuilder.build``, eager, replayed from a CUDA
     graph, and reusing the first build's forest (every ``REFRESH_BUILDS`` builds a full
-    one, as in the engine) (host ms per call, us on the stream, host syncs counted by torch's sync debug mode), and the kernels over its items, against the
-    host-built FCA and plain work, at the vLLM benchmark's shapes (Qwen3-1.7B heads, tables as wide as
-    an 8192-token context)."""
+    one, as in the engine) (host ms per call, us on the stream, host syncs counted by torch's
+    sync debug mode), and the kernels over its items, against the host-built FCA and plain work,
+    at the vLLM benchmark's shapes (Qwen3-1.7B heads, tables as wide as an 8192-token context)."""
     heads = QWEN3_1_7B_HEADS
     scale = 1 / math.sqrt(heads["head_dim"])
     rows = []
@@ -85,7 +85,8 @@ def device_work(shapes=VLLM_SHAPES, width: int = 512) -> dict:
         for kind in ("node", "single"):  # each launch alone
             runs[kind] = graphed(lambda k=kind: _launch(getattr(work, k), work, query, key_cache,
                                                                       value_cache, work.partial, work.lse, scale))
-        runs.update({f"host_{m}": graphed(lambda p=p: p(query, key_cache, value_cache, scale)) for m, p in host.items()})
+        runs.update({f"host_{m}": graphed(lambda p=p: p(query, key_cache, value_cache, scale))
+                     for m, p in host.items()})
         out = triton_decode_attention(query, key_cache, value_cache, work, scale).float()
         graph_equals_eager = bool(torch.equal(outs["graph"], outs["eager"]))
         reuse_equals_eager = bool(torch.equal(outs["reuse"], outs["eager"])) if "reuse" in outs else None

@@ -50,8 +50,10 @@ def smoke() -> dict:
     for block_size in (16, 32):
         for i, (groups, samples, prefix, suffix, system) in enumerate(SMOKE_CASES):
             prefix, system = (math.ceil(n / block_size) * block_size for n in (prefix, system))
-            for heads in (dict(num_q_heads=8, num_kv_heads=2, head_dim=64), dict(num_q_heads=4, num_kv_heads=4, head_dim=32)):
-                batch = build_batch(groups, samples, prefix, suffix, system=system, block_size=block_size, seed=i, **heads)
+            for heads in (dict(num_q_heads=8, num_kv_heads=2, head_dim=64),
+                          dict(num_q_heads=4, num_kv_heads=4, head_dim=32)):
+                batch = build_batch(groups, samples, prefix, suffix, system=system, block_size=block_size, seed=i,
+                                    **heads)
                 info = describe(batch)
                 fca = fca_decode_attention(*attention_args(batch), 0.125, plan=info["plan"])
                 plain = paged_decode_attention(*attention_args(batch), 0.125)
@@ -154,18 +156,17 @@ def breakdown(shapes=((1, 64, 4096), (8, 16, 4096), (1, 64, 16384), (32, 8, 4096
                 "both": lambda layer: td._launch_partials(work, query, *caches[layer], scale),
                 "merge": lambda layer: td._merge(work, out),
                 "step": lambda layer: prepared(query, *caches[layer], scale)}
-        if work.node is None:  # the grouped layout: one launch (``single``), of tiles of requests
-            del runs["node"], runs["both"]
         us = {name: per_layer_us(run) for name, run in runs.items()}
         info = describe(batch)
         exact = fca_attention_with_lse(query, key_cache, value_cache, block_tables, scale, info["plan"])[0]
-        node_items = int(work.node.count.item()) if work.node is not None else 0
-        node_flops = 4 * heads["head_dim"] * heads["num_q_heads"] * samples * groups * prefix  # QK and PV over each request's shared tokens
+        node_items = int(work.node.count.item())
+        # QK and PV over each request's shared tokens
+        node_flops = 4 * heads["head_dim"] * heads["num_q_heads"] * samples * groups * prefix
         row = {"shape": f"{groups}x{samples}@{prefix}", "tuning": changes, "layout": layout, "node_items": node_items,
                "single_items": int(work.single.count.item()), "partial_rows": int(work.merge_rows.numel()),
                **{f"{k}_us": round(v, 1) for k, v in us.items()},
                "step_unique_bw": round(info["bytes"].unique_kv / (us["step"] * 1e-6) / copy_bw, 3),
-               "node_tflops": round(node_flops / (us["node"] * 1e-6) / 1e12, 1) if "node" in us else None,
+               "node_tflops": round(node_flops / (us["node"] * 1e-6) / 1e12, 1),
                "max_abs_diff_vs_torch": max_abs_diff(runs["step"](0), exact)}
         print(row, flush=True)
         rows.append(row)

@@ -35,9 +35,11 @@ def tuning_of(change: dict) -> Tuning:
 
 COMBOS = [  # settings the single-knob sweep liked, together (--sweep --quick)
     ("nodes bn64 s4, singles bn64, 2 items/SM", {"node": {"block_n": 64, "num_warps": 4, "num_stages": 4},
-                                                 "single": {"block_n": 64, "num_warps": 4, "num_stages": 2}, "items": 2}),
+                                                 "single": {"block_n": 64, "num_warps": 4, "num_stages": 2},
+                                                 "items": 2}),
     ("nodes bn64 s4, singles bn64 w2 s3, 2 items/SM", {"node": {"block_n": 64, "num_warps": 4, "num_stages": 4},
-                                                       "single": {"block_n": 64, "num_warps": 2, "num_stages": 3}, "items": 2}),
+                                                       "single": {"block_n": 64, "num_warps": 2, "num_stages": 3},
+                                                       "items": 2}),
     ("nodes bn64 s4, singles bn64", {"node": {"block_n": 64, "num_warps": 4, "num_stages": 4},
                                      "single": {"block_n": 64, "num_warps": 4, "num_stages": 2}}),
 ]
@@ -65,16 +67,20 @@ def sweep(heads: dict, shapes, quick: bool = False, match: list[str] | None = No
     settings = [("default", {}), ("default, sequential launches", {"sequential": True})] + COMBOS
     settings += [] if quick else [(f"node rows {rows}", {"rows": rows}) for rows in (16, 32, 128)]
     # Taller node tiles want more warps (a 128-row tile over 4 warps spills).
-    settings += [] if quick else [(f"node rows 128 bn{bn} w8 s{st}", {"rows": 128, "node": {"block_n": bn, "num_warps": 8, "num_stages": st}})
+    settings += [] if quick else [(f"node rows 128 bn{bn} w8 s{st}",
+                                   {"rows": 128, "node": {"block_n": bn, "num_warps": 8, "num_stages": st}})
                                   for bn, st in ((64, 2), (64, 3), (32, 4), (128, 2))]
-    settings += [] if quick else [(f"node bn{bn} w{w} s{st}", {"node": {"block_n": bn, "num_warps": w, "num_stages": st}})
-                 for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    settings += [] if quick else [(f"node bn{bn} w{w} s{st}",
+                                   {"node": {"block_n": bn, "num_warps": w, "num_stages": st}})
+                                  for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
     # Deeper pipelines (more KV bytes in flight per SM; shared memory allows them at one program per SM).
     settings += [] if quick else [(f"node bn{bn} w4 s{st}", {"node": {"block_n": bn, "num_warps": 4, "num_stages": st}})
                                   for bn, st in ((64, 5), (64, 6), (32, 6), (32, 8))]
-    settings += [] if quick else [(f"single bn{bn} w{w} s{st}", {"single": {"block_n": bn, "num_warps": w, "num_stages": st}})
-                 for bn in (64, 128) for w in (2, 4) for st in (2, 3)]
-    settings += [] if quick else [(f"items/SM {i} programs/SM {pr}", {"items": i, "programs": pr}) for i in (2, 4, 8, 16) for pr in (16, 32)]
+    settings += [] if quick else [(f"single bn{bn} w{w} s{st}",
+                                   {"single": {"block_n": bn, "num_warps": w, "num_stages": st}})
+                                  for bn in (64, 128) for w in (2, 4) for st in (2, 3)]
+    settings += [] if quick else [(f"items/SM {i} programs/SM {pr}", {"items": i, "programs": pr})
+                                  for i in (2, 4, 8, 16) for pr in (16, 32)]
     if match:
         settings = [(name, change) for name, change in settings if name == "default" or any(m in name for m in match)]
     results = {}

@@ -17,7 +17,8 @@ def check(prompt_lens: tuple[int, ...], samples: int, seed: int) -> dict:
     prompts = [torch.randint(3, 900, (n,), generator=gen).tolist() for n in prompt_lens]
     responses = [torch.randint(3, 900, (int(torch.randint(0, 400, (1,), generator=gen)),), generator=gen).tolist()
                  for _ in range(samples * len(prompts))]
-    forest = build_forest(RolloutBatch.from_lists(prompts, responses, [i % len(prompts) for i in range(len(responses))]))
+    forest = build_forest(RolloutBatch.from_lists(prompts, responses,
+                                                  [i % len(prompts) for i in range(len(responses))]))
     forest = forest.to("cuda")
     # As the projections give them: [1, T, H, D] in memory, seen as [1, H, T, D].
     q, k, v = (torch.randn(1, forest.num_nodes, h, 128, device="cuda").transpose(1, 2) for h in (16, 8, 8))
@@ -32,7 +33,8 @@ def check(prompt_lens: tuple[int, ...], samples: int, seed: int) -> dict:
     (out, grads), (ref, ref_grads) = results
     return {"tokens": forest.num_nodes, "padded": padded_length(forest.num_nodes),
             "max_abs_diff_vs_fp32_sdpa": round(float((out - ref).abs().max()), 4),
-            "grad_max_rel_diff": [round(float((g - r).abs().max() / r.abs().max()), 4) for g, r in zip(grads, ref_grads)]}
+            "grad_max_rel_diff": [round(float((g - r).abs().max() / r.abs().max()), 4)
+                                  for g, r in zip(grads, ref_grads, strict=True)]}
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.gsm8k import prepare_data, train_trl  # noqa: E402
-from shapes import QWEN3_1_7B, make_model  # noqa: E402
-from trl_step import StepTimer  # noqa: E402
+from recipes.gsm8k import prepare_data, train_trl
+from shapes import QWEN3_1_7B, make_model
+from trl_step import StepTimer
 
 
 def gsm8k_release(folder: Path, count: int) -> Path:
@@ -57,7 +57,8 @@ def main() -> None:
     print(json.dumps({"recipe": "gsm8k/trl_h200.yaml", "steps_s": [round(s, 2) for s in timer.steps],
                       "step_s_steady_mean": round(sum(steady) / len(steady), 2),
                       "completion_mean_tokens": [round(x, 1) for x in lengths],
-                      "generated_tok_per_s_of_step": round(samples * lengths[-1] / timer.steps[-1]) if lengths else None,
+                      "generated_tok_per_s_of_step": (round(samples * lengths[-1] / timer.steps[-1])
+                                                      if lengths else None),
                       "reward": [round(h["reward"], 3) for h in logs]}), flush=True)
 
 

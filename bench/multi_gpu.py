@@ -46,8 +46,10 @@ def speed(args) -> dict:
         one_s, ranks_s = statistics.median(one["seconds"][1:]), statistics.median(ranks["seconds"][1:])
         gap = weight_gap(one, ranks)
         report[f"zero{stage}"] = {"step_s_one": one_s, "step_s_ranks": ranks_s, "speedup": one_s / ranks_s,
-                                  "loss_gap": max(abs(a - b) for a, b in zip(one["losses"], ranks["losses"], strict=True)),
-                                  "largest_gap_against_update": gap["largest_gap_against_update"], "tensor": gap["tensor"],
+                                  "loss_gap": max(abs(a - b)
+                                                  for a, b in zip(one["losses"], ranks["losses"], strict=True)),
+                                  "largest_gap_against_update": gap["largest_gap_against_update"],
+                                  "tensor": gap["tensor"],
                                   "seconds_one": one["seconds"], "seconds_ranks": ranks["seconds"]}
         print(f"speed ZeRO-{stage}, 1 vs {args.workers} GPUs: {json.dumps(report[f'zero{stage}'])}", flush=True)
     return report

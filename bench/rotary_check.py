@@ -49,7 +49,7 @@ def main() -> None:
         half = [t.to(dtype) for t in (q, k, cos, sin, gq, gk)]
         for name, fn in variants.items():
             got = fwd_bwd(fn, *half)
-            error = [round(float((g.float() - e).abs().max()), 4) for g, e in zip(got, exact)]
+            error = [round(float((g.float() - e).abs().max()), 4) for g, e in zip(got, exact, strict=True)]
             report[f"{dtype} {name}"] = {"max_abs_err_vs_fp32 (q, k, dq, dk)": error, "kernel_us": kernel_us(fn, *half)}
             print(json.dumps({f"{dtype} {name}": report[f"{dtype} {name}"]}), flush=True)
     q, k = (t.to(torch.bfloat16).requires_grad_() for t in (q, k))

@@ -65,12 +65,14 @@ def run_engine(engine: EmbeddedEngine, mode: str, prompts, params: SamplingParam
     delta = {f.name: getattr(engine.stats, f.name) - getattr(before, f.name) for f in dataclasses.fields(before)}
     steps = max(1, delta["decode_steps"])
     return {"seconds": round(seconds, 2), "gen_tok_per_s": round(generated / seconds),
-            "prefill_s": round(delta["prefill_seconds"], 2), "decode_step_ms": round(1e3 * delta["decode_seconds"] / steps, 2),
+            "prefill_s": round(delta["prefill_seconds"], 2),
+            "decode_step_ms": round(1e3 * delta["decode_seconds"] / steps, 2),
             "decode_host_prepare_ms": round(1e3 * delta["decode_prepare_seconds"] / steps, 2),
             "fca_step_fraction": round(delta["fca_steps"] / steps, 3), "prefill_steps": delta["prefill_steps"],
             "mixed_steps": delta["mixed_steps"], "decode_steps": delta["decode_steps"],
             "mean_new_tokens": round(generated / len(outputs), 1), "most_running": engine.stats.most_running,
-            "preempted": delta["preempted"], "graphs_captured": (len(graphs.graphs) if graphs is not None else 0) - graphs_before,
+            "preempted": delta["preempted"],
+            "graphs_captured": (len(graphs.graphs) if graphs is not None else 0) - graphs_before,
             "eager_steps": (graphs.misfits - misfits_before) if graphs is not None else 0,
             "tokens": [o.tokens for o in outputs]}
 
@@ -99,7 +101,8 @@ def run_hf_batches(model, prompts, params: SamplingParams, per_batch: int, batch
         seconds += result["seconds"]
         tokens += sum(map(len, result["tokens"]))
         torch.cuda.empty_cache()
-    return {"seconds_timed": round(seconds, 2), "prompts_per_batch": per_batch, "gen_tok_per_s": round(tokens / seconds)}
+    return {"seconds_timed": round(seconds, 2), "prompts_per_batch": per_batch,
+            "gen_tok_per_s": round(tokens / seconds)}
 
 
 def smoke(device: str) -> dict:
@@ -258,7 +261,7 @@ def fp32_greedy(model, vocab: int) -> dict:
 
 def agreeing_prefix(runs: list, reference: list) -> float:
     """Mean share of each sequence's tokens before its first difference from the reference."""
-    prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) / len(a)
+    prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)) / len(a)
               for a, b in zip(runs, reference, strict=True)]
     return round(sum(prefix) / len(prefix), 3)
 
@@ -345,7 +348,8 @@ def main() -> None:
     parser.add_argument("--hf-prompts-per-batch", type=int, default=8)
     parser.add_argument("--hf-batches", type=int, default=1)
     parser.add_argument("--modes", nargs="+", default=["auto"], choices=["auto", "fca", "plain"])
-    parser.add_argument("--decoders", nargs="+", default=["fused", "transformers"], choices=["fused", "fused-cublas", "fused-no-pdl", "transformers"])
+    parser.add_argument("--decoders", nargs="+", default=["fused", "transformers"],
+                        choices=["fused", "fused-cublas", "fused-no-pdl", "transformers"])
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")

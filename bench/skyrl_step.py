@@ -46,7 +46,8 @@ def write_dataset(folder: Path, tokenizer_folder: str, prompt_len: int, rows: in
 
 
 def main_base_args(model: str, data: Path, out: Path, smoke: bool, native: bool) -> list[str]:
-    prompt_len, new_tokens = int(os.environ.get("P", 64 if smoke else 2048)), int(os.environ.get("T", 16 if smoke else 512))
+    prompt_len, new_tokens = (int(os.environ.get("P", 64 if smoke else 2048)),
+                              int(os.environ.get("T", 16 if smoke else 512)))
     args = [
         sys.executable, "-m", "skyrl.train.entrypoints.main_base",
         f"data.train_data=['{data}']", f"trainer.policy.model.path={model}",
@@ -58,7 +59,8 @@ def main_base_args(model: str, data: Path, out: Path, smoke: bool, native: bool)
         "trainer.micro_forward_batch_size_per_gpu=8", "trainer.policy.optimizer_config.lr=1e-6",
         f"trainer.max_training_steps={os.environ.get('STEPS', 2 if smoke else 4)}", "trainer.epochs=100",
         "trainer.eval_interval=-1", "trainer.eval_before_train=false", "trainer.ckpt_interval=-1",
-        f"trainer.ckpt_path={out / 'ckpts'}", f"trainer.export_path={out / 'exports'}", f"trainer.log_path={out / 'logs'}",
+        f"trainer.ckpt_path={out / 'ckpts'}", f"trainer.export_path={out / 'exports'}",
+        f"trainer.log_path={out / 'logs'}",
         "trainer.logger=tensorboard", "trainer.enable_ray_gpu_monitor=false", "data.dataloader.num_workers=0",
         "trainer.placement.colocate_all=true", "generator.inference_engine.num_engines=1",
         "generator.inference_engine.gpu_memory_utilization=0.4",
@@ -94,7 +96,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="skyrl_step_"))
     data = write_dataset(out, model, int(os.environ.get("P", 64 if smoke else 2048)), rows=64)
     env = {**os.environ, "TENSORBOARD_DIR": str(out / "tensorboard")}
-    proc = subprocess.run(main_base_args(model, data, out, smoke, native), cwd=out, env=env, capture_output=True, text=True)
+    proc = subprocess.run(main_base_args(model, data, out, smoke, native), cwd=out, env=env, capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         sys.exit(f"main_base failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
     series = logged(out / "tensorboard")

@@ -27,7 +27,8 @@ from shapes import QWEN3_1_7B
 
 def save_model(path: Path, layers: int, smoke: bool) -> None:
     if smoke:
-        shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+        shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     vocab_size=512)
     else:
         shape = QWEN3_1_7B
     config = AutoConfig.for_model("qwen3", **{**shape, "num_hidden_layers": layers})

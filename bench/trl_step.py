@@ -16,9 +16,12 @@ The baseline is the same TRL script on TRL's own GRPOTrainer with vLLM in coloca
     FLEX=any-length P=4096 STEPS=7 python3 bench/trl_step.py  # FlexAttention unpadded, compiled for any length
     BF16_ACCUMULATION=deepspeed P=4096 STEPS=7 python3 bench/trl_step.py  # stage 1: DeepSpeed's own gradient sums
     PROCESSORS=compiled P=4096 STEPS=7 python3 bench/trl_step.py  # log-probs and entropy compiled, not the kernels
-    HEAD_RECOMPUTE=1 P=4096 STEPS=7 python3 bench/trl_step.py  # LM-head chunks recomputed in the backward even where memory holds their logits
-    SAMPLER_MEMORY=0.35 P=4096 STEPS=7 python3 bench/trl_step.py  # the sampler's KV cache a share of the card, not the rollout's size
-    ADMISSION=worst_case SAMPLER_MEMORY=0.35 P=4096 STEPS=7 python3 bench/trl_step.py  # groups wait for their max_tokens' blocks
+    HEAD_RECOMPUTE=1 P=4096 STEPS=7 python3 bench/trl_step.py  # LM-head chunks recomputed in the backward
+                                                               # even where memory holds their logits
+    SAMPLER_MEMORY=0.35 P=4096 STEPS=7 python3 bench/trl_step.py  # the sampler's KV cache a share of the card,
+                                                                  # not the rollout's size
+    ADMISSION=worst_case SAMPLER_MEMORY=0.35 P=4096 STEPS=7 python3 bench/trl_step.py  # groups wait for their
+                                                                                       # max_tokens' blocks
     uv run python bench/trl_step.py --smoke                # a tiny model on the CPU, end to end
 
     P=2048 STEPS=6 python3 bench/trl_step.py --baseline    # the baseline: TRL's own GRPOTrainer, vLLM colocate
@@ -147,7 +150,7 @@ class StepTimer(TrainerCallback):
         """The host's time between backend calls (TRL's work, or waiting for the device), in order."""
         end = self.end_counter
         edges = [("begin", self.begin_counter, self.begin_counter), *self.spans, ("end", end, end)]
-        gaps = [f"{a[0]}>{b[0]} {1e3 * (b[1] - a[2]):.0f}" for a, b in zip(edges, edges[1:])]
+        gaps = [f"{a[0]}>{b[0]} {1e3 * (b[1] - a[2]):.0f}" for a, b in zip(edges, edges[1:], strict=False)]
         return ", ".join(gaps)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -263,14 +266,15 @@ def main() -> None:
             "vllm_gpu_memory_utilization": float(sampler_memory or 0.35)} if baseline else {}
     args = GRPOConfig(output_dir="/tmp/trl_arctic_out", per_device_train_batch_size=8,
                       gradient_accumulation_steps=prompts * samples // 8, num_generations=samples,
-                      max_completion_length=new_tokens, bf16=not smoke, use_cpu=smoke, gradient_checkpointing=True, learning_rate=1e-6,
-                      logging_steps=1, max_steps=int(os.environ.get("STEPS", 2 if smoke else 4)), report_to=[], temperature=1.0,
-                      beta=0.0, save_strategy="no",
+                      max_completion_length=new_tokens, bf16=not smoke, use_cpu=smoke, gradient_checkpointing=True,
+                      learning_rate=1e-6, logging_steps=1, max_steps=int(os.environ.get("STEPS", 2 if smoke else 4)),
+                      report_to=[], temperature=1.0, beta=0.0, save_strategy="no",
                       vllm_importance_sampling_correction=os.environ.get("SAMPLER_CORRECTION", "1") != "0", **vllm)
     timer = StepTimer()
     dataset = Dataset.from_dict({"prompt": texts})
     if baseline:
-        trainer = trl.GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=dataset, callbacks=[timer])
+        trainer = trl.GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=dataset,
+                                  callbacks=[timer])
         system, sampler = f"trl-{trl.__version__}", "vllm colocate" if args.use_vllm else "transformers generate"
     else:
         trainer, sampler = arctic_trainer(folder, reward, args, dataset, timer, rollout_kv_tokens(

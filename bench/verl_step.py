@@ -47,7 +47,8 @@ def write_dataset(folder: Path, tokenizer_folder: str, prompt_len: int, rows: in
 
 
 def main_ppo_args(model: str, data: Path, out: Path, smoke: bool, native: bool) -> list[str]:
-    prompt_len, new_tokens = int(os.environ.get("P", 64 if smoke else 2048)), int(os.environ.get("T", 16 if smoke else 512))
+    prompt_len, new_tokens = (int(os.environ.get("P", 64 if smoke else 2048)),
+                              int(os.environ.get("T", 16 if smoke else 512)))
     prompts, samples = 8, 8
     args = [
         sys.executable, "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=grpo",
@@ -55,14 +56,18 @@ def main_ppo_args(model: str, data: Path, out: Path, smoke: bool, native: bool) 
         f"data.max_prompt_length={prompt_len}", f"data.max_response_length={new_tokens}", "data.truncation=left",
         f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
         f"actor_rollout_ref.rollout.n={samples}", "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.4", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.optim.lr=1e-6",
         "actor_rollout_ref.actor.use_kl_loss=False", "algorithm.use_kl_in_reward=False",
         f"reward.custom_reward_function.path={HERE}", "reward.custom_reward_function.name=length_reward",
-        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.logger=[console]", "trainer.val_before_train=False",
-        "trainer.test_freq=-1", "trainer.save_freq=-1", f"trainer.total_training_steps={os.environ.get('STEPS', 2 if smoke else 4)}",
-        f"trainer.default_local_dir={out / 'checkpoints'}", "trainer.project_name=bench", "trainer.experiment_name=verl_step",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.logger=[console]",
+        "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1",
+        f"trainer.total_training_steps={os.environ.get('STEPS', 2 if smoke else 4)}",
+        f"trainer.default_local_dir={out / 'checkpoints'}", "trainer.project_name=bench",
+        "trainer.experiment_name=verl_step",
     ]
     if not native:
         args += ["trainer.v1.trainer_mode=arctic"]
@@ -84,7 +89,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="verl_step_"))
     data = write_dataset(out, model, int(os.environ.get("P", 64 if smoke else 2048)), rows=64)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(main_ppo_args(model, data, out, smoke, native), cwd=out, env=env, capture_output=True, text=True)
+    proc = subprocess.run(main_ppo_args(model, data, out, smoke, native), cwd=out, env=env, capture_output=True,
+                          text=True)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         sys.exit(f"main_ppo failed ({proc.returncode}):\n{output[-6000:]}")
@@ -97,7 +103,8 @@ def main() -> None:
                       "prompts": 8, "n": 8, "prompt_len": int(os.environ.get("P", 64 if smoke else 2048)),
                       "max_new": int(os.environ.get("T", 16 if smoke else 512)),
                       "step_s_steady_mean": round(sum(steady) / len(steady), 2), "steps": times,
-                      "gen_s": [timings[step].get("gen") for step in sorted(timings)], "last_step_timing_s": last}), flush=True)
+                      "gen_s": [timings[step].get("gen") for step in sorted(timings)],
+                      "last_step_timing_s": last}), flush=True)
 
 
 if __name__ == "__main__":

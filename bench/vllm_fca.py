@@ -1,4 +1,4 @@
-"""vLLM 0.24 with FCA (our CUSTOM attention backend, ``arctic_fca.vllm_attention``) against vLLM's
+"""vLLM 0.24 with FCA (our CUSTOM attention backend, ``arctic_fca.vllm.attention``) against vLLM's
 default attention, one engine per process, back to back (H200):
 
     python3 bench/vllm_fca.py --mode default --out /tmp/default.json
@@ -14,7 +14,8 @@ bf16 Qwen3-1.7B-shaped model:
   sequences identical in both modes and, where two part, how close to a tie that step was (bf16
   rounding can only flip near-ties; a wrong attention would part them at clear choices);
 - generated tokens/s at 64 x 8 @ 2048, 16 x 16 @ 4096, 32 x 8 @ 7680, 4 x 64 @ 1024 (and 128 x 1
-  @ 2048, where nothing is shared), 512 new tokens each, temperature 1, no stop (as vLLM's own figures in ../shared/ENVIRONMENT.md);
+  @ 2048, where nothing is shared), 512 new tokens each, temperature 1, no stop (as vLLM's own
+  figures in ../shared/ENVIRONMENT.md);
 - ``--weight-sync``: the sampler runs inside our server (``ArcticClient.in_process``) next to our
   DeepSpeed trainer on the same GPU; one real training step (a PPO loss on a rollout from the
   engine), then ``sync_weights`` moves the trainer's weights into the running engine (CUDA IPC);
@@ -39,7 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shapes import QWEN3_1_7B  # noqa: E402
+from shapes import QWEN3_1_7B
 
 SHAPES = [(64, 8, 2048), (16, 16, 4096), (32, 8, 7680), (4, 64, 1024),
           (128, 1, 2048)]  # the last shares nothing: FCA must cost nothing there
@@ -182,9 +183,10 @@ def weight_sync(client) -> dict:
     return {"grad_norm": step["grad_norm"], "sync_s": round(seconds, 3), "policy_version": synced.policy_version,
             "versions_reported": sorted(set(after.policy_version.tolist())),
             "engine_weight_sum": engine_sum, "trainer_weight_sum": trainer_sum,
-            "greedy_equal_to_trainer": sum(a == e for a, e in zip(tokens, expected)),
-            "greedy_equal_before_sync": sum(b == e for b, e in zip(before, expected)), "prompts": len(prompts),
-            "first_token_equal_to_trainer": sum(a[0] == e[0] for a, e in zip(tokens, expected)),
+            "greedy_equal_to_trainer": sum(a == e for a, e in zip(tokens, expected, strict=True)),
+            "greedy_equal_before_sync": sum(b == e for b, e in zip(before, expected, strict=True)),
+            "prompts": len(prompts),
+            "first_token_equal_to_trainer": sum(a[0] == e[0] for a, e in zip(tokens, expected, strict=True)),
             "free_gib_while_asleep": round(asleep_gib, 1), "greedy_same_when_repeated": repeated == tokens,
             "greedy_same_after_sleep_wake": after_wake == tokens}
 
@@ -209,7 +211,7 @@ def start_sampler(args, options: dict):
     trainer on the same weights: returns (sampler, client or None)."""
     from arctic_core.client import ArcticClient
     from arctic_core.config import ArcticConfig, ModelConfig, SamplerConfig
-    from arctic_fca.vllm_sampler import VllmSampler
+    from arctic_fca.vllm.sampler import VllmSampler
 
     model = {"path": FOLDER, "dtype": args.dtype, "device": "cuda"}
     sampler = {"backend": "vllm", "options": options}
@@ -272,16 +274,16 @@ def fca_counts_since(sampler, before: dict) -> dict:
 def compare(default_path: str, fca_path: str) -> dict:
     default, fca = (json.load(open(p)) for p in (default_path, fca_path))
     pairs = [(d["tokens"], f["tokens"]) for d, f in zip(default["greedy"], fca["greedy"], strict=True)]
-    common = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in pairs]
+    common = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x)) for x, y in pairs]
     # At the first differing step both modes saw the same context: how close to a tie was it?
-    split_gaps = [max(d["gaps"][i], f["gaps"][i]) for d, f, i in zip(default["greedy"], fca["greedy"], common)
-                  if i < len(d["tokens"])]
+    split_gaps = [max(d["gaps"][i], f["gaps"][i])
+                  for d, f, i in zip(default["greedy"], fca["greedy"], common, strict=True) if i < len(d["tokens"])]
     rows = [{"shape": d["shape"], "default_tok_s": d["tok_s"], "fca_tok_s": f["tok_s"],
              "runs_tok_s": [d.get("runs_tok_s"), f.get("runs_tok_s")],
              "speedup": round(f["tok_s"] / d["tok_s"], 2), "prefill_s": [d["prefill_s"], f["prefill_s"]],
              # the steps after the first: total time less that of the one-token run
              "decode_speedup": round((d["seconds"] - d["prefill_s"]) / (f["seconds"] - f["prefill_s"]), 2)}
-            for d, f in zip(default["throughput"], fca["throughput"])]
+            for d, f in zip(default["throughput"], fca["throughput"], strict=False)]
     for row in rows:
         print(row)
     return {"greedy_identical": sum(x == y for x, y in pairs), "greedy_sequences": len(pairs),

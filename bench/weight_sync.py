@@ -121,7 +121,8 @@ def main() -> None:
         proc.join()
     steady = result["times"][1:] or result["times"]
     print(json.dumps({"transport": args.transport, "gib": round(result["bytes"] / 2**30, 3),
-                      "seconds_median": round(statistics.median(steady), 4), "seconds": [round(t, 4) for t in result["times"]],
+                      "seconds_median": round(statistics.median(steady), 4),
+                      "seconds": [round(t, 4) for t in result["times"]],
                       "bucket_mb": args.bucket_mb, "weights_equal": not result["mismatched"]}))
 
 

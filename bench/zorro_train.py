@@ -52,7 +52,8 @@ def smoke(device: str = "cpu") -> dict[str, object]:
     responses, index = [], []
     for p, n in enumerate((4, 3, 1, 2)):
         for _ in range(n):
-            responses.append(torch.randint(3, vocab, (int(torch.randint(0, 9, (1,), generator=gen)),), generator=gen).tolist())
+            responses.append(torch.randint(3, vocab, (int(torch.randint(0, 9, (1,), generator=gen)),),
+                                           generator=gen).tolist())
             index.append(p)
     batch = RolloutBatch.from_lists(prompts, responses, index)
     processors = {"logprobs": LogProbs(), "entropy": Entropy()}
@@ -66,7 +67,7 @@ def smoke(device: str = "cpu") -> dict[str, object]:
         max_lp = max(max_lp, float(diff.max()) if torch.isfinite(diff).all() else math.inf)  # NaN never reads small
         (a["logprobs"].sum() + a["entropy"].sum()).backward()
         (b["logprobs"].sum() + b["entropy"].sum()).backward()
-        for p, q in zip(plain.parameters(), packed.parameters()):
+        for p, q in zip(plain.parameters(), packed.parameters(), strict=True):
             rel = float((q.grad - p.grad).norm() / p.grad.norm().clamp(min=1e-30))
             max_grad = max(max_grad, rel if math.isfinite(rel) else math.inf)
     return {"max_logprob_abs_diff": max_lp, "max_grad_rel_diff": max_grad, "families": sorted(TINY_SHAPES),
@@ -76,7 +77,8 @@ def smoke(device: str = "cpu") -> dict[str, object]:
 # ----------------------------------------------------------------------------- GPU
 
 
-def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, varlen=None, **kwargs):
+def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                     varlen=None, **kwargs):
     """Baseline attention: causal varlen FlashAttention over packed, independent sequences."""
     from torch.nn.attention.varlen import varlen_attn
 
@@ -104,7 +106,8 @@ def plain_packed_outputs(model, batch: RolloutBatch, processors, full_head: bool
     cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(device, torch.int32)
     ids = torch.cat(seqs).to(device)[None]
     pos = torch.cat([torch.arange(n) for n in lens.tolist()]).to(device)[None]
-    hidden = model.base_model(input_ids=ids, position_ids=pos, varlen=(cu, int(lens.max())), use_cache=False).last_hidden_state[0]
+    hidden = model.base_model(input_ids=ids, position_ids=pos, varlen=(cu, int(lens.max())),
+                              use_cache=False).last_hidden_state[0]
     rows = torch.repeat_interleave(torch.arange(batch.num_responses), batch.response_lens)
     cols = torch.cat([torch.arange(int(n)) for n in batch.response_lens])
     starts = cu[:-1].cpu()
@@ -237,7 +240,8 @@ def compiled_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float
 def extra_variants(model, batch: RolloutBatch, iters: int) -> dict[str, float]:
     """ZoRRo without gradient checkpointing (its memory allows it) and the full-head baseline."""
     set_attention_implementation(model, "arctic_varlen")
-    full_ms, full_peak, _ = timed_fwd_bwd(model, lambda m, b, p: plain_packed_outputs(m, b, p, full_head=True), batch, iters)
+    full_ms, full_peak, _ = timed_fwd_bwd(model, lambda m, b, p: plain_packed_outputs(m, b, p, full_head=True),
+                                          batch, iters)
     enable_forest_attention(model)
     with without_checkpointing(model):
         nockpt_ms, nockpt_peak, _ = timed_fwd_bwd(model, packed_response_outputs, batch, iters)
@@ -280,7 +284,8 @@ def flex_tunings(model, batch: RolloutBatch, iters: int, tunings: list, other: R
                 kernels.any_shape = torch.compile(forest_attention._flex_any_shape, dynamic=True)
             forest_attention.flex_kernels = lambda kernels=kernels: kernels
             forest_attention.padded_length = (lambda n: n) if name.startswith("unpadded") else padded_length
-            forest_attention._padded_flex_attention = head_major_padding if name == "head-major-padding" else token_major
+            forest_attention._padded_flex_attention = (head_major_padding if name == "head-major-padding"
+                                                       else token_major)
             with elementwise_compiled(model), without_checkpointing(model):
                 if name == "eager-rotary":
                     for module in model.modules():
@@ -351,7 +356,8 @@ def gpu(args) -> dict[str, object]:
         if args.compile_elementwise:
             row.update(compiled_variants(model, batch, args.iters))
         if args.flex_kernel_options:
-            other = grpo_batch(prompt - 200, response, n, config.vocab_size)  # "after-other" and "unpadded-dynamic" meet this length first
+            # "after-other" and "unpadded-dynamic" meet this length first
+            other = grpo_batch(prompt - 200, response, n, config.vocab_size)
             row.update(flex_tunings(model, batch, args.iters, args.flex_kernel_options, other))
         if args.checkpoint_layers:
             row.update(partial_checkpointing(model, batch, args.iters, args.checkpoint_layers, b_peak,
@@ -380,12 +386,14 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels at the first shape")
     parser.add_argument("--compile-elementwise", action="store_true",
                         help="also time ZoRRo with the RMSNorms and SiLU x up compiled, checkpointed and not")
-    parser.add_argument("--extra-variants", action="store_true", help="also time the full-head baseline and ZoRRo without checkpointing")
+    parser.add_argument("--extra-variants", action="store_true",
+                        help="also time the full-head baseline and ZoRRo without checkpointing")
     parser.add_argument("--checkpoint-layers", type=lambda s: [int(k) for k in s.split(",")], default=[],
                         help="K,K,...: also time ZoRRo with only its first K layers checkpointed")
     parser.add_argument("--flex-kernel-options", type=json.loads, default=None,
                         help='JSON list: also time compiled ZoRRo (no checkpointing) with FlexAttention under each, '
-                             'e.g. \'[{}, "max-autotune", {"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64}]\'')
+                             'e.g. \'[{}, "max-autotune", '
+                             '{"BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 64}]\'')
     parser.add_argument("--head-chunk", type=int, default=packed_forward.HEAD_CHUNK_TOKENS,
                         help="response tokens per LM-head chunk, in both runs (smaller: lower peak memory)")
     parser.add_argument("--device", default="cpu", help="device of the --smoke models (cuda exercises FlexAttention)")

@@ -19,7 +19,8 @@ def forest_batch() -> RolloutBatch:
 def padded_batch() -> RolloutBatch:
     """The frameworks' padded layout (left-padded prompts, right-padded responses) converted."""
     ids = torch.tensor(
-        [[0, 0, 30, 31, 32, 1, 2, 0], [0, 0, 30, 31, 32, 1, 5, 6], [33, 34, 35, 36, 37, 9, 0, 0], [0, 0, 30, 31, 32, 4, 0, 0]]
+        [[0, 0, 30, 31, 32, 1, 2, 0], [0, 0, 30, 31, 32, 1, 5, 6],
+         [33, 34, 35, 36, 37, 9, 0, 0], [0, 0, 30, 31, 32, 4, 0, 0]]
     )
     mask = (torch.arange(8)[None, :] >= torch.tensor([2, 2, 0, 2])[:, None]) & (ids != 0)
     return RolloutBatch.from_padded(ids, mask.long(), prompt_length=5, group_ids=["a", "a", "b", "a"])

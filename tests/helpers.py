@@ -7,9 +7,9 @@ import json
 import torch
 from safetensors.torch import save as st_save
 
+from arctic_core import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
-from arctic_core.serving import wire
 
 PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
 

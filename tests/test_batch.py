@@ -64,7 +64,8 @@ def test_from_padded_equals_the_batch_built_from_token_lists():
     shared = [torch.randint(0, 5, (int(n),), generator=gen).tolist() for n in torch.randint(1, 7, (5,), generator=gen)]
     shared[1] = shared[0] + [0]  # a prompt that differs from another only by a trailing token 0
     rows = [shared[int(i)] for i in torch.randint(0, 5, (12,), generator=gen)]
-    responses = [torch.randint(0, 9, (int(n),), generator=gen).tolist() for n in torch.randint(0, 5, (12,), generator=gen)]
+    responses = [torch.randint(0, 9, (int(n),), generator=gen).tolist()
+                 for n in torch.randint(0, 5, (12,), generator=gen)]
     responses[0] = [1, 2, 3, 4]  # the longest response sets the width
     first: dict[tuple[int, ...], int] = {}
     index = [first.setdefault(tuple(p), len(first)) for p in rows]
@@ -72,7 +73,7 @@ def test_from_padded_equals_the_batch_built_from_token_lists():
     width_p, width_r = 8, 4
     ids = torch.zeros(12, width_p + width_r, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for i, (prompt, response) in enumerate(zip(rows, responses)):
+    for i, (prompt, response) in enumerate(zip(rows, responses, strict=True)):
         ids[i, width_p - len(prompt): width_p + len(response)] = torch.tensor(prompt + response)
         mask[i, width_p - len(prompt): width_p + len(response)] = 1
     for group_ids in (None, [tuple(p) for p in rows]):
@@ -130,8 +131,10 @@ def test_a_moved_batch_holds_every_field_on_the_new_device_without_checking_them
         ({"loss_mask": torch.full((5, 4), 0.5)}, "loss_mask must be bool \\(or 0/1\\)"),
         ({"advantages": torch.zeros(4)}, "advantages must be"),
         ({"prompt_ids": torch.zeros(3, 3)}, "prompt_ids must hold integers"),
-        ({"response_ids": torch.zeros(5, 4, dtype=torch.uint64)}, r"response_ids must hold integers \(int64 or int32\)"),
-        ({"advantages": torch.tensor([1.0, float("nan"), 0, 0, 0])}, r"advantages must be finite.*advantages\[1\] = nan"),
+        ({"response_ids": torch.zeros(5, 4, dtype=torch.uint64)},
+         r"response_ids must hold integers \(int64 or int32\)"),
+        ({"advantages": torch.tensor([1.0, float("nan"), 0, 0, 0])},
+         r"advantages must be finite.*advantages\[1\] = nan"),
         ({"rewards": torch.tensor([1.0, 0, float("inf"), 0, 0])}, r"rewards\[2\] = inf"),
         ({"rewards": torch.zeros(2)}, "rewards has 2 entries"),
         ({"loss_mask": torch.ones(5, 4, dtype=torch.bool)}, "loss_mask marks padding"),
@@ -151,7 +154,8 @@ def test_an_empty_prompt_or_lists_for_padded_tensors_are_named():
 
 def test_narrow_integer_ids_are_widened_and_float_ids_refused():
     batch = ragged_batch()
-    narrow = batch.replace(response_ids=batch.response_ids.to(torch.int16), prompt_index=batch.prompt_index.to(torch.uint8))
+    narrow = batch.replace(response_ids=batch.response_ids.to(torch.int16),
+                           prompt_index=batch.prompt_index.to(torch.uint8))
     assert narrow.response_ids.dtype == narrow.prompt_index.dtype == torch.int64  # torch's gathers take int32/64
     assert torch.equal(narrow.response_ids, batch.response_ids)
     with pytest.raises(BatchError, match=r"prompts\[0\] must be a sequence of integer token ids, got torch.float32"):
@@ -179,8 +183,9 @@ def test_log_probs_that_cannot_be_any_are_refused():
     assert torch.equal(batch.replace(ref_logprobs=plausible).ref_logprobs, plausible)
     with pytest.raises(BatchError, match=r"old_logprobs must be log-probabilities \(at most 0\), got "
                                          r"old_logprobs\[1, 0\] = 2.5; were negative log-likelihoods"):
-        batch.replace(old_logprobs=torch.where(batch.loss_mask, -0.5, 0.0).index_put_((torch.tensor(1), torch.tensor(0)),
-                                                                                   torch.tensor(2.5)))
+        wrong = torch.where(batch.loss_mask, -0.5, 0.0)
+        wrong[1, 0] = 2.5
+        batch.replace(old_logprobs=wrong)
     probabilities = torch.where(batch.loss_mask, 0.3, 0.0)
     with pytest.raises(BatchError, match=r"sampling_logprobs must be log-probabilities.*= 0.3 and no entry below 0"):
         batch.replace(sampling_logprobs=probabilities)

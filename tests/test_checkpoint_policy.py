@@ -29,5 +29,6 @@ def test_free_memory_buys_kept_layers_from_the_last_one_down():
     for checkpointed in (27, 20, 8, 1):
         assert layers_to_checkpoint(layers, tokens, kept, saved_input, need(checkpointed)) == checkpointed
         assert layers_to_checkpoint(layers, tokens, kept, saved_input, need(checkpointed) - 1) == checkpointed + 1
-    counts = [layers_to_checkpoint(layers, tokens, kept, saved_input, budget) for budget in range(0, need(0) + 1, 50_000)]
+    counts = [layers_to_checkpoint(layers, tokens, kept, saved_input, budget)
+              for budget in range(0, need(0) + 1, 50_000)]
     assert counts == sorted(counts, reverse=True)  # more memory never checkpoints more

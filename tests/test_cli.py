@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 
-def arctic_rl(*args: str, timeout: float = 300, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
+def arctic_rl(*args: str, timeout: float = 300,
+              env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
     """``arctic-rl *args`` with this environment and ``env`` over it (None: a variable removed)."""
     merged = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "arctic_core.cli", *args], capture_output=True, text=True,
@@ -85,6 +86,7 @@ def test_debug_shows_the_traceback_before_or_after_the_subcommand(tmp_path, wher
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
 
 
+@pytest.mark.slow
 def test_tiny_model_writes_a_folder_transformers_loads(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -98,6 +100,7 @@ def test_tiny_model_writes_a_folder_transformers_loads(tmp_path):
     assert_one_line_error(arctic_rl("tiny-model", str(tmp_path / "x"), "--family", "gpt9"), "unknown family 'gpt9'")
 
 
+@pytest.mark.slow
 def test_tiny_model_prints_no_library_banners_unless_verbose(tmp_path):
     import torch
 
@@ -111,10 +114,12 @@ def test_tiny_model_prints_no_library_banners_unless_verbose(tmp_path):
 
 def test_tiny_model_refuses_a_path_that_is_a_file(tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
-    assert_one_line_error(arctic_rl("tiny-model", str(tmp_path / "notes.txt")), f"{tmp_path / 'notes.txt'} exists and is not a folder")
+    assert_one_line_error(arctic_rl("tiny-model", str(tmp_path / "notes.txt")),
+                          f"{tmp_path / 'notes.txt'} exists and is not a folder")
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_the_demo_reuses_an_earlier_runs_folder_and_refuses_any_other(tmp_path):
     from arctic_core.demo.grpo import clear_earlier_run
 
@@ -135,6 +140,7 @@ def test_the_demo_reuses_an_earlier_runs_folder_and_refuses_any_other(tmp_path):
     assert (tmp_path / "model" / "config.json").read_text() == "{}"
 
 
+@pytest.mark.slow
 def test_options_out_of_range_and_folders_that_cannot_be_written_are_one_line_before_anything_runs(tmp_path):
     for args, message in ((["demo", "--seed", "-5"], "Invalid value for '--seed'"),
                           (["demo", "--seed", "99999999999999999999"], "Invalid value for '--seed'"),
@@ -171,6 +177,7 @@ def test_demo_stdout_is_one_json_line_and_progress_goes_to_stderr(tmp_path):
     assert not extensions.exists() or not any(extensions.iterdir())  # a world of one builds no comm op
 
 
+@pytest.mark.slow
 def test_a_tiny_mistral_runs_on_the_default_sampler(tmp_path):
     from transformers import AutoModelForCausalLM
 

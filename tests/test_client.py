@@ -55,7 +55,8 @@ def test_generate_returns_n_grouped_samples_with_sampling_logprobs(arctic_config
         assert batch.prompt(5) == PROMPTS[1] and int(batch.response_lens.max()) <= 5
         assert batch.policy_version.tolist() == [0] * 12
         assert result.metrics["generated_tokens"] == float(batch.response_lens.sum())
-        assert result.metrics["tokens_per_s"] == pytest.approx(result.metrics["generated_tokens"] / result.metrics["seconds"])
+        assert result.metrics["tokens_per_s"] == pytest.approx(result.metrics["generated_tokens"]
+                                                               / result.metrics["seconds"])
         assert result.metrics["peak_rss_gib"] > 0.1  # a process holding torch and two tiny models
         # The sampler's log-probs are the trainer's (same weights, temperature 1, no top-k/top-p).
         trainer_logp = client.log_probs(batch).outputs["logprobs"]
@@ -154,7 +155,8 @@ def test_reference_log_probs_stay_at_the_initial_policy(arctic_config):
 
 
 def test_checkpoint_resume_reproduces_the_next_step(arctic_config, tmp_path):
-    config = arctic_config(trainer={"optimizer": {"lr": 1e-2}, "scheduler": {"name": "linear", "total_steps": 10, "warmup_steps": 2}})
+    config = arctic_config(trainer={"optimizer": {"lr": 1e-2},
+                                    "scheduler": {"name": "linear", "total_steps": 10, "warmup_steps": 2}})
     with ArcticClient.in_process(config) as client:
         batch = rollout(client)
         client.fwd_bwd(batch, "ppo")
@@ -296,7 +298,8 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(arctic_confi
             client.fwd_bwd(batch, "pp0")
         with pytest.raises(RequestError, match=r"SamplingParams\):\n  n: Input should be greater than or equal to 1"):
             client.generate(PROMPTS, n=0)
-        with pytest.raises(RequestError, match=r"max_token: unknown key \(did you mean 'max_tokens'\?\); valid keys: .*max_tokens, min_p, n,"):
+        with pytest.raises(RequestError, match=r"max_token: unknown key \(did you mean 'max_tokens'\?\); "
+                                               r"valid keys: .*max_tokens, min_p, n,"):
             client.generate(PROMPTS, max_token=3)
         with pytest.raises(RequestError, match="prompts.0: List should have at least 1 item"):
             client.generate([[]], n=1)
@@ -359,7 +362,8 @@ def test_text_or_a_single_unwrapped_prompt_is_one_short_error():
 @pytest.mark.parametrize("sampler", ["embedded", "hf-generate"])
 def test_every_sampler_refuses_a_prompt_without_room_for_its_new_tokens(arctic_config, sampler):
     with ArcticClient.in_process(arctic_config(sampler={"backend": sampler})) as client:
-        with pytest.raises(RequestError, match=r"prompts\[0\] \(505 tokens\) \+ max_tokens=10 exceeds max_model_len=512"):
+        with pytest.raises(RequestError,
+                           match=r"prompts\[0\] \(505 tokens\) \+ max_tokens=10 exceeds max_model_len=512"):
             client.generate([[1] * 505], n=1, max_tokens=10)
 
 

@@ -35,10 +35,12 @@ def test_yaml_round_trip(tmp_path):
         ({"model": {"path": "/m"}, "trainer": {"optimiser": {}}},
          "trainer.optimiser: unknown key (did you mean 'optimizer'?); valid keys: backend, checkpoint_layers,"),
         ({"model": {"path": "/m"}, "trainer": {"optimizer": {"betas": [0.9, 0.99], "epss": 1e-8}}},
-         "trainer.optimizer.epss: unknown key (did you mean 'eps'?); valid keys: betas, decay, eps, lr, max_grad_norm, weight_decay"),
+         "trainer.optimizer.epss: unknown key (did you mean 'eps'?); valid keys: betas, decay, eps, lr, max_grad_norm, "
+         "weight_decay"),
         ({"model": {"path": "/m"}, "reference": {"modle": {}}}, "reference.modle: unknown key (did you mean 'model'?)"),
         ({"model": {"path": "/m", "dtype": "fp8"}}, "model.dtype: Input should be 'float32', 'bfloat16' or 'float16'"),
-        ({"model": {"path": "/m"}, "trainer": {"optimizer": {"lr": -1}}}, "trainer.optimizer.lr: Input should be greater than 0"),
+        ({"model": {"path": "/m"}, "trainer": {"optimizer": {"lr": -1}}},
+         "trainer.optimizer.lr: Input should be greater than 0"),
         ({"model": {"path": "/m"}, "trainer": {"scheduler": {"name": "linear"}}}, "needs total_steps"),
         ({"model": {"path": "/m", "device": "gpu"}}, "model.device: String should match pattern"),
         ({"model": {"path": "/m"}, "trainer": {"optimizer": {"betas": [0.9, 1.5]}}},
@@ -77,7 +79,8 @@ def test_backend_options_are_checked_by_the_backend_with_their_full_path():
 
 
 def test_model_folders_are_checked_before_any_engine_starts(tmp_path, tiny_policy):
-    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy)}, "reference": {"model": {"path": str(tmp_path)}}})
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy)},
+                                     "reference": {"model": {"path": str(tmp_path)}}})
     with pytest.raises(ConfigError, match="reference.model.path: .* has no config.json"):
         config.with_local_models()
 

@@ -34,7 +34,8 @@ STAGES = [0, 2, 3]
 @pytest.fixture(scope="module")
 def config_of(tiny_policy: Path):
     def make(trainer: dict[str, Any] | None = None, **overrides: Any) -> ArcticConfig:
-        data = {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0, "trainer": {**TRAINER, **(trainer or {})}}
+        data = {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
+                "trainer": {**TRAINER, **(trainer or {})}}
         return ArcticConfig.from_dict({**data, **overrides})
 
     return make
@@ -94,12 +95,14 @@ def reference(config_of, batch) -> dict[str, Any]:
 def deepspeed_run(request, config_of, batch, tmp_path_factory) -> dict[str, Any]:
     stage = request.param
     ckpt = tmp_path_factory.mktemp(f"zero{stage}") / "ckpt"
-    config = config_of(trainer=deepspeed_trainer(stage), reference={"backend": "deepspeed", "options": {"zero_stage": stage}})
+    config = config_of(trainer=deepspeed_trainer(stage),
+                       reference={"backend": "deepspeed", "options": {"zero_stage": stage}})
     with ArcticClient.in_process(config) as client:
         out = session(client, batch, lambda c: trainer_of(c).full_gradients())
         out["ref_logprobs"] = client.log_probs(batch, model="reference").outputs["logprobs"]
         client.save_checkpoint(str(ckpt), export_hf=True)
-        out["exported"] = {k: v.float() for k, v in AutoModelForCausalLM.from_pretrained(ckpt / "hf").state_dict().items()}
+        exported = AutoModelForCausalLM.from_pretrained(ckpt / "hf").state_dict()
+        out["exported"] = {k: v.float() for k, v in exported.items()}
         out["next_loss"] = client.fwd_bwd(batch, LOSS).metrics["loss"]
         out["next_step"] = client.step().metrics
         out["next_weights"] = weights(client)
@@ -221,7 +224,8 @@ def test_an_unknown_option_is_a_config_error_naming_it(config_of):
     with pytest.raises(ConfigError, match="zero_stag"):
         ArcticClient.in_process(config_of(trainer={"backend": "deepspeed", "options": {"zero_stag": 3}}))
     with pytest.raises(ConfigError, match="offload_optimizer needs zero_stage"):
-        ArcticClient.in_process(config_of(trainer={"backend": "deepspeed", "options": {"offload_optimizer": True, "zero_stage": 0}}))
+        ArcticClient.in_process(config_of(trainer={"backend": "deepspeed",
+                                                   "options": {"offload_optimizer": True, "zero_stage": 0}}))
 
 
 def counting(forward, calls: list[int], index: int):
@@ -266,7 +270,8 @@ def test_auto_checkpointing_keeps_the_layers_free_memory_holds(config_of, batch,
         model = engine.model
         tokens = checkpoint_policy.micro_batch_tokens(batch, grouped=True)
         kept = checkpoint_policy.kept_layer_bytes(model.config, 4)
-        head = min(int(batch.response_lens.sum()), HEAD_CHUNK_TOKENS) * model.config.vocab_size * checkpoint_policy.HEAD_BYTES_PER_LOGIT
+        head = (min(int(batch.response_lens.sum()), HEAD_CHUNK_TOKENS) * model.config.vocab_size
+                * checkpoint_policy.HEAD_BYTES_PER_LOGIT)
         budget = {"one layer's worth": tokens * (2 * kept + model.config.hidden_size * 4) + head,
                   "plenty": 1 << 40, "none (CPU)": None}[free]
         monkeypatch.setattr(checkpoint_policy, "activation_budget", lambda device: budget)
@@ -317,7 +322,8 @@ def test_compile_elementwise_refuses_models_it_does_not_cover_and_auto_skips_the
     from arctic_zorro.fused_elementwise import apply_compile_elementwise
 
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ConfigError, match="compile_elementwise supports qwen3, qwen2, llama, mistral models, not 'gpt2'"):
+    with pytest.raises(ConfigError,
+                       match="compile_elementwise supports qwen3, qwen2, llama, mistral models, not 'gpt2'"):
         apply_compile_elementwise(gpt2, True)
     assert apply_compile_elementwise(gpt2, "auto") == []  # the default: other families run as they are
     qwen3 = AutoModelForCausalLM.from_pretrained(tiny_policy)
@@ -339,7 +345,10 @@ def test_adamw_runs_fused_only_where_its_states_live_on_a_gpu():
     from arctic_zorro.deepspeed_engine import DeepSpeedTrainerOptions, trainer_config
 
     model, trainer = ModelConfig(path="unused", dtype="bfloat16"), TrainerConfig()
-    params = lambda options, on_gpu: trainer_config(options, trainer, model, on_gpu=on_gpu)["optimizer"]["params"]
+
+    def params(options, on_gpu):
+        return trainer_config(options, trainer, model, on_gpu=on_gpu)["optimizer"]["params"]
+
     assert params(DeepSpeedTrainerOptions(), on_gpu=True)["fused"] is True
     assert "fused" not in params(DeepSpeedTrainerOptions(), on_gpu=False)
     assert "fused" not in params(DeepSpeedTrainerOptions(offload_optimizer=True), on_gpu=True)  # steps on the CPU
@@ -419,7 +428,8 @@ def test_bf16_zero_1_refuses_to_sleep_and_keeps_training(config_of, batch, tiny_
     states: sleep is refused with an error naming the way out, and the trainer keeps training."""
     model = {"path": str(tiny_policy), "device": "cpu", "dtype": "bfloat16"}
     with ArcticClient.in_process(config_of(trainer=deepspeed_trainer(1), model=model)) as client:
-        with pytest.raises(RequestError, match="cannot sleep at zero_stage 1 with model.dtype bfloat16.*zero_stage 2 or 3"):
+        with pytest.raises(RequestError,
+                           match="cannot sleep at zero_stage 1 with model.dtype bfloat16.*zero_stage 2 or 3"):
             client.sleep(["trainer"])
         assert client.transport.server.asleep == set()
         client.fwd_bwd(batch, LOSS)

@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 from arctic_core.adapters import lost_server as lost_server_module
 from arctic_core.adapters.lost_server import lost_server
 from arctic_core.adapters.settings import BackendSettings
-from arctic_core.serving import wire
+from arctic_core import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.cli import app as cli_app, bind_port
 from arctic_core.client import ArcticClient, AsyncArcticClient
@@ -44,7 +44,8 @@ from helpers import batch_tensors, wire_body
 HOST = "127.0.0.1"
 TOKEN = "s3cret-token"
 PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
-TIMING = ("seconds", "tokens_per_s", "peak_rss_gib", "cuda_peak_gib")  # wall-clock and memory readings: the only values allowed to differ between transports
+# Wall-clock and memory readings: the only values allowed to differ between transports.
+TIMING = ("seconds", "tokens_per_s", "peak_rss_gib", "cuda_peak_gib")
 
 
 class LiveServer:
@@ -74,7 +75,8 @@ class LiveServer:
 @pytest.fixture(scope="module")
 def config(tiny_policy: Path) -> ArcticConfig:
     return ArcticConfig.from_dict(
-        {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0, "trainer": {"backend": "torch"}, "reference": {"backend": "torch"}}
+        {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0, "trainer": {"backend": "torch"},
+         "reference": {"backend": "torch"}}
     )
 
 
@@ -109,7 +111,8 @@ def grpo_loop(client: ArcticClient, steps: int = 2) -> list[dict]:
         for rows in batch.groups():
             adv[rows] = rewards[rows] - rewards[rows].mean()
         batch = batch.replace(old_logprobs=old.outputs["logprobs"], ref_logprobs=ref, rewards=rewards, advantages=adv)
-        train = client.fwd_bwd(batch, [{"name": "ppo", "clip_low": 0.2, "clip_high": 0.28}, {"name": "kl", "weight": 0.1}])
+        train = client.fwd_bwd(batch, [{"name": "ppo", "clip_low": 0.2, "clip_high": 0.28},
+                                       {"name": "kl", "weight": 0.1}])
         opt = client.step()
         sync = client.sync_weights()
         record.append({
@@ -141,7 +144,8 @@ def assert_same_loop(expected: list[dict], got: list[dict]) -> None:
         for key in ("batch", "outputs"):
             assert want[key].keys() == have[key].keys()
             for name in want[key]:
-                assert want[key][name].dtype == have[key][name].dtype and torch.equal(want[key][name], have[key][name]), name
+                assert want[key][name].dtype == have[key][name].dtype, name
+                assert torch.equal(want[key][name], have[key][name]), name
 
 
 # ----------------------------------------------------------------- (b) the async client
@@ -184,19 +188,25 @@ def test_bad_input_gets_a_4xx_naming_the_problem_and_the_server_keeps_serving(gu
     assert_refused(post(guarded, "generate", b"\x00" * 3), 400, "RequestError", "truncated body: 3 bytes")
     assert_refused(post(guarded, "generate", b"\xff" * 100), 400, "RequestError", "not a safetensors message")
     assert_refused(post(guarded, "generate", valid[: len(valid) // 2]), 400, "RequestError", "truncated body")
-    assert_refused(post(guarded, "fwd_bwd", wire_body(batch_tensors(), ppo, "FwdBwdRequest")[:-3]), 400, "RequestError", "malformed or truncated")
-    assert_refused(post(guarded, "fwd_bwd", valid), 400, "RequestError", "holds a 'GenerateRequest' message but this operation takes a FwdBwdRequest")
+    assert_refused(post(guarded, "fwd_bwd", wire_body(batch_tensors(), ppo, "FwdBwdRequest")[:-3]), 400, "RequestError",
+                   "malformed or truncated")
+    assert_refused(post(guarded, "fwd_bwd", valid), 400, "RequestError",
+                   "holds a 'GenerateRequest' message but this operation takes a FwdBwdRequest")
     wrong_dtype = wire_body(batch_tensors(response_ids=torch.ones(1, 2)), ppo, "FwdBwdRequest")
     assert_refused(post(guarded, "fwd_bwd", wrong_dtype), 400, "BatchError", "response_ids must hold integers")
-    assert_refused(post(guarded, "fwd_bwd", wire_body(batch_tensors(), {}, "FwdBwdRequest")), 400, "RequestError", "loss: Field required")
+    assert_refused(post(guarded, "fwd_bwd", wire_body(batch_tensors(), {}, "FwdBwdRequest")), 400, "RequestError",
+                   "loss: Field required")
     no_index = {k: v for k, v in batch_tensors().items() if k != "batch.prompt_index"}
-    assert_refused(post(guarded, "fwd_bwd", wire_body(no_index, ppo, "FwdBwdRequest")), 400, "BatchError", "missing required batch field(s) ['prompt_index']")
+    assert_refused(post(guarded, "fwd_bwd", wire_body(no_index, ppo, "FwdBwdRequest")), 400, "BatchError",
+                   "missing required batch field(s) ['prompt_index']")
     assert_refused(post(guarded, "train", valid), 404, "RequestError", "unknown operation 'train'")
     unknown_loss = wire_body(batch_tensors(advantages=torch.ones(1)), {"loss": [{"name": "pp0"}]}, "FwdBwdRequest")
     assert_refused(post(guarded, "fwd_bwd", unknown_loss), 400, "PluginNotFoundError", "no loss named 'pp0'")
     # Too big: refused on Content-Length before reading, and on the bytes read when no length is sent.
-    assert_refused(post(guarded, "generate", b"\x00" * 100_000), 413, "PayloadTooLarge", "exceeds the server's limit of 65536 bytes")
-    chunked = httpx.post(f"{guarded.url}/v1/generate", content=iter([b"\x00" * 40_000] * 3), headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert_refused(post(guarded, "generate", b"\x00" * 100_000), 413, "PayloadTooLarge",
+                   "exceeds the server's limit of 65536 bytes")
+    chunked = httpx.post(f"{guarded.url}/v1/generate", content=iter([b"\x00" * 40_000] * 3),
+                         headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     assert_refused(chunked, 413, "PayloadTooLarge", "exceeds the server's limit")
     # Tokens: missing or wrong -> 401, on the calls and on /metrics.
     assert_refused(post(guarded, "generate", valid, token=None), 401, "Unauthorized", "missing bearer token")
@@ -235,7 +245,8 @@ def test_an_unexpected_failure_is_a_500_and_the_server_keeps_serving(shared, mon
 
     client = ArcticClient.http(live.url)
     monkeypatch.setattr(server.sampler, "generate", broken)
-    with pytest.raises(RemoteError, match="RuntimeError.*500.*generate failed on the server: the sampler fell over") as info:
+    with pytest.raises(RemoteError,
+                       match="RuntimeError.*500.*generate failed on the server: the sampler fell over") as info:
         client.generate(PROMPTS, n=1, max_tokens=2)
     assert info.value.status == 500
     monkeypatch.undo()
@@ -346,7 +357,8 @@ def test_deeply_nested_json_in_a_body_is_a_400_and_the_server_keeps_serving(shar
             {"__metadata__": {wire.JSON_KEY: deep, wire.MESSAGE_KEY: "GenerateRequest"}})),
     }
     for what, body in bodies.items():
-        assert_refused(post(live, "generate", body, token=None), 400, "RequestError", f"malformed body: {what} nests JSON")
+        assert_refused(post(live, "generate", body, token=None), 400, "RequestError",
+                       f"malformed body: {what} nests JSON")
     assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
 
 
@@ -549,7 +561,8 @@ def test_metrics_count_calls_per_operation_and_outcome(shared):
     assert after[("status", "ok")] - before.get(("status", "ok"), 0) == 1
     assert after[("generate", "RequestError")] - before.get(("generate", "RequestError"), 0) == 1
     text = httpx.get(f"{live.url}/metrics").text
-    for name in ("arctic_call_seconds_count", "arctic_tokens_total", "arctic_policy_version", "process_resident_memory_bytes"):
+    for name in ("arctic_call_seconds_count", "arctic_tokens_total", "arctic_policy_version",
+                 "process_resident_memory_bytes"):
         assert name in text, name
 
 
@@ -610,6 +623,7 @@ def serving_url(proc: subprocess.Popen, timeout: float = 90) -> str:
     raise AssertionError("serve did not announce its URL")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_serve_command_answers_with_the_env_token_and_exits_after_shutdown(config, tmp_path):
     """On the port the OS picks (--port 0, announced), with the token from the environment; stdout

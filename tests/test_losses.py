@@ -57,7 +57,7 @@ def make_batch(lens: list[int], **fields: object) -> RolloutBatch:
 def logprobs_from(base: list[list[float]], log_ratios: list[list[float]]) -> torch.Tensor:
     """Leaf float64 tensor ``base + log_ratio`` (padding: the base value), with grad."""
     width = max(len(r) for r in base)
-    rows = [[b + d for b, d in zip(brow, drow)] for brow, drow in zip(base, log_ratios)]
+    rows = [[b + d for b, d in zip(brow, drow, strict=True)] for brow, drow in zip(base, log_ratios, strict=True)]
     return torch.tensor(pad(rows, width), dtype=F64, requires_grad=True)
 
 
@@ -68,7 +68,7 @@ def grad_of(loss: torch.Tensor, logp: torch.Tensor) -> list[list[float]]:
 
 def assert_rows(actual: list[list[float]], expected: list[list[float]], tol: float = TOL) -> None:
     assert len(actual) == len(expected)
-    for a_row, e_row in zip(actual, expected):
+    for a_row, e_row in zip(actual, expected, strict=True):
         assert a_row == pytest.approx(e_row, abs=tol)
 
 
@@ -219,7 +219,8 @@ def test_ppo_micro_batches_add_up_to_full_batch(aggregation: str, part0: float, 
     assert mb0.item() == pytest.approx(part0, abs=TOL)
     assert mb1.item() == pytest.approx(part1, abs=TOL)
     assert mb0.item() + mb1.item() == pytest.approx(full.item(), abs=TOL)
-    assert float(m0["clipfrac"] + m1["clipfrac"]) == pytest.approx(float(full_metrics["clipfrac"]), abs=MTOL)  # 1/5 + 1/5
+    # 1/5 + 1/5
+    assert float(m0["clipfrac"] + m1["clipfrac"]) == pytest.approx(float(full_metrics["clipfrac"]), abs=MTOL)
 
 
 # --------------------------------------------------------------------------- GSPO
@@ -525,6 +526,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_log_probs_and_entropy_share_one_kernel_launch_each_way() -> None:
     """A loss reading both outputs (TRL's default, an entropy bonus) gets them from one forward
     launch and one backward launch on the same logits, with the values and gradients of the
@@ -642,9 +644,10 @@ def test_cispo_sapo_vespo_against_their_formulas() -> None:
     ctx, mask = LossContext.of(batch), batch.loss_mask.to(F64)
     adv = torch.tensor(PPO_ADV, dtype=F64)[:, None]
     ratio = torch.exp((logp - batch.old_logprobs) * mask)
+    tau = torch.where(adv > 0, 1.0, 1.05)  # SAPO's temperature_pos where A > 0, else temperature_neg
     cases = {
         CISPOLoss(ratio_cap=1.3): -ratio.clamp(max=1.3).detach() * adv * logp,
-        SAPOLoss(): -torch.sigmoid(torch.where(adv > 0, 1.0, 1.05) * (ratio - 1)) * 4 / torch.where(adv > 0, 1.0, 1.05) * adv,
+        SAPOLoss(): -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv,
     }
     log_w = ((logp - batch.old_logprobs) * mask).sum(-1, keepdim=True).detach()
     k, lam = torch.where(adv >= 0, 2.0, 3.0), torch.where(adv >= 0, 3.0, 2.0)
@@ -663,7 +666,8 @@ def test_cispo_sapo_vespo_against_their_formulas() -> None:
 # The sampler's log-probs of the PPO batch: exp(old - sampling) per token is 2, 0.5, 4 | 1.5, 0.25
 # (sequence products: 4 and 0.375).
 SAMPLER_WEIGHTS = [[2.0, 0.5, 4.0], [1.5, 0.25]]
-SAMPLING = [[o - math.log(w) for o, w in zip(orow, wrow)] for orow, wrow in zip(PPO_OLD, SAMPLER_WEIGHTS)]
+SAMPLING = [[o - math.log(w) for o, w in zip(orow, wrow, strict=True)]
+            for orow, wrow in zip(PPO_OLD, SAMPLER_WEIGHTS, strict=True)]
 
 
 @pytest.mark.parametrize("mode, low, expected", [
@@ -807,12 +811,13 @@ def test_cispo_floor_plain_policy_gradient_and_log_ratio_bounds() -> None:
     log_ratio = (logp - batch.old_logprobs) * mask
     ratio = torch.exp(log_ratio)
     bounded = log_ratio.clamp(-0.5, 0.2)  # ratios 1.25, 1.5, 0.5 / 0.5, 1.1 -> e^0.2 caps 1.25 and 1.5
+    tau = torch.where(adv > 0, 1.0, 1.05)  # SAPO's temperature_pos where A > 0, else temperature_neg
     cases = {
         CISPOLoss(ratio_cap=1.3, ratio_floor=0.8): -ratio.clamp(0.8, 1.3).detach() * adv * logp,
         PolicyGradientLoss(): -adv * logp,
-        SAPOLoss(log_ratio_bounds=(-0.5, 0.2)): -torch.sigmoid(torch.where(adv > 0, 1.0, 1.05) * (torch.exp(bounded) - 1))
-        * 4 / torch.where(adv > 0, 1.0, 1.05) * adv,
-        PPOLoss(clip_low=10.0, clip_high=10.0, log_ratio_bounds=(None, 0.2)): -adv * torch.exp(log_ratio.clamp(max=0.2)),
+        SAPOLoss(log_ratio_bounds=(-0.5, 0.2)): -torch.sigmoid(tau * (torch.exp(bounded) - 1)) * 4 / tau * adv,
+        PPOLoss(clip_low=10.0, clip_high=10.0,
+                log_ratio_bounds=(None, 0.2)): -adv * torch.exp(log_ratio.clamp(max=0.2)),
     }
     for term, per_token in cases.items():
         loss, _ = term({"logprobs": logp}, batch, ctx)
@@ -1027,7 +1032,8 @@ def test_processors_that_clash_or_break_their_contract_are_named() -> None:
     check_processor_outputs(_Processor(), {"pout": gathered}, 10)
     for produced, message in (({"other": gathered}, r"returned \['other'\]: a processor returns a dict of exactly"),
                               ({"pout": logits}, r"returned 'pout' as a tensor of shape \[10, 7\] of torch.float32"),
-                              ({"pout": targets}, r"returned 'pout' .* of torch.int64: each output is a float tensor of shape \[N\]"),
+                              ({"pout": targets},
+                               r"returned 'pout' .* of torch.int64: each output is a float tensor of shape \[N\]"),
                               ([gathered], "returned list")):
         with pytest.raises(RequestError, match=r"processor _Processor \(outputs \('pout',\)\) " + message):
             check_processor_outputs(_Processor(), produced, 10)

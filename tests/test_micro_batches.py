@@ -85,7 +85,8 @@ def test_metrics_are_read_once_after_the_last_backward_is_queued():
     backward is queued, and equal the sums of each micro-batch's own."""
     batch = grpo_batch([30, 20, 25], n=2, response_len=5)
     weight = torch.tensor(0.01, requires_grad=True)
-    objective = build_objective(default_registry(), [LossTermConfig(name="sft"), LossTermConfig(name="entropy", weight=0.1)])
+    objective = build_objective(default_registry(),
+                                [LossTermConfig(name="sft"), LossTermConfig(name="entropy", weight=0.1)])
     ctx = LossContext.of(batch)
 
     def forward(micro: RolloutBatch, processors) -> dict[str, torch.Tensor]:

@@ -24,7 +24,8 @@ PROMPTS = [[5, 6, 7], [8, 9]]
 def test_a_hub_model_id_is_served_from_its_snapshot_as_its_folder_is(hub_cache, tiny_policy):
     served, tokens = {}, {}
     for path in ("arctic-test/tiny-policy", str(tiny_policy)):
-        client = ArcticClient.in_process({"model": {"path": path, "device": "cpu"}, "trainer": {"backend": "torch"}, "seed": 0})
+        client = ArcticClient.in_process({"model": {"path": path, "device": "cpu"}, "trainer": {"backend": "torch"},
+                                          "seed": 0})
         try:
             served[path] = client.status().info["config"]["model"]["path"]
             tokens[path] = client.generate(PROMPTS, n=2, max_tokens=4, seed=3).batch.response_ids.tolist()
@@ -45,9 +46,10 @@ def test_adapters_check_a_hub_models_positions_from_its_snapshot(hub_cache):
 
 
 def test_a_hub_model_that_cannot_be_fetched_is_one_error_naming_the_setting(hub_cache, tiny_policy):
-    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy)}, "reference": {"model": {"path": "arctic-test/absent"}}})
-    with pytest.raises(ConfigError, match=r"^reference.model.path: nothing is at 'arctic-test/absent' here, and fetching "
-                       r"it as a model id from the Hugging Face Hub failed: \w+"):
+    config = ArcticConfig.from_dict({"model": {"path": str(tiny_policy)},
+                                     "reference": {"model": {"path": "arctic-test/absent"}}})
+    with pytest.raises(ConfigError, match=r"^reference.model.path: nothing is at 'arctic-test/absent' here, and "
+                       r"fetching it as a model id from the Hugging Face Hub failed: \w+"):
         config.with_local_models()
     assert cached_model_folder("arctic-test/absent") is None
 
@@ -60,12 +62,14 @@ def test_local_paths_are_never_taken_for_hub_ids(tmp_path, tiny_policy):
     shutil.copytree(checkpoint, exported)
     shutil.copytree(tiny_policy, exported / HF_EXPORT)
     for path, why in ((tmp_path / "absent", "does not exist"), (tmp_path / "empty", "has no config.json"),
-                      (checkpoint, "is an Arctic checkpoint saved without export_hf=True, so it holds no model folder .*"),
+                      (checkpoint,
+                       "is an Arctic checkpoint saved without export_hf=True, so it holds no model folder .*"),
                       (exported, f"is an Arctic checkpoint .*; its model folder is '{exported / HF_EXPORT}'")):
         with pytest.raises(ConfigError, match=f"model.path: '{path}' {why}; it must be a local Hugging Face model "
                            "folder .* or a model id on the Hugging Face Hub"):
             ArcticConfig.from_dict({"model": {"path": str(path)}}).with_local_models()
-    assert ArcticConfig.from_dict({"model": {"path": str(tiny_policy)}}).with_local_models().model.path == str(tiny_policy)
+    local = ArcticConfig.from_dict({"model": {"path": str(tiny_policy)}}).with_local_models()
+    assert local.model.path == str(tiny_policy)
     assert [hub_id(p) for p in ("Qwen/Qwen3-1.7B", "gpt2", "./models/qwen", "a/b/c", str(tiny_policy))] == [
         "Qwen/Qwen3-1.7B", "gpt2", None, None, None]
 

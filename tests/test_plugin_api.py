@@ -49,7 +49,8 @@ PLUGIN_API = {
 HOOKS = {"arctic_training_backends", "arctic_logprob_backends", "arctic_sampling_backends", "arctic_processors",
          "arctic_losses", "arctic_weight_transports"}
 
-# Every module path of arctic-core 0.1.0 that has since moved, and where it went.
+# Every module path of arctic-core 0.1.0 that has since moved, and where it went; then the later moves.
+# (0.1.0's arctic_core.wire is not here: 0.3.0 moved the wire format back to that very path.)
 OLD_PATHS = {
     "arctic_core.hookspecs": "arctic_core.plugins.hookspecs",
     "arctic_core.interfaces": "arctic_core.plugins.interfaces",
@@ -58,7 +59,6 @@ OLD_PATHS = {
     "arctic_core.objective": "arctic_core.losses.objective",
     "arctic_core.processors": "arctic_core.losses.processors",
     "arctic_core.server": "arctic_core.serving.server",
-    "arctic_core.wire": "arctic_core.serving.wire",
     "arctic_core.http_server": "arctic_core.serving.http",
     "arctic_core.http_metrics": "arctic_core.serving.metrics",
     "arctic_core.ray_actors": "arctic_core.ray.actors",
@@ -70,6 +70,7 @@ OLD_PATHS = {
     "arctic_core.weight_files": "arctic_core.weights.files",
     "arctic_core.weight_ipc": "arctic_core.weights.ipc",
     "arctic_core.weight_sync": "arctic_core.weights.inprocess",
+    "arctic_core.serving.wire": "arctic_core.wire",  # 0.3.0
 }
 
 
@@ -121,6 +122,25 @@ def test_the_old_paths_work_as_an_import_statement_and_keep_a_renamed_class(monk
 
     assert InProcessTransport is InProcessWeightSync
     assert {w.filename for w in caught} == {__file__}  # attributed to the importing line
+
+
+def test_the_wire_format_moved_beside_the_protocol_and_its_serving_path_still_imports(monkeypatch):
+    """0.3.0: ``arctic_core.serving.wire`` is ``arctic_core.wire`` (the client's transports speak it
+    too); the form the code used, ``from arctic_core.serving import wire``, warns at its line, and
+    0.1.0's ``arctic_core.wire`` is the module itself again, without a warning."""
+    import arctic_core.serving
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from arctic_core import wire as current
+    assert current.__name__ == "arctic_core.wire" and Path(current.__file__).parent.name == "arctic_core"
+    monkeypatch.delitem(sys.modules, "arctic_core.serving.wire", raising=False)
+    monkeypatch.delattr(arctic_core.serving, "wire", raising=False)  # else the package attribute answers
+    with pytest.warns(DeprecationWarning, match=re.escape(deprecation("arctic_core.serving.wire"))) as caught:
+        from arctic_core.serving import wire
+    assert {w.filename for w in caught} == {__file__}
+    assert wire.encode is current.encode and wire.decode_request is current.decode_request
+    assert wire._tensor_fields is current._tensor_fields and wire.CONTENT_TYPE == current.CONTENT_TYPE
 
 
 def test_the_packages_import_no_old_path():

@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+import arctic_core
 from arctic_core.config import ArcticConfig
 from arctic_core.config_docs import BUILTIN_PLUGINS, PRODUCT_SECTIONS, config_reference
 from arctic_core.errors import ConfigError, PluginConflictError, PluginError, PluginNotFoundError
@@ -84,6 +85,7 @@ def test_the_public_names_import_from_the_package_root_without_torch():
             "print(ArcticClient.__module__, RolloutBatch.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["arctic_core.client", "arctic_core.batch"]
+    assert set(arctic_core._LAZY) <= set(arctic_core.__all__)  # __all__ is spelt out: it names each lazy one
 
 
 def test_two_plugins_claiming_one_name_conflict():
@@ -175,9 +177,10 @@ def test_every_plugin_and_its_options_are_checked_before_an_engine_is_built_and_
     model = {"path": str(tiny_policy), "device": "cpu"}
     bad = {"weight_sync": {"transport": "nope"}, "sampler": {"options": {"bogus": 1}},
            "trainer": {"backend": "ray", "options": {"backend": "torch", "options": {"zoro": {}}}}}
-    for (key, value), error, message in zip(bad.items(), (PluginNotFoundError, ConfigError, ConfigError),
-                                            ("no weight transport named 'nope'", "sampler.options.bogus",
-                                             r"trainer.options.options.zoro: unknown key \(did you mean 'zorro'")):
+    errors = (PluginNotFoundError, ConfigError, ConfigError)
+    messages = ("no weight transport named 'nope'", "sampler.options.bogus",
+                r"trainer.options.options.zoro: unknown key \(did you mean 'zorro'")
+    for (key, value), error, message in zip(bad.items(), errors, messages, strict=True):
         config = {"model": model, "trainer": {"backend": "torch"}, key: value}
         with pytest.raises(error, match=message):
             ArcticServer(ArcticConfig.from_dict(config))
@@ -199,7 +202,8 @@ def test_options_are_checked_without_importing_an_engine():
     """A config is checked from the options models the plugins declare (``Lazy(options=...)``):
     DeepSpeed is not imported (importing it picks an accelerator and sets launcher variables)."""
     code = (
-        "import sys; from arctic_core.config import ArcticConfig; from arctic_core.plugins.checks import check_plugins; "
+        "import sys; from arctic_core.config import ArcticConfig; "
+        "from arctic_core.plugins.checks import check_plugins; "
         "from arctic_core.plugins.registry import default_registry\n"
         "config = ArcticConfig.from_dict({'model': {'path': 'm'}, 'trainer': {'options': {'zero_stge': 2}}})\n"
         "try:\n    check_plugins(config, default_registry())\nexcept Exception as exc:\n    print(exc)\n"
@@ -265,6 +269,7 @@ def cli(root, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "arctic_core.cli", *args], capture_output=True, text=True, env=env)
 
 
+@pytest.mark.slow
 def test_a_third_party_plugin_is_listed_with_its_options(tmp_path):
     install(tmp_path, "thirdp", "thirdp", GOOD_PLUGIN)
     listed = cli(tmp_path, "plugins")
@@ -288,7 +293,8 @@ def test_a_broken_or_clashing_plugin_is_refused_by_name(tmp_path, case):
                          "ZeroDivisionError: division by zero"),
         "misspelt hook": ("from arctic_core import hookimpl\n\n@hookimpl\ndef arctic_loss():\n    return {}\n",
                           "thirdp", "plugin 'thirdp': unknown hook 'arctic_loss'"),
-        "hook answers a list": ("from arctic_core import hookimpl\n\n@hookimpl\ndef arctic_losses():\n    return [\"my_loss\"]\n",
+        "hook answers a list": ("from arctic_core import hookimpl\n\n@hookimpl\ndef arctic_losses():\n"
+                                "    return [\"my_loss\"]\n",
                                 "thirdp", "plugin 'thirdp': arctic_losses must return a dict of name -> factory, "
                                 "got list"),
         "hook fails": ("from arctic_core import hookimpl\n\n@hookimpl\ndef arctic_losses():\n    raise KeyError('x')\n",
@@ -359,6 +365,7 @@ def arctic_sampling_backends():
 '''
 
 
+@pytest.mark.slow
 def test_a_backend_whose_optional_packages_are_missing_is_refused_before_any_engine_is_built(tmp_path):
     """A backend's ``needs`` (its extra's packages, with the versions its metadata states) are
     checked with the config: an uninstalled or wrong-version package is named with what to install,

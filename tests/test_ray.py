@@ -160,7 +160,8 @@ def test_random_call_sequences_leave_the_next_update_exact_on_ray_ranks(tiny_pol
 def test_serve_ray_wraps_the_configured_engines():
     from arctic_core.cli import ray_config
 
-    config = ArcticConfig.from_dict({"model": {"path": "policy"}, "trainer": {"backend": "deepspeed", "options": {"zero_stage": 2}},
+    config = ArcticConfig.from_dict({"model": {"path": "policy"},
+                                     "trainer": {"backend": "deepspeed", "options": {"zero_stage": 2}},
                                      "sampler": {"backend": "embedded", "options": {"block_size": 32}}})
     served = ray_config(config, workers=4, samplers=2, address="ray://head:10001")
     assert served.trainer.backend == "ray" and served.sampler.backend == "ray"
@@ -230,7 +231,8 @@ async def _gather_generate(client, calls: int) -> list:
 PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2], [1, 9, 8, 7, 6, 5, 2]]
 
 
-def greedy_reference(policy, weights: dict[str, torch.Tensor], prompts: list[list[int]], tokens: int) -> list[list[int]]:
+def greedy_reference(policy, weights: dict[str, torch.Tensor], prompts: list[list[int]],
+                     tokens: int) -> list[list[int]]:
     """transformers' greedy generate with the given weights: what every replica must produce."""
     from transformers import AutoModelForCausalLM
 
@@ -250,7 +252,8 @@ def test_sampler_replicas_follow_the_trainer_through_each_weight_transport(tiny_
     """A Ray trainer rank and two Ray sampler replicas: after a step and a sync, every replica's
     greedy output is transformers' greedy output with the trainer's new weights."""
     config = {"model": {"path": str(tiny_policy), "device": "cpu"}, "seed": 0,
-              "trainer": ray_trainer_config(TrainerConfig(backend="torch", optimizer={"lr": 0.05}), workers=1).model_dump(),
+              "trainer": ray_trainer_config(TrainerConfig(backend="torch", optimizer={"lr": 0.05}),
+                                            workers=1).model_dump(),
               "sampler": {"backend": "ray", "options": {"replicas": 2, "backend": "embedded"}},
               "weight_sync": {"transport": transport}}
     with ArcticClient.in_process(config) as client:
@@ -293,7 +296,8 @@ def test_a_reference_engine_in_its_own_actor_answers_like_the_in_process_one(con
         want = local.log_probs(batch, model="reference", processors=["logprobs", "entropy"]).outputs
         got = client.log_probs(batch, model="reference", processors=["logprobs", "entropy"]).outputs
         for name in ("logprobs", "entropy"):
-            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0)  # another process: its own thread count
+            # Another process: its own thread count.
+            torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0)
         client.sleep(["reference"])
         client.wake(["reference"])
         ray.kill(client.transport.server.reference.worker)
@@ -336,7 +340,8 @@ def test_actors_ray_cannot_place_are_refused_with_the_resource_named(tiny_policy
     # A cluster this process started frees only what it holds: what is free now counts.
     monkeypatch.setattr(actors, "_local_cluster", True)
     actors.require_resources(ray, "two actors", 2, 2.0, 0.0)  # the 4 CPUs, once earlier tests' actors are gone
-    with pytest.raises(ConfigError, match=r"five actors: 5 actor\(s\) x 1 CPU need 5 CPUs, [0-4] free in the local Ray"):
+    with pytest.raises(ConfigError,
+                       match=r"five actors: 5 actor\(s\) x 1 CPU need 5 CPUs, [0-4] free in the local Ray"):
         actors.require_resources(ray, "five actors", 5, 1.0, 0.0, settle_s=0.5)
 
 

@@ -138,7 +138,8 @@ OPS: dict[str, Callable[[Session], Any]] = {
 }
 
 
-def run_random_calls(client: ArcticClient, tmp: Path, seed: int, calls: int, ops: dict[str, Callable] = OPS) -> list[str]:
+def run_random_calls(client: ArcticClient, tmp: Path, seed: int, calls: int,
+                     ops: dict[str, Callable] = OPS) -> list[str]:
     """``calls`` random operations; a refusal (an Arctic error, e.g. an engine asleep) is a valid
     answer, any other exception fails the test. Returns the sequence, for the failure message."""
     session = Session(client, tmp, random.Random(seed))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -20,8 +21,6 @@ import trl
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from arctic_core.demo.task import CountingTask
-from arctic_core.demo.tiny_model import save_tiny_policy
 from arctic_core.config import ArcticConfig
 from arctic_trl import GRPOTrainer
 from arctic_trl.mapping import VLLM_SETTINGS, arctic_config, regroup_is_exact, unsupported, vllm_notice
@@ -29,7 +28,7 @@ from arctic_trl.trainer import _model_folder, group_micro_batches
 from helpers import weights
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-import trl_grpo  # noqa: E402
+import trl_grpo
 
 pytestmark = pytest.mark.slow
 
@@ -59,8 +58,9 @@ def test_trl_script_trains_through_arctic_and_logs_our_metrics(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory) -> str:
-    return str(save_tiny_policy(tmp_path_factory.mktemp("policy"), CountingTask().corpus(), seed=0))
+def policy(tiny_policy) -> str:
+    """The shared tiny policy (arctic_core.testing) as the model id string TRL takes."""
+    return str(tiny_policy)
 
 
 def grpo_args(tmp_path, **overrides) -> trl.GRPOConfig:
@@ -115,7 +115,8 @@ def assert_lengths_differ(inputs: dict, num_generations: int = 4) -> None:
     mask = inputs["completion_mask"]
     assert (mask == 0).any(), "no masked completion tokens"
     groups: dict[tuple, list[int]] = {}  # TRL shuffles the rows: a prompt's samples by their prompt
-    for prompt, prompt_mask, length in zip(inputs["prompt_ids"], inputs["prompt_mask"], mask.sum(1).tolist()):
+    for prompt, prompt_mask, length in zip(inputs["prompt_ids"], inputs["prompt_mask"], mask.sum(1).tolist(),
+                                           strict=True):
         groups.setdefault(tuple(prompt[prompt_mask.bool()].tolist()), []).append(length)
     assert all(len(lengths) >= num_generations and len(set(lengths)) >= 3 for lengths in groups.values()), groups
 
@@ -269,22 +270,36 @@ def off_policy(plain, inputs: dict, sampler: bool) -> dict:
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     with torch.no_grad():
-        current, _, _ = plain._get_per_token_logps_and_entropies(plain.model, ids, mask, inputs["completion_ids"].shape[1])
+        current, _, _ = plain._get_per_token_logps_and_entropies(plain.model, ids, mask,
+                                                                 inputs["completion_ids"].shape[1])
     noisy = {"old_per_token_logps": current + 0.4 * torch.randn(current.shape, generator=gen)}
     if sampler:
         noisy["sampling_per_token_logps"] = current + 0.4 * torch.randn(current.shape, generator=gen)
     return {**inputs, **noisy}
 
 
-@pytest.mark.parametrize("data", ["on-policy", "off-policy", "off-policy-masked", "off-policy-masked-sampler"])
-@pytest.mark.parametrize("entropy_quantile", [1.0, 0.4], ids=["all-tokens", "entropy-mask"])
-@pytest.mark.parametrize("kl", list(KL))
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_the_loss_matrix_equals_plain_trl(pair, level, kl, entropy_quantile, data):
+LEVELS = ["token", "sequence"]
+ENTROPY_QUANTILES = {"all-tokens": 1.0, "entropy-mask": 0.4}
+DATA = ["on-policy", "off-policy", "off-policy-masked", "off-policy-masked-sampler"]
+# (level, KL, entropy quantile, data): every pair of two settings' values meets in some case (the
+# 12 cases cover all pairs of the 48 combinations); each case runs every loss type.
+MATRIX = [(LEVELS[(d + k) % 2], list(KL)[k], list(ENTROPY_QUANTILES)[(d // 2 + k) % 2], DATA[d])
+          for d in range(len(DATA)) for k in range(len(KL))]
+
+
+def test_the_loss_matrix_meets_every_pair_of_settings():
+    axes = [LEVELS, list(KL), list(ENTROPY_QUANTILES), DATA]
+    for i, j in itertools.combinations(range(len(axes)), 2):
+        assert {(case[i], case[j]) for case in MATRIX} == set(itertools.product(axes[i], axes[j])), (i, j)
+
+
+@pytest.mark.parametrize(("level", "kl", "entropy", "data"), MATRIX, ids=["-".join(case) for case in MATRIX])
+def test_the_loss_matrix_equals_plain_trl(pair, level, kl, entropy, data):
     """Every TRL 1.16 loss type x importance-sampling level x KL (off / on / bias-corrected) x
     two-sided clipping x entropy masking, on-policy and off-policy (with and without TRL's
-    off-policy mask): the loss and gradients of one micro-batch through Arctic equal plain TRL's on
-    the same prepared batch (fp32)."""
+    off-policy mask), every pair of those settings together: the loss and gradients of one
+    micro-batch through Arctic equal plain TRL's on the same prepared batch (fp32)."""
+    entropy_quantile = ENTROPY_QUANTILES[entropy]
     plain, inputs, arctic = pair
     if data != "on-policy":
         inputs = off_policy(plain, inputs, sampler=data.endswith("sampler"))
@@ -343,7 +358,8 @@ def trl_vllm_importance_sampling(plain, inputs: dict) -> dict:
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         with torch.no_grad():
-            old, _, _ = plain._get_per_token_logps_and_entropies(plain.model, ids, mask, inputs["completion_ids"].shape[1])
+            old, _, _ = plain._get_per_token_logps_and_entropies(plain.model, ids, mask,
+                                                                 inputs["completion_ids"].shape[1])
     args = plain.args
     diff = torch.nan_to_num((old - inputs["sampling_per_token_logps"]) * inputs["completion_mask"], nan=0.0)
     if args.vllm_importance_sampling_mode.startswith("sequence"):
@@ -396,12 +412,15 @@ def assert_sampling_metrics_equal(plain, prepared: dict, arctic, metrics: dict, 
     delta = (prepared["old_per_token_logps"] - prepared["sampling_per_token_logps"]).abs()[mask]
     ratio = prepared["importance_sampling_ratio"]
     ratio = ratio.flatten() if ratio.shape[1] == 1 else ratio[mask]
-    expected = {"sampling/sampling_logp_difference/mean": delta.mean(), "sampling/sampling_logp_difference/max": delta.max(),
-                "sampling/importance_sampling_ratio/min": ratio.min(), "sampling/importance_sampling_ratio/mean": ratio.mean(),
+    expected = {"sampling/sampling_logp_difference/mean": delta.mean(),
+                "sampling/sampling_logp_difference/max": delta.max(),
+                "sampling/importance_sampling_ratio/min": ratio.min(),
+                "sampling/importance_sampling_ratio/mean": ratio.mean(),
                 "sampling/importance_sampling_ratio/max": ratio.max()}
     before = metric_counts(arctic)
     arctic._record_as_trl(metrics)
-    ours = {k: v[-1] for k, v in arctic._metrics["train"].items() if k.startswith("sampling/") and len(v) > before.get(k, 0)}
+    ours = {k: v[-1] for k, v in arctic._metrics["train"].items()
+            if k.startswith("sampling/") and len(v) > before.get(k, 0)}
     assert ours.keys() == expected.keys(), case
     for name, value in expected.items():
         assert ours[name] == pytest.approx(float(value), abs=1e-5), (case, name)
@@ -504,7 +523,8 @@ def test_trls_training_settings_reach_the_backend(policy, tmp_path):
     trainer.train()
     assert server.step_count == 4 and len(calls) == 1  # one generation serves 2 steps x 2 iterations
     prompts, params = calls[0]
-    assert all(p[:1] == [trainer.processing_class.convert_tokens_to_ids("<|im_start|>")] for p in prompts)  # chat template
+    assert all(p[:1] == [trainer.processing_class.convert_tokens_to_ids("<|im_start|>")]
+               for p in prompts)  # chat template
     assert {k: params[k] for k in ("top_p", "top_k", "min_p", "repetition_penalty", "temperature")} == \
         {"top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "temperature": 0.9}
     optimizer = server.config.trainer.optimizer
@@ -583,7 +603,7 @@ def test_trls_vllm_settings_become_the_samplers_options(tmp_path):
     trainer) leave the sampler's, arctic= options win, and server mode reads none of them (as TRL)."""
     from arctic_core.config import validate_options
     from arctic_fca.engine import EngineOptions
-    from arctic_fca.vllm_sampler import VllmOptions
+    from arctic_fca.vllm.sampler import VllmOptions
 
     def built(overrides=None, **settings) -> ArcticConfig:
         return ArcticConfig.from_dict(arctic_config("m", grpo_args(tmp_path, use_vllm=True, **settings), overrides))
@@ -627,7 +647,8 @@ def test_vllm_settings_arctics_samplers_cannot_honour_are_refused_by_name(policy
 
 def test_a_hub_model_id_is_fetched_into_the_hub_cache_for_the_backend(hub_cache, tmp_path):
     assert _model_folder("arctic-test/tiny-policy") == str(hub_cache)
-    with pytest.raises(ValueError, match="GRPOTrainer's model: nothing is at 'arctic-test/absent' here, and fetching it"):
+    with pytest.raises(ValueError, match="GRPOTrainer's model: nothing is at 'arctic-test/absent' here, "
+                                         "and fetching it"):
         GRPOTrainer(model="arctic-test/absent", reward_funcs=variety_reward, args=grpo_args(tmp_path),
                     train_dataset=DATASET)
 
@@ -758,8 +779,8 @@ def test_a_model_with_dropout_needs_trls_disable_dropout(policy, tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
     with pytest.raises(ValueError, match=r"dropout \{'attention_dropout': 0.1\}.*set disable_dropout=True"):
         GRPOTrainer(model=str(folder), reward_funcs=variety_reward, args=grpo_args(tmp_path), train_dataset=DATASET)
-    trainer = GRPOTrainer(model=str(folder), reward_funcs=variety_reward, args=grpo_args(tmp_path, disable_dropout=True),
-                          train_dataset=DATASET)
+    trainer = GRPOTrainer(model=str(folder), reward_funcs=variety_reward,
+                          args=grpo_args(tmp_path, disable_dropout=True), train_dataset=DATASET)
     trainer.arctic.close()
 
 
@@ -815,7 +836,8 @@ def test_a_nan_loss_is_logged_as_the_trainers_filter_says(policy, tmp_path, nan_
     trainer.arctic.close()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and losses[0] != 0.0
-    assert logged == ([pytest.approx(2 * losses[0], abs=1e-4)] if nan_filter else [pytest.approx(float("nan"), nan_ok=True)])
+    assert logged == ([pytest.approx(2 * losses[0], abs=1e-4)] if nan_filter
+                      else [pytest.approx(float("nan"), nan_ok=True)])
 
 
 def test_micro_batches_keep_prompt_groups_together_with_the_same_gradient(policy, tmp_path):

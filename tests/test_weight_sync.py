@@ -100,7 +100,8 @@ def test_a_torn_version_is_refused_before_any_tensor_is_read(tmp_path):
     manifest = json.loads((tmp_path / MANIFEST).read_text())
     assert len(manifest["files"]) == 4
     (tmp_path / manifest["files"][2]["path"]).unlink()
-    with pytest.raises(WeightFilesError, match=r"torn weight sync: version 5 names .*00002\.safetensors, which is missing"):
+    with pytest.raises(WeightFilesError,
+                       match=r"torn weight sync: version 5 names .*00002\.safetensors, which is missing"):
         load_weight_files(tmp_path)
 
 
@@ -127,7 +128,8 @@ def test_old_versions_are_pruned_and_the_previous_one_kept(tmp_path):
 WORKER = textwrap.dedent("""
     import sys, torch
     from safetensors.torch import save_file
-    from arctic_core.weights.broadcast import WeightGroup, broadcast_weights, plan_broadcast, receive_broadcast, share_plan
+    from arctic_core.weights.broadcast import (WeightGroup, broadcast_weights, plan_broadcast, receive_broadcast,
+                                               share_plan)
 
     rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     group = WeightGroup.join("127.0.0.1", port, rank, 2, "gloo")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from arctic_core.serving import wire
+from arctic_core import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.errors import BatchError, RequestError
 from helpers import batch_tensors, wire_body
@@ -49,7 +49,8 @@ def samples() -> dict[str, tuple[Message, Result]]:
     status = StatusResult(policy_version=2, step=5, info={"config": {"a": [1, 2]}}, metrics={"seconds": 0.5})
     return {
         "generate": (
-            GenerateRequest(prompts=[[1, 2], [3]], params={"n": 4, "temperature": 0.7, "stop_token_ids": [2], "seed": 9}),
+            GenerateRequest(prompts=[[1, 2], [3]],
+                            params={"n": 4, "temperature": 0.7, "stop_token_ids": [2], "seed": 9}),
             GenerateResult(batch=batch, metrics={"generated_tokens": 5.0, "seconds": 0.1}),
         ),
         "log_probs": (
@@ -57,7 +58,8 @@ def samples() -> dict[str, tuple[Message, Result]]:
             LogProbsResult(outputs=outputs, metrics={"tokens": 12.0}),
         ),
         "fwd_bwd": (
-            FwdBwdRequest(batch=batch, loss=[{"name": "ppo", "clip_low": 0.2}, {"name": "kl", "weight": 1e-3}], scale=0.5, max_response_len=7),
+            FwdBwdRequest(batch=batch, loss=[{"name": "ppo", "clip_low": 0.2}, {"name": "kl", "weight": 1e-3}],
+                          scale=0.5, max_response_len=7),
             Result(metrics={"loss": 1.25, "ppo/clipfrac": 0.0}),
         ),
         "step": (StepRequest(lr=1e-4), Result(metrics={"grad_norm": 3.5, "step": 1.0})),
@@ -101,7 +103,8 @@ def test_tensors_travel_as_safetensors_and_the_rest_as_json_metadata():
     data = wire.encode(request)
     header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
     assert header["__metadata__"][wire.MESSAGE_KEY] == "FwdBwdRequest"
-    assert json.loads(header["__metadata__"][wire.JSON_KEY])["loss"][0] == {"name": "ppo", "weight": 1.0, "clip_low": 0.2}
+    loss = json.loads(header["__metadata__"][wire.JSON_KEY])["loss"]
+    assert loss[0] == {"name": "ppo", "weight": 1.0, "clip_low": 0.2}
     names = set(header) - {"__metadata__"}
     assert {"batch.prompt_ids", "batch.advantages", "batch.rewards", "batch.extras.values"} <= names
     assert all(name.startswith("batch.") for name in names)
@@ -130,18 +133,26 @@ def test_non_finite_numbers_travel_as_strict_json():
         (b"\xff" * 64, RequestError, "header length .* is absurd"),
         (b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}", RequestError, "header is not JSON"),
         (b"\x02\x00\x00\x00\x00\x00\x00\x00{}", RequestError, "has no 'arctic' key"),
-        (wire_body({}, {"prompts": [[1]]}, "FwdBwdRequest"), RequestError, "holds a 'FwdBwdRequest' message but this operation takes a GenerateRequest"),
-        (wire_body({}, {"prompts": [["a"]]}, "GenerateRequest"), RequestError, "prompts.0.0: Input should be a valid integer"),
+        (wire_body({}, {"prompts": [[1]]}, "FwdBwdRequest"), RequestError,
+         "holds a 'FwdBwdRequest' message but this operation takes a GenerateRequest"),
+        (wire_body({}, {"prompts": [["a"]]}, "GenerateRequest"), RequestError,
+         "prompts.0.0: Input should be a valid integer"),
         # Token ids are strict ints: lax ones would take true as 1, "2" and 2.0 as 2.
-        (wire_body({}, {"prompts": [[1, True]]}, "GenerateRequest"), RequestError, "prompts.0.1: Input should be a valid integer"),
-        (wire_body({}, {"prompts": [[1], ["2"]]}, "GenerateRequest"), RequestError, "prompts.1.0: Input should be a valid integer"),
-        (wire_body({}, {"prompts": [[2.0]]}, "GenerateRequest"), RequestError, "prompts.0.0: Input should be a valid integer"),
-        (wire_body({}, {"prompts": [[-1]]}, "GenerateRequest"), RequestError, "prompts.0.0: Input should be greater than or equal to 0"),
+        (wire_body({}, {"prompts": [[1, True]]}, "GenerateRequest"), RequestError,
+         "prompts.0.1: Input should be a valid integer"),
+        (wire_body({}, {"prompts": [[1], ["2"]]}, "GenerateRequest"), RequestError,
+         "prompts.1.0: Input should be a valid integer"),
+        (wire_body({}, {"prompts": [[2.0]]}, "GenerateRequest"), RequestError,
+         "prompts.0.0: Input should be a valid integer"),
+        (wire_body({}, {"prompts": [[-1]]}, "GenerateRequest"), RequestError,
+         "prompts.0.0: Input should be greater than or equal to 0"),
         (wire_body({}, {"prompts": [[1]], "params": {"stop_token_ids": [False]}}, "GenerateRequest"), RequestError,
          "params.stop_token_ids.0: Input should be a valid integer"),
         (wire_body({}, {}, "GenerateRequest"), RequestError, "prompts: Field required"),
-        (wire_body({"batch.prompt_ids": torch.ones(1, 1)}, {"prompts": [[1]]}, "GenerateRequest"), RequestError, "unexpected tensor 'batch.prompt_ids' in a GenerateRequest"),
-        (wire_body({}, {"prompts": [[1]], "parms": {}}, "GenerateRequest"), RequestError, r"parms: unknown key \(did you mean 'params'\?\); valid keys: params, prompts"),
+        (wire_body({"batch.prompt_ids": torch.ones(1, 1)}, {"prompts": [[1]]}, "GenerateRequest"), RequestError,
+         "unexpected tensor 'batch.prompt_ids' in a GenerateRequest"),
+        (wire_body({}, {"prompts": [[1]], "parms": {}}, "GenerateRequest"), RequestError,
+         r"parms: unknown key \(did you mean 'params'\?\); valid keys: params, prompts"),
     ],
 )
 def test_bad_generate_bodies_name_the_problem(data, error, match):
@@ -154,12 +165,18 @@ def test_bad_generate_bodies_name_the_problem(data, error, match):
     [
         (batch_tensors(), {}, RequestError, "loss: Field required"),
         ({}, {"loss": [{"name": "ppo"}]}, RequestError, "batch: Field required"),
-        ({k: v for k, v in batch_tensors().items() if k != "batch.prompt_index"}, {"loss": [{"name": "ppo"}]}, BatchError, r"missing required batch field\(s\) \['prompt_index'\]"),
-        (batch_tensors(response_ids=torch.ones(1, 2)), {"loss": [{"name": "ppo"}]}, BatchError, r"response_ids must hold integers \(int64 or int32\), got dtype torch.float32"),
-        (batch_tensors(advantages=torch.ones(1, 5)), {"loss": [{"name": "ppo"}]}, BatchError, r"advantages must be \[B\] or \[B, Lr\]"),
-        (batch_tensors(old_logprobs=torch.ones(1, 2, dtype=torch.int64)), {"loss": [{"name": "ppo"}]}, BatchError, "old_logprobs must be a float16, bfloat16, float32 or float64 tensor"),
-        ({**batch_tensors(), "batch.bogus": torch.ones(1)}, {"loss": [{"name": "ppo"}]}, BatchError, r"unknown batch field\(s\) \['bogus'\]"),
-        (batch_tensors(), {"loss": [{"name": "ppo"}], "batch": {}}, RequestError, r"field\(s\) \['batch'\] .* must travel as tensors"),
+        ({k: v for k, v in batch_tensors().items() if k != "batch.prompt_index"}, {"loss": [{"name": "ppo"}]},
+         BatchError, r"missing required batch field\(s\) \['prompt_index'\]"),
+        (batch_tensors(response_ids=torch.ones(1, 2)), {"loss": [{"name": "ppo"}]}, BatchError,
+         r"response_ids must hold integers \(int64 or int32\), got dtype torch.float32"),
+        (batch_tensors(advantages=torch.ones(1, 5)), {"loss": [{"name": "ppo"}]}, BatchError,
+         r"advantages must be \[B\] or \[B, Lr\]"),
+        (batch_tensors(old_logprobs=torch.ones(1, 2, dtype=torch.int64)), {"loss": [{"name": "ppo"}]}, BatchError,
+         "old_logprobs must be a float16, bfloat16, float32 or float64 tensor"),
+        ({**batch_tensors(), "batch.bogus": torch.ones(1)}, {"loss": [{"name": "ppo"}]}, BatchError,
+         r"unknown batch field\(s\) \['bogus'\]"),
+        (batch_tensors(), {"loss": [{"name": "ppo"}], "batch": {}}, RequestError,
+         r"field\(s\) \['batch'\] .* must travel as tensors"),
     ],
 )
 def test_bad_fwd_bwd_bodies_name_the_problem(tensors, fields, error, match):
@@ -170,7 +187,8 @@ def test_bad_fwd_bwd_bodies_name_the_problem(tensors, fields, error, match):
 def test_json_nested_deeper_than_the_parser_recurses_is_a_malformed_body():
     deep = "[" * 100_000 + "]" * 100_000
     header = deep.encode()
-    with pytest.raises(RequestError, match="malformed body: the safetensors header nests JSON arrays or objects too deeply"):
+    with pytest.raises(RequestError,
+                       match="malformed body: the safetensors header nests JSON arrays or objects too deeply"):
         wire.decode_request("generate", len(header).to_bytes(8, "little") + header)
     body = st_save({}, metadata={wire.JSON_KEY: deep, wire.MESSAGE_KEY: "GenerateRequest"})
     with pytest.raises(RequestError, match="malformed body: the 'arctic' metadata of the GenerateRequest nests JSON"):

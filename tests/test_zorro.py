@@ -47,7 +47,7 @@ def test_forest_stores_each_prefix_once_and_encodes_ancestry(make):
     distinct_prefixes = {tuple(s[: i + 1].tolist()) for s in sequences for i in range(len(s))}
     assert forest.num_nodes == len(distinct_prefixes) == batch.packed_tokens()  # the metric fwd_bwd reports
     assert forest.naive_tokens == batch.total_tokens()
-    for seq, path in zip(sequences, forest.row_paths):
+    for seq, path in zip(sequences, forest.row_paths, strict=True):
         assert torch.equal(forest.input_ids[path], seq)
         assert torch.equal(forest.position_ids[path], torch.arange(len(seq)))
     assert torch.equal(forest.dense_mask(), brute_force_visible(forest))
@@ -65,7 +65,7 @@ def test_response_gather_points_at_the_predicting_token():
     batch = forest_batch()
     forest = build_forest(batch)
     rows, cols, nodes = response_gather_index(forest, batch)
-    for r, c, node in zip(rows.tolist(), cols.tolist(), nodes.tolist()):
+    for r, c, node in zip(rows.tolist(), cols.tolist(), nodes.tolist(), strict=True):
         prefix = batch.prompt(r) + batch.response(r)[:c]
         assert int(forest.position_ids[node]) == len(prefix) - 1
         assert int(forest.input_ids[node]) == prefix[-1]
@@ -80,7 +80,8 @@ def random_forest_batch(seed: int) -> RolloutBatch:
         own = torch.randint(3, 50, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
         prompts.append(system + own)
         for _ in range(int(torch.randint(1, 9, (1,), generator=gen))):
-            responses.append(torch.randint(3, 50, (int(torch.randint(0, 25, (1,), generator=gen)),), generator=gen).tolist())
+            length = int(torch.randint(0, 25, (1,), generator=gen))
+            responses.append(torch.randint(3, 50, (length,), generator=gen).tolist())
             index.append(group)
     return RolloutBatch.from_lists(prompts, responses, index)
 
@@ -94,7 +95,8 @@ def block_mask_semantics(mask) -> torch.Tensor:
     block_q, block_k = mask.BLOCK_SIZE
     blocks = -(-size // block_q)
     kinds = torch.zeros(blocks, -(-size // block_k), dtype=torch.int8)
-    for num, index, kind in ((mask.kv_num_blocks, mask.kv_indices, 1), (mask.full_kv_num_blocks, mask.full_kv_indices, 2)):
+    for num, index, kind in ((mask.kv_num_blocks, mask.kv_indices, 1),
+                             (mask.full_kv_num_blocks, mask.full_kv_indices, 2)):
         for row in range(blocks):
             kinds[row, index[0, 0, row, : num[0, 0, row]].long()] = kind
     per_pair = kinds.repeat_interleave(block_q, 0).repeat_interleave(block_k, 1)[:size, :size]
@@ -134,7 +136,12 @@ def test_flex_attention_on_padded_blocks_equals_the_dense_forest_mask(monkeypatc
     from torch.nn.attention.flex_attention import flex_attention
 
     kernels, calls = FlexKernels(), []
-    kernels.fixed_shape = kernels.any_shape = lambda *args, **kwargs: calls.append(args) or flex_attention(*args, **kwargs)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return flex_attention(*args, **kwargs)
+
+    kernels.fixed_shape = kernels.any_shape = counted
     monkeypatch.setattr(forest_attention, "flex_kernels", lambda: kernels)
     forest = build_forest(random_forest_batch(seed))
     gen = torch.Generator().manual_seed(seed)
@@ -201,7 +208,7 @@ def test_packed_forward_is_exact(tokenizer, family, make):
         torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=0, msg=f"{family} {name}")
     logprob_loss(expected, batch).backward()
     logprob_loss(got, batch).backward()
-    for (name, p), q in zip(plain.named_parameters(), packed.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), packed.parameters(), strict=True):
         assert p.grad is not None and q.grad is not None, name
         assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm(), f"{family} {name}"
 
@@ -222,7 +229,7 @@ def test_the_head_keeps_its_logits_for_the_backward_only_where_the_free_memory_h
     for budget in (fits, fits - 1):
         monkeypatch.setattr(packed_forward, "activation_budget", lambda device, b=budget: b)
         calls = []
-        handle = head.register_forward_hook(lambda module, args, out: calls.append(out.shape[0]))
+        handle = head.register_forward_hook(lambda module, args, out, calls=calls: calls.append(out.shape[0]))
         packed.zero_grad(set_to_none=True)
         outputs = select_forward(packed, ZorroOptions(head_chunk_tokens=chunk))(packed, batch, processors)
         logprob_loss(outputs, batch).backward()
@@ -240,6 +247,7 @@ def test_the_head_keeps_its_logits_for_the_backward_only_where_the_free_memory_h
         torch.testing.assert_close(grad, recomputed_grads[name], atol=1e-7, rtol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_norms_activations_and_rotary_are_exact_for_every_family(tokenizer, family):
     """``compile_elementwise`` (RMSNorms, SiLU x up and the rotary embedding compiled) under the
@@ -255,7 +263,7 @@ def test_compiled_norms_activations_and_rotary_are_exact_for_every_family(tokeni
         torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=0, msg=f"{family} {name}")
     logprob_loss(expected, batch).backward()
     logprob_loss(got, batch).backward()
-    for (name, p), q in zip(plain.named_parameters(), packed.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), packed.parameters(), strict=True):
         assert (q.grad - p.grad).norm() <= 1e-4 * p.grad.norm(), f"{family} {name}"
 
 
@@ -279,6 +287,7 @@ assert all(t.transpose(1, 2).is_contiguous() for t in results[0][:2])  # written
 """
 
 
+@pytest.mark.slow
 def test_the_rotary_kernel_is_transformers_rotary_forward_and_backward():
     """The training rotary kernel (Triton; here through Triton's interpreter on the CPU, in fp32)
     gives transformers' expression bit for bit forward and backward, on q/k that arrive as
@@ -297,11 +306,13 @@ def test_sliding_window_is_applied_on_positions(tokenizer):
     processors = {"logprobs": LogProbs()}
     expected = response_outputs(plain, batch, processors)["logprobs"]
     assert (packed_response_outputs(unwindowed, batch, processors)["logprobs"] - expected).abs().max() > 1e-3
-    torch.testing.assert_close(packed_response_outputs(packed, batch, processors)["logprobs"], expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed_response_outputs(packed, batch, processors)["logprobs"], expected,
+                               atol=1e-5, rtol=0)
 
 
 def test_models_it_cannot_run_exactly_are_refused(tokenizer):
-    model = build_tiny_model(tokenizer, "gemma2", attn_implementation="eager", head_dim=32, final_logit_softcapping=30.0)
+    model = build_tiny_model(tokenizer, "gemma2", attn_implementation="eager", head_dim=32,
+                             final_logit_softcapping=30.0)
     with pytest.raises(ConfigError, match="zorro cannot run gemma2 exactly .*soft-capping.*enable: false"):
         check_supported(model)
 

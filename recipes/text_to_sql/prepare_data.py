@@ -30,7 +30,7 @@ ENV_CLASS = "text_to_sql"  # SkyRL's environment for these rows: recipes.skyrl_e
 INSTRUCTION = "Write one SQLite query that answers the question. Put it in a ```sql code block."
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def schema(db_path: str) -> str:
     """The database's CREATE statements, read through the sandbox."""
     result = execute(db_path, "SELECT sql FROM sqlite_master WHERE sql IS NOT NULL AND type IN ('table', 'view')")

@@ -18,7 +18,8 @@ def arithmetic_records(count: int, seed: int = 0, answer: int | None = None) -> 
         result = OPERATIONS[op](a, b)
         if answer is not None and result != answer:
             continue
-        records.append({"question": f"What is {a} {op} {b}?", "answer": f"{a} {op} {b} = <<{a}{op}{b}={result}>>{result}\n#### {result}"})
+        records.append({"question": f"What is {a} {op} {b}?",
+                        "answer": f"{a} {op} {b} = <<{a}{op}{b}={result}>>{result}\n#### {result}"})
     return records
 
 

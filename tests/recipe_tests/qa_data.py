@@ -10,7 +10,8 @@ def paragraph(rng: random.Random, title: str, fact: str = "", words: tuple[int, 
     return " ".join(words[:10]) + (f" {fact} " if fact else " ") + " ".join(words[10:]) + "."
 
 
-def hotpot_records(count: int, seed: int = 0, answer: str | None = None, words: tuple[int, int] = (20, 40)) -> list[dict]:
+def hotpot_records(count: int, seed: int = 0, answer: str | None = None,
+                   words: tuple[int, int] = (20, 40)) -> list[dict]:
     """Two-hop questions: "Where was the director of <film> born?" over two supporting documents
     and eight distractors of ``words`` words (``answer``: the same answer for every question)."""
     rng, records = random.Random(seed), []
@@ -29,8 +30,8 @@ def hotpot_records(count: int, seed: int = 0, answer: str | None = None, words: 
 def musique_records(count: int, seed: int = 0) -> list[dict]:
     rng, records = random.Random(seed), []
     for i in range(count):
-        paragraphs = [{"idx": 0, "title": f"Band{i}", "paragraph_text": paragraph(rng, "", f"Band{i} was formed by Ann{i}."),
-                       "is_supporting": True},
+        paragraphs = [{"idx": 0, "title": f"Band{i}",
+                       "paragraph_text": paragraph(rng, "", f"Band{i} was formed by Ann{i}."), "is_supporting": True},
                       {"idx": 1, "title": f"Ann{i}", "paragraph_text": paragraph(rng, "", f"Ann{i} plays the violin."),
                        "is_supporting": True}]
         paragraphs += [{"idx": 2 + j, "title": f"Noise{i}_{j}", "paragraph_text": paragraph(rng, ""),

@@ -143,7 +143,8 @@ def test_the_gsm8k_reward_rises_on_a_learnable_task(tiny_policy, tmp_path):
     prepare_data.main(["--source", str(source), "--out", str(tmp_path / "data")])
     trainer = train_trl.main(["--model", str(tiny_policy), "--data", str(tmp_path / "data"), "--out",
                               str(tmp_path / "run"), "--config", cpu_config(tmp_path, steps=16, learning_rate=3e-3),
-                              "--set", "trl.per_device_train_batch_size=16", "--set", "trl.gradient_accumulation_steps=1"])
+                              "--set", "trl.per_device_train_batch_size=16",
+                              "--set", "trl.gradient_accumulation_steps=1"])
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.1, rewards
 
@@ -154,5 +155,6 @@ def test_an_override_outside_the_configs_sections_is_refused(tmp_path):
     config.write_text(yaml.safe_dump({"trl": {"max_steps": 5}, "arctic": {}}))
     assert train_trl.load_config(config, ["trl.max_steps=2"])["trl"]["max_steps"] == 2
     for item in ("max_steps=2", "trainer.max_steps=2"):
-        with pytest.raises(SystemExit, match=r"the key must start with one of the config's sections \(arctic\., trl\.\)"):
+        with pytest.raises(SystemExit,
+                           match=r"the key must start with one of the config's sections \(arctic\., trl\.\)"):
             train_trl.load_config(config, [item])

@@ -56,7 +56,8 @@ def count_words(text: str) -> int:
 @pytest.mark.parametrize("fmt", ["hotpotqa", "musique"])
 def test_prepare_packs_supporting_paragraphs_and_distractors_to_the_target(tmp_path, fmt):
     records = hotpot_records(6) if fmt == "hotpotqa" else musique_records(6)
-    broken = [{"question": "Q?", "answer": ""}, {"question": "Q?", "answer": "x", "paragraphs": [], "answerable": False},
+    broken = [{"question": "Q?", "answer": ""},
+              {"question": "Q?", "answer": "x", "paragraphs": [], "answerable": False},
               {"question": "Q?", "answer": "x", "context": [["T", ["text"]]], "supporting_facts": []}, 7]
     if fmt == "hotpotqa":
         source = tmp_path / "hotpot.json"
@@ -65,7 +66,8 @@ def test_prepare_packs_supporting_paragraphs_and_distractors_to_the_target(tmp_p
         source = tmp_path / "musique.jsonl"
         source.write_text("\n".join(json.dumps(r) for r in records + broken) + "\n")
     target = 600  # the question's own paragraphs and some of other questions'
-    report = prepare_data.main(["--records", str(source), "--target-tokens", str(target), "--out", str(tmp_path / "out")])
+    report = prepare_data.main(["--records", str(source), "--target-tokens", str(target),
+                                "--out", str(tmp_path / "out")])
     assert report.kept == 6
     assert report.rejected == {"missing answer": 1, "unanswerable": 1, "no supporting paragraph": 1,
                                "not a JSON object": 1}

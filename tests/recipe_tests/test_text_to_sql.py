@@ -103,6 +103,7 @@ ADVERSARIAL = [
 ]
 
 
+@pytest.mark.slow
 def test_adversarial_queries_score_zero_and_leave_the_database_alone(database, monkeypatch):
     monkeypatch.setattr(sql_reward, "TIME_LIMIT_S", 1.0)
     before = digest(database)
@@ -309,7 +310,8 @@ def sft_on_the_answer_format(policy, out, prompts: list[list[dict]], steps: int 
         for prompt in rng.sample(prompts, 4):
             text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
             head = tokenizer(text, add_special_tokens=False)["input_ids"]
-            answer = tokenizer(f"SELECT {rng.randrange(10)}{tokenizer.eos_token}", add_special_tokens=False)["input_ids"]
+            answer = tokenizer(f"SELECT {rng.randrange(10)}{tokenizer.eos_token}",
+                               add_special_tokens=False)["input_ids"]
             batch.append((head, answer))
         loss = 0.0
         for head, answer in batch:

@@ -17,7 +17,8 @@ from arctic_fca.fca.device_work import DeviceWorkBuilder
 ALWAYS_FCA = CostConstants(per_call_overhead_s=0.0, per_node_overhead_s=0.0, min_speedup=0.0)
 
 
-def builder_for(batch: dict, rows: int | None = None, costs: CostConstants = ALWAYS_FCA, **overrides) -> DeviceWorkBuilder:
+def builder_for(batch: dict, rows: int | None = None, costs: CostConstants = ALWAYS_FCA,
+                **overrides) -> DeviceWorkBuilder:
     query, key_cache = batch["query"], batch["key_cache"]
     settings = dict(num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2], head_dim=query.shape[2],
                     kv_dtype=key_cache.dtype, device="cpu", costs=costs, num_sms=2)
@@ -42,7 +43,8 @@ def execute(work, query, key_cache, value_cache, scale: float) -> torch.Tensor:
                 1, num_kv_heads, q_count * group, -1)
             out, item_lse = attention_with_lse(q, k, v, scale)
             rows = slice(out_row, out_row + q_count)
-            partial[rows] = out[0].reshape(num_kv_heads, q_count, group, -1).permute(1, 0, 2, 3).reshape(q_count, num_q_heads, -1)
+            partial[rows] = out[0].reshape(num_kv_heads, q_count, group, -1).permute(1, 0, 2, 3).reshape(
+                q_count, num_q_heads, -1)
             lse[rows] = item_lse[0].reshape(num_kv_heads, q_count, group).permute(1, 0, 2).reshape(q_count, num_q_heads)
     num_requests = query.shape[0]
     row_request = torch.full((partial.shape[0],), -1)
@@ -64,9 +66,10 @@ def assert_decodes_exactly(work, query, key_cache, value_cache, tables, lens) ->
 def same_work(a, b, requests: int) -> bool:
     """Whether two builds wrote the same items and merge for ``requests`` rows."""
     total = int(a.merge_indptr[requests])
-    return all(int(x.count) == int(y.count) and torch.equal(x.items[:, : int(x.count)], y.items[:, : int(y.count)])
-               for x, y in ((a.node, b.node), (a.single, b.single))) and torch.equal(
-        a.merge_indptr[: requests + 1], b.merge_indptr[: requests + 1]) and torch.equal(a.merge_rows[:total], b.merge_rows[:total])
+    return (all(int(x.count) == int(y.count) and torch.equal(x.items[:, : int(x.count)], y.items[:, : int(y.count)])
+                for x, y in ((a.node, b.node), (a.single, b.single)))
+            and torch.equal(a.merge_indptr[: requests + 1], b.merge_indptr[: requests + 1])
+            and torch.equal(a.merge_rows[:total], b.merge_rows[:total]))
 
 
 def forest_of_plan(plan) -> set:
@@ -81,7 +84,8 @@ def forest_of_builder(builder: DeviceWorkBuilder, tables: torch.Tensor, lens: to
     for n in range(int(forest.num_nodes)):
         row, col, length = int(forest.node_row[n]), int(forest.node_col[n]), int(forest.node_len[n])
         start, size = int(forest.node_q_start[n]), int(forest.node_size[n])
-        nodes.add((tuple(tables[row, col : col + length].tolist()), tuple(forest.pair_request[start : start + size].tolist())))
+        nodes.add((tuple(tables[row, col : col + length].tolist()),
+                   tuple(forest.pair_request[start : start + size].tolist())))
     return nodes
 
 
@@ -245,7 +249,8 @@ def test_the_cost_model_and_the_pair_capacity_can_choose_plain(monkeypatch):
     default_costs = builder_for(batch, costs=CostConstants())
     default_costs.build(tables, lens)
     assert not bool(default_costs.used_fca)  # one block shared by two: the fixed costs outweigh it
-    deep = make_batch({"a": 1, "b": 1, "c": 1, "d": 1, "e": 1}, [(("a", "b", "c", "d", "e"), 2)] * 2 + [(("a", "b", "c", "d"), 2)]
+    deep = make_batch({"a": 1, "b": 1, "c": 1, "d": 1, "e": 1},
+                      [(("a", "b", "c", "d", "e"), 2)] * 2 + [(("a", "b", "c", "d"), 2)]
                       + [(("a", "b", "c"), 2), (("a", "b"), 2), (("a",), 2)], 16, seed=0)
     builder = builder_for(deep)
     builder.build(deep["block_tables"], deep["seq_lens"])
@@ -286,7 +291,7 @@ def test_a_new_key_a_plain_step_or_the_refresh_count_brings_back_the_full_search
     builder = builder_for(batch)
     kinds = []
     for lens, key, shared in zip(steps, ["a", "a", "b", "b", "b", "b", "b", "b", "b"],
-                                 [True, True, True, True, False, True, True, True, True]):
+                                 [True, True, True, True, False, True, True, True, True], strict=True):
         before = dict(builder.builds)
         builder.build(tables, lens, shared=shared, forest_key=key)
         kinds += [kind for kind in before if builder.builds[kind] > before[kind]]

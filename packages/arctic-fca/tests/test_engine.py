@@ -356,7 +356,8 @@ def test_prefill_passes_are_queued_before_the_samples_of_the_one_before_are_read
 
     vocab = len(tokenizer)
     system = random_prompts((20,), vocab, seed=7)[0]
-    prompts = [system + tail for tail in random_prompts((9, 14), vocab, seed=8)] + random_prompts((18, 30, 12, 25), vocab)
+    prompts = ([system + tail for tail in random_prompts((9, 14), vocab, seed=8)]
+               + random_prompts((18, 30, 12, 25), vocab))
     params = SamplingParams(n=3, temperature=1.0, max_tokens=10, ignore_eos=True, seed=2)
     events, read = [], engine_module.TokensInFlight.read
     monkeypatch.setattr(engine_module.TokensInFlight, "read", lambda self: events.append("read") or read(self))
@@ -364,7 +365,7 @@ def test_prefill_passes_are_queued_before_the_samples_of_the_one_before_are_read
     for overlap in (True, False):
         engine, _ = make_engine(tokenizer, max_num_seqs=64, max_prefill_tokens=40, overlap_steps=overlap)
         prefill = engine.runner.prefill
-        engine.runner.prefill = lambda *args, **kwargs: events.append("pass") or prefill(*args, **kwargs)
+        engine.runner.prefill = lambda *args, **kwargs: events.append("pass") or prefill(*args, **kwargs)  # noqa: B023 (called only by this iteration's generate)
         events.clear()
         results[overlap] = [(o.tokens, o.logprobs) for o in engine.generate(prompts, params)]
         passes = events.count("pass")
@@ -561,9 +562,11 @@ def test_models_the_fused_decoder_does_not_take_run_on_transformers_modules(toke
 
 def test_bad_requests_and_unsupported_models_get_clear_errors(tokenizer):
     engine, _ = make_engine(tokenizer, max_num_seqs=4, kv_cache_tokens=64)
-    with pytest.raises(RequestError, match=r"n=8 samples of one prompt exceed the 4 sequences the sampler runs at once \(sampler.max_batch_size"):
+    with pytest.raises(RequestError, match=(r"n=8 samples of one prompt exceed the 4 sequences the sampler runs "
+                                            r"at once \(sampler.max_batch_size")):
         engine.generate([[5, 6]], SamplingParams(n=8))
-    with pytest.raises(RequestError, match=r"prompts\[0\] with n=2 and max_tokens=100 needs 16 KV blocks; the cache has 3"):
+    with pytest.raises(RequestError,
+                       match=r"prompts\[0\] with n=2 and max_tokens=100 needs 16 KV blocks; the cache has 3"):
         engine.generate([[5] * 20], SamplingParams(n=2, max_tokens=100))
     with pytest.raises(RequestError, match=r"prompts\[1\] is empty"):
         engine.generate([[5], []], SamplingParams())
@@ -627,6 +630,7 @@ def test_fused_linear_names_what_it_cannot_take(args, kwargs, message):
         fused_linear(x, weight, **tensors)
 
 
+@pytest.mark.slow
 def test_triton_kernels_and_engine_under_the_interpreter():
     """The GPU kernels' own code, run by Triton's CPU interpreter against the exact torch path."""
     script = Path(__file__).with_name("triton_interpreted.py")
@@ -634,10 +638,11 @@ def test_triton_kernels_and_engine_under_the_interpreter():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["cases"] == 148 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
+    assert result["cases"] == 134 and result["max_abs_diff"] < 1e-5 and result["engine_greedy_matches"]
     assert result["plain_kernel_equals_torch_build"]
     sampling = result["sampling"]
-    assert sampling["logprob_max_abs_diff"] < 1e-5 and sampling["greedy_is_argmax"] and sampling["same_seed_same_tokens"]
+    assert (sampling["logprob_max_abs_diff"] < 1e-5 and sampling["greedy_is_argmax"]
+            and sampling["same_seed_same_tokens"])
     assert sampling["chi_square"] < 31.3 and sampling["dominant_token_wins"], sampling
     assert sampling["filters_keep_what_the_sort_keeps"] and sampling["filtered_logprob_max_abs_diff"] < 1e-5, sampling
     assert sampling["filtered_draws_outside"] == 0 and sampling["filtered_chi_square"] < 10.8, sampling

@@ -108,7 +108,8 @@ def sdpa_oracle(batch: dict, scale: float) -> torch.Tensor:
 
 def test_plan_depth_three_forest():
     batch = make_batch({"sys": 2, "a": 1, "b": 2},
-                       [(("sys", "a"), 5), (("sys", "a"), 16), (("sys", "a"), 1), (("sys", "b"), 3), (("sys", "b"), 20)],
+                       [(("sys", "a"), 5), (("sys", "a"), 16), (("sys", "a"), 1), (("sys", "b"), 3),
+                        (("sys", "b"), 20)],
                        block_size=16, with_cache=False)
     plan = build_plan(batch["block_tables"], batch["seq_lens"], 16)
     tables = batch["block_tables"]
@@ -306,7 +307,8 @@ def _bad(**changes) -> tuple:
     (lambda b: _bad(query=b["query"].double()), TypeError, "query dtype must be one of"),
     (lambda b: _bad(key_cache=b["key_cache"].half()), TypeError, "key_cache dtype .* differs from query"),
     (lambda b: _bad(value_cache=b["value_cache"][:, :, :1]), ValueError, "value_cache shape"),
-    (lambda b: _bad(query=b["query"][:, :5]), ValueError, r"num_q_heads \(5\) must be a multiple of num_kv_heads \(2\)"),
+    (lambda b: _bad(query=b["query"][:, :5]), ValueError,
+     r"num_q_heads \(5\) must be a multiple of num_kv_heads \(2\)"),
     (lambda b: _bad(query=b["query"][..., :8]), ValueError, "query head_dim 8 != key_cache head_dim 16"),
     (lambda b: _bad(block_tables=b["block_tables"].long()), TypeError, "block_tables must be int32"),
     (lambda b: _bad(seq_lens=b["seq_lens"][:1]), ValueError, "seq_lens has 1 requests but block_tables has 2"),
@@ -328,7 +330,8 @@ def test_a_plan_for_another_batch_is_refused():
     batch = _good_batch()
     other = make_batch({}, [((), 3)] * 3, 16, with_cache=False)
     with pytest.raises(ValueError, match="plan was built for 3 requests"):
-        fca_decode_attention(*attention_args(batch), 0.25, plan=build_plan(other["block_tables"], other["seq_lens"], 16))
+        fca_decode_attention(*attention_args(batch), 0.25,
+                             plan=build_plan(other["block_tables"], other["seq_lens"], 16))
 
 
 def test_a_gpu_with_less_shared_memory_gets_fewer_pipeline_stages(monkeypatch):
@@ -359,52 +362,3 @@ def test_a_gpu_with_less_shared_memory_gets_fewer_pipeline_stages(monkeypatch):
         triton_decode._launch(work.node, work, query, key_cache, value_cache, work.partial, work.lse, 0.25)
     assert work.tuning.node.num_stages == 5 and tried == [5, 4, 3, 3]  # the setting itself stays
 
-
-def test_the_grouped_layout_reads_each_prompt_and_its_samples_own_pages_with_one_tile():
-    """Host-built FCA work with ``own_tokens_in_tiles``: each childless node's pages, then its requests' own pages, form one run
-    read by the node's query tile, each own page owned by its request (the kernels themselves run in
-    ``triton_interpreted.py``); a node with children keeps its node items, in the same launch."""
-    from arctic_fca.fca.tuning import DEFAULT_TUNING
-    from arctic_fca.fca.work import ALL_VALID, build_work
-
-    batch = make_batch({"a": 2, "b": 1}, [(("a",), 5), (("a",), 20), (("b",), 16), (("b",), 1)], 16, with_cache=False)
-    tables, lens = batch["block_tables"], batch["seq_lens"]
-    plan = build_plan(tables, lens, 16)
-    grouped = DEFAULT_TUNING.replace(own_tokens_in_tiles=True)
-    work = build_work(plan, lens.numpy(), tables.shape[1], 16, group=2, num_kv_heads=2, num_sms=8,
-                      tables=tables.numpy(), tuning=grouped)
-    t = tables.tolist()
-    regions = [t[0][0], t[0][1], t[0][2], t[1][2], t[1][3], t[2][0], t[2][1], t[3][1]]
-    assert work.node is None and work.single.requests_per_tile == 2
-    assert work.node_kv.tolist() == plan.node_kv_indices.tolist() + regions
-    assert work.node_kv_owner.tolist() == [-1] * 3 + [-1, -1, 0, 1, 1, -1, 0, 1]
-    assert work.node_kv_valid.tolist() == [ALL_VALID] * 3 + [ALL_VALID] * 2 + [5, 16, 4, ALL_VALID, 16, 1]
-    assert work.single.q_count.tolist() == [2] * work.single.num_items  # each item: a group's two requests
-    assert work.merge_indptr.tolist()[-1] == work.merge_rows.size <= work.num_partial_rows
-
-    system = make_batch({"s": 2, "a": 1, "b": 1}, [(("s", "a"), 3), (("s", "a"), 4), (("s", "b"), 5), (("s", "b"), 6)],
-                        16, with_cache=False)
-    tables, lens = system["block_tables"], system["seq_lens"]
-    work = build_work(build_plan(tables, lens, 16), lens.numpy(), tables.shape[1], 16, group=2, num_kv_heads=2,
-                      num_sms=8, tables=tables.numpy(), tuning=grouped)
-    assert work.single.requests_per_tile == DEFAULT_TUNING.per_tile(2)
-    assert 4 in work.single.q_count.tolist()  # the system prompt's node items serve all four requests
-
-
-def test_the_grouped_layout_cuts_a_prompt_left_with_one_sample_like_the_groups():
-    """A prompt whose other samples stopped has no node: its last sample reads the whole prompt alone.
-    Its run is cut into pieces of its share of the step's items, as each group's run is, not at a
-    split length sized for the whole step (one long item the launch would wait for)."""
-    from arctic_fca.fca.tuning import DEFAULT_TUNING
-    from arctic_fca.fca.work import build_work
-
-    batch = make_batch({"a": 8, "b": 8}, [(("a",), 5), (("a",), 7), (("b",), 3)], 16, with_cache=False)
-    tables, lens = batch["block_tables"], batch["seq_lens"]
-    work = build_work(build_plan(tables, lens, 16), lens.numpy(), tables.shape[1], 16, group=2, num_kv_heads=2,
-                      num_sms=8, tables=tables.numpy(), tuning=DEFAULT_TUNING.replace(own_tokens_in_tiles=True))
-    # 8 items aimed at (2 per SM x 8 SMs / 2 KV heads) over 291 tokens: each run's share is 4 pieces,
-    # of whole blocks: the group's 160 tokens as 3 + 3 + 3 + 1 blocks, the lone sample's 131 as 3 + 3 +
-    # the last 35 tokens (the step's split length, 256, would have left them one item).
-    lone = work.single.q_start == work.q_index.size - 1
-    assert work.single.kv_len[lone].tolist() == [48, 48, 35]
-    assert work.single.kv_len[work.single.q_count == 2].tolist() == [48, 48, 48, 16]

@@ -1,4 +1,4 @@
-"""FCA's vLLM backend additions (``arctic_fca.vllm_fca``) on stand-in vLLM bases, on the CPU: which
+"""FCA's vLLM backend additions (``arctic_fca.vllm.fca``) on stand-in vLLM bases, on the CPU: which
 batches and layers take the FCA path, and that the path reads vLLM's cache layout and writes
 vLLM's output buffer exactly. (The kernels are replaced by the torch executor of their items from
 ``test_device_work``; the interpreter runs the kernels themselves in ``triton_interpreted.py``.)"""
@@ -15,7 +15,8 @@ import torch
 from test_device_work import ALWAYS_FCA, execute
 from test_fca import attention_args, make_batch, random_forest
 
-from arctic_fca import vllm_fca, vllm_host_tables
+from arctic_fca.vllm import fca as vllm_fca
+from arctic_fca.vllm import host_tables as vllm_host_tables
 from arctic_fca.fca import paged_decode_attention
 from arctic_fca.fca.device_work import DeviceWorkBuilder
 
@@ -103,8 +104,8 @@ def step(monkeypatch):
     padded_lens = torch.zeros(rows, dtype=torch.int32)
     padded_lens[: len(requests)] = lens
     kv_cache = torch.stack([key_cache, value_cache], dim=1)
-    layers = {"layers.0.attn": types.SimpleNamespace(impl=PagedImpl(HEADS, HEAD_DIM, SCALE, KV_HEADS, None, None, "auto"),
-                                                     kv_cache=kv_cache)}
+    layers = {"layers.0.attn": types.SimpleNamespace(
+        impl=PagedImpl(HEADS, HEAD_DIM, SCALE, KV_HEADS, None, None, "auto"), kv_cache=kv_cache)}
     config = types.SimpleNamespace(
         scheduler_config=types.SimpleNamespace(max_num_seqs=rows), compilation_config=types.SimpleNamespace(
             max_cudagraph_capture_size=None, static_forward_context=layers),
@@ -237,7 +238,7 @@ def test_a_runner_of_unknown_shape_gets_nothing_attached(step, caplog):
 
 def test_the_worker_extension_attaches_the_host_tables(step):
     """What the sampler's ``collective_rpc("arctic_fca_attach_host_tables")`` runs in each worker."""
-    from arctic_fca.vllm_worker import ArcticWorkerExtension
+    from arctic_fca.vllm.worker import ArcticWorkerExtension
 
     worker = ArcticWorkerExtension.__new__(ArcticWorkerExtension)  # vLLM mixes it into its worker
     worker.model_runner = v1_runner([step.builder], np.zeros((4, 2), dtype=np.int32), num_reqs=2)
@@ -341,7 +342,7 @@ def test_the_same_requests_as_the_last_step_reuse_its_forest(step):
 
 
 def test_the_worker_extension_reports_how_fcas_batches_went(step):
-    from arctic_fca.vllm_worker import ArcticWorkerExtension
+    from arctic_fca.vllm.worker import ArcticWorkerExtension
 
     worker = ArcticWorkerExtension.__new__(ArcticWorkerExtension)
     worker.model_runner = runner_holding([step.builder, BaseBuilder(None, [], None, "cpu")])
@@ -352,7 +353,8 @@ def test_the_worker_extension_reports_how_fcas_batches_went(step):
 
 
 @pytest.mark.parametrize("base, ours", [("ALWAYS", "UNIFORM_BATCH"), ("UNIFORM_BATCH", "UNIFORM_BATCH"),
-                                        ("UNIFORM_SINGLE_TOKEN_DECODE", "UNIFORM_SINGLE_TOKEN_DECODE"), ("NEVER", "NEVER")])
+                                        ("UNIFORM_SINGLE_TOKEN_DECODE", "UNIFORM_SINGLE_TOKEN_DECODE"),
+                                        ("NEVER", "NEVER")])
 def test_mixed_batches_are_never_replayed_from_a_full_cuda_graph(base, ours, monkeypatch):
     """A mixed batch's split is a host decision per step: vLLM must run such batches piecewise."""
     monkeypatch.setattr(BaseBuilder, "_cudagraph_support", CGSupport[base])

@@ -12,7 +12,7 @@ import pytest
 from arctic_core.config import ModelConfig, SamplerConfig
 from arctic_core.errors import ConfigError, RequestError
 from arctic_core.plugins.registry import default_registry
-from arctic_fca.vllm_plugin import BASE_ENV
+from arctic_fca.vllm.plugin import BASE_ENV
 
 
 def build(options: dict | None = None):
@@ -55,7 +55,8 @@ class RecordingLLM:
         def sample(prompt, index):
             tokens = [prompt["prompt_token_ids"][0] + index + step for step in range(sampling.max_tokens)]
             return types.SimpleNamespace(index=index, token_ids=tokens,
-                                         logprobs=[{t: types.SimpleNamespace(logprob=-0.5 * (i + 1))} for i, t in enumerate(tokens)])
+                                         logprobs=[{t: types.SimpleNamespace(logprob=-0.5 * (i + 1))}
+                                                   for i, t in enumerate(tokens)])
         return [types.SimpleNamespace(outputs=[sample(p, i) for i in reversed(range(sampling.n))]) for p in prompts]
 
 
@@ -113,10 +114,11 @@ def test_prompts_vllm_cannot_take_are_refused_by_name_before_vllm_sees_them(fake
 
 
 def test_the_plugin_names_an_unknown_base_backend(monkeypatch):
-    from arctic_fca import vllm_plugin
+    from arctic_fca.vllm import plugin as vllm_plugin
 
     monkeypatch.setenv(BASE_ENV, "FLASHINFER")
-    with pytest.raises(ValueError, match=r"ARCTIC_FCA_VLLM_BASE='FLASHINFER': FCA extends one of \['FLASH_ATTN', 'TRITON_ATTN'\]"):
+    with pytest.raises(ValueError, match=(r"ARCTIC_FCA_VLLM_BASE='FLASHINFER': "
+                                          r"FCA extends one of \['FLASH_ATTN', 'TRITON_ATTN'\]")):
         vllm_plugin.register()
 
 

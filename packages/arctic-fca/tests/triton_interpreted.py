@@ -1,7 +1,7 @@
 """Run under ``TRITON_INTERPRET=1`` (the CPU test suite starts it as a subprocess): the Triton
-decode kernels against the exact torch path on random forests (FCA's two layouts and plain decode),
-split-K forced, GQA and MHA, the engine decoder's fused kernels against their torch reference, the
-one-pass sampling kernels, and the embedded engine's greedy output with all these kernels against
+decode kernels against the exact torch path on random forests (FCA and plain decode), split-K
+forced, GQA and MHA, the engine decoder's fused kernels against their torch reference, the one-pass
+sampling kernels, and the embedded engine's greedy output with all these kernels against
 transformers ``generate``.
 Prints one JSON line."""
 
@@ -41,9 +41,8 @@ def kernel_cases() -> tuple[float, int]:
             query, key_cache, value_cache, tables, lens = attention_args(batch)
             expected = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.3)
             tuning = TUNING if seed < 2 else PER_LAUNCH_TUNING
-            fca = build_plan(tables, lens, block_size)  # FCA in both layouts, and plain decode
-            for plan, layout in ((fca, tuning), (fca, tuning.replace(own_tokens_in_tiles=True)), (None, tuning)):
-                work = plan_work(plan, tables, lens, block_size, heads[0], heads[1], 24, chunk=chunk, tuning=layout)
+            for plan in (build_plan(tables, lens, block_size), None):
+                work = plan_work(plan, tables, lens, block_size, heads[0], heads[1], 24, chunk=chunk, tuning=tuning)
                 out = triton_decode_attention(query, key_cache, value_cache, work, 0.3)
                 worst = max(worst, max_abs_diff(out, expected))
                 cases += 1
@@ -59,8 +58,8 @@ def static_work_cases() -> tuple[float, int]:
     from arctic_fca.fca.work import build_work
 
     worst, cases = 0.0, 0
-    for layout in ("nodes", "plain", "grouped"):
-        static, with_nodes = None, layout != "plain"
+    for with_nodes in (True, False):
+        static = None
         for seed in (5, 6):
             segments, requests = random_forest(seed, 16)
             batch = make_batch(segments, requests, 16, num_q_heads=4, num_kv_heads=2, head_dim=16, seed=seed)
@@ -72,16 +71,11 @@ def static_work_cases() -> tuple[float, int]:
             lens_padded = np.ones(rows, np.int32)
             lens_padded[:real] = lens.numpy()
             plan = build_plan(torch.from_numpy(padded), torch.from_numpy(lens_padded), 16) if with_nodes else None
-            work = build_work(plan, lens_padded, width, 16, group=2, num_kv_heads=2, num_sms=8, chunk=32,
-                              tuning=TUNING.replace(own_tokens_in_tiles=layout == "grouped"), tables=padded)
-            tile = work.single.requests_per_tile if work.grouped else 0
-            if static is None or static.grouped_tile != tile:
-                static = StaticDecodeWork(rows, 24, 2 * key_cache.shape[0], with_nodes=work.node is not None,
-                                          grouped_tile=tile, num_q_heads=4, num_kv_heads=2, head_dim=16,
-                                          device=torch.device("cpu"), tuning=TUNING)
+            work = build_work(plan, lens_padded, width, 16, group=2, num_kv_heads=2, num_sms=8, chunk=32, tuning=TUNING)
+            if static is None:
+                static = StaticDecodeWork(rows, 24, key_cache.shape[0], with_nodes=with_nodes, num_q_heads=4,
+                                          num_kv_heads=2, head_dim=16, device=torch.device("cpu"), tuning=TUNING)
             assert static.load(work, padded)
-            if static.grouped_tile:  # the tables' entries are every row's to read (a node's pages were there)
-                assert (static.work.kv_owner[: rows * width] == -1).all()
             query_padded = torch.cat([query, torch.zeros(rows - real, *query.shape[1:])])
             out = triton_decode_attention(query_padded, key_cache, value_cache, static.work, 0.3)[:real]
             expected = paged_decode_attention(query, key_cache, value_cache, tables.clamp(min=0), lens, 0.3)
@@ -105,7 +99,7 @@ def device_work_cases() -> tuple[float, int]:
                                     costs=CostConstants(min_speedup=0.0), num_sms=8, chunk_range=(16, 32),
                                     tuning=TUNING)
         # vLLM's layout: [num_blocks, 2, block_size, kv_heads, head_dim], read as strided views, and
-        # the output written into a wider buffer's rows (what arctic_fca.vllm_attention does).
+        # the output written into a wider buffer's rows (what arctic_fca.vllm.attention does).
         kv_cache = torch.stack([key_cache, value_cache], dim=1)
         output = torch.zeros(len(requests) + 2, 4 * 16)
         out = output[: len(requests)].view(len(requests), 4, 16)
@@ -172,7 +166,10 @@ def fused_op_cases() -> tuple[float, int]:
     from arctic_fca.engine.kv_cache import PagedKVCache
 
     gen = torch.Generator().manual_seed(0)
-    rand = lambda *shape: torch.randn(*shape, generator=gen)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
     worst, cases = 0.0, 0
     x, residual, weight = rand(5, 48), rand(5, 48), rand(48)
     for res in (None, residual):
@@ -187,7 +184,8 @@ def fused_op_cases() -> tuple[float, int]:
     for norms in (None, (rand(16), rand(16))):
         caches = [PagedKVCache(1, 4, 8, 2, 16, torch.float32, torch.device("cpu")) for _ in range(2)]
         results = [fused_ops.qk_rope_store(qkv, heads, positions, cos, sin, *(norms or (None, None)), 1e-6, cache, 0,
-                                           slots, triton=triton) for cache, triton in zip(caches, (True, False))]
+                                           slots, triton=triton)
+                   for cache, triton in zip(caches, (True, False), strict=True)]
         worst = max(worst, *(max_abs_diff(g, w) for g, w in zip(*results, strict=True)),
                     max_abs_diff(caches[0].keys[0], caches[1].keys[0]),
                     max_abs_diff(caches[0].values[0], caches[1].values[0]))
@@ -272,7 +270,8 @@ def _sampling_checks(sample_with_temperature) -> dict:
     greedy = temperature == 0
     probs = torch.tensor([0.2, 0.1, 0.05, 0.05, 0.02, 0.03, 0.25, 0.1, 0.04, 0.06, 0.07, 0.03])
     draws = 600
-    drawn, _ = sample_with_temperature(probs.log().repeat(draws, 1), torch.ones(draws), torch.Generator().manual_seed(2))
+    drawn, _ = sample_with_temperature(probs.log().repeat(draws, 1), torch.ones(draws),
+                                       torch.Generator().manual_seed(2))
     counts = torch.bincount(drawn, minlength=12).float()
     # One token e^200 times likelier than the rest, whose race weights flush to 0 (in row 1 after a
     # first block far below it): it must win every draw, with a log-prob of 0.
@@ -281,7 +280,8 @@ def _sampling_checks(sample_with_temperature) -> dict:
     dominant[1, :16] = -300.0
     winners, winner_logprobs = sample_with_temperature(dominant, torch.ones(4), torch.Generator().manual_seed(3))
     return {"logprob_max_abs_diff": max_abs_diff(logprobs, expected),
-            "dominant_token_wins": bool((winners == 120).all()) and max_abs_diff(winner_logprobs, torch.zeros(4)) < 1e-5,
+            "dominant_token_wins": (bool((winners == 120).all())
+                                    and max_abs_diff(winner_logprobs, torch.zeros(4)) < 1e-5),
             "greedy_is_argmax": torch.equal(tokens[greedy], logits[greedy].argmax(-1)) and int(tokens[3]) == 20,
             "same_seed_same_tokens": torch.equal(tokens, again),
             "chi_square": float(((counts - draws * probs) ** 2 / (draws * probs)).sum())}
@@ -342,7 +342,8 @@ def _engine_matches_generate(family: str, overrides: dict) -> bool:
     model = build_tiny_model(tokenizer, family=family, seed=3, **overrides)
     reference = copy.deepcopy(model)
     # Prefill chunks of 24 tokens: the longer prompt's last chunks run with its sibling's decode rows.
-    options = EngineOptions(kv_cache_tokens=2048, fca="fca", kernel="triton", max_prefill_tokens=24, chunked_prefill=True)
+    options = EngineOptions(kv_cache_tokens=2048, fca="fca", kernel="triton", max_prefill_tokens=24,
+                            chunked_prefill=True)
     engine = EmbeddedEngine(model, options, tuning=TUNING)
     engine.planner.with_work = True  # as on a GPU with graphs: eager steps run the planner's work items
     prompts = [[5 + (i * 7 + j) % 200 for j in range(length)] for i, length in enumerate((20, 33))]
@@ -384,6 +385,8 @@ if __name__ == "__main__":
     plain_worst, plain_cases, plain_same = plain_work_cases()
     fused_worst, fused_cases = fused_op_cases()
     sampling = sampling_cases()
-    print(json.dumps({"sampling": sampling, "max_abs_diff": max(worst, static_worst, device_worst, plain_worst, fused_worst),
+    print(json.dumps({"sampling": sampling,
+                      "max_abs_diff": max(worst, static_worst, device_worst, plain_worst, fused_worst),
                       "cases": cases + static_cases + device_cases + plain_cases + fused_cases,
-                      "plain_kernel_equals_torch_build": plain_same, "engine_greedy_matches": engine_matches_generate()}))
+                      "plain_kernel_equals_torch_build": plain_same,
+                      "engine_greedy_matches": engine_matches_generate()}))

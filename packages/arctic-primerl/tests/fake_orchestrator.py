@@ -7,9 +7,10 @@ each problem ``group_size`` times through ``/inference/v1/generate`` (one sample
 renderer client's body), score the samples, give each the group-centred reward as its advantage on
 its completion tokens (PRIME-RL's GRPO), drop groups whose advantages are all zero, pack the
 samples into micro-batches of ``seq_len`` tokens and publish ``rollouts/step_N/rank_0.bin``
-(written aside, renamed into place). Each step's requests carry one seed, so a run repeats. Like PRIME-RL it samples one step ahead of the trainer: the
-batch of step N is generated once the weights of step N-2 are loaded (``max_lag``). PRIME-RL's own packing is
-checked byte for byte against a recorded file in ``test_contract.py``; here the packing is simple.
+(written aside, renamed into place). Each step's requests carry one seed, so a run repeats. Like
+PRIME-RL it samples one step ahead of the trainer: the batch of step N is generated once the
+weights of step N-2 are loaded (``max_lag``). PRIME-RL's own packing is checked byte for byte
+against a recorded file in ``test_contract.py``; here the packing is simple.
 """
 
 from __future__ import annotations
@@ -121,14 +122,14 @@ class FakeOrchestrator:
         calls = [self._sample(prompt, step) for prompt in prompts for _ in range(self.group_size)]
         choices = await asyncio.gather(*calls)
         samples, scores = [], []
-        for g, (problem, prompt) in enumerate(zip(chosen, prompts)):
+        for g, (problem, prompt) in enumerate(zip(chosen, prompts, strict=True)):
             group = choices[g * self.group_size : (g + 1) * self.group_size]
             rewards = [self._score(problem, c["token_ids"]) for c in group]
             scores += rewards
             mean = sum(rewards) / len(rewards)
             if all(r == mean for r in rewards):
                 continue  # filter_zero_advantages: nothing to learn from this group
-            for choice, reward in zip(group, rewards):
+            for choice, reward in zip(group, rewards, strict=True):
                 samples.append(self._sample_record(prompt, choice, reward - mean))
         self.rewards.append(sum(scores) / len(scores))
         return samples
@@ -175,7 +176,8 @@ def main() -> None:
     demo's counting task, small (2 problems of 4 samples a step), for max_steps steps."""
     config = json.loads(Path(sys.argv[-1]).read_text())
     model = config["model"]["name"]
-    orchestrator = FakeOrchestrator(config["model"]["client"]["base_url"].removesuffix("/v1"), Path(config["output_dir"]),
+    orchestrator = FakeOrchestrator(config["model"]["client"]["base_url"].removesuffix("/v1"),
+                                    Path(config["output_dir"]),
                                     model, AutoTokenizer.from_pretrained(model), CountingTask(), problems_per_step=2,
                                     group_size=4, max_tokens=8, seq_len=config["seq_len"])
     asyncio.run(orchestrator.run(config["max_steps"]))

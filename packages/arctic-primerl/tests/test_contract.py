@@ -77,7 +77,7 @@ def test_loss_and_gradients_equal_prime_rls(case):
         total = total + loss / count
     assert total.item() == pytest.approx(case["loss"], abs=1e-6)
     total.backward()
-    for mine, theirs in zip(flat, case["grads"]):
+    for mine, theirs in zip(flat, case["grads"], strict=True):
         assert torch.allclose(mine.grad, torch.tensor(theirs, dtype=torch.float64), atol=1e-6, rtol=1e-4)
 
 
@@ -118,7 +118,8 @@ def test_files_of_another_prime_rl_version_or_malformed_are_refused_by_name():
     with pytest.raises(WireError, match="do not tile"):
         decode(encode([_one(sequence_lengths=[3])]))
     cases = {"cross-entropy": _one(ce_weights=[0, 0, 1, 1]), "first token is trainable": _one(loss_mask=[True] * 4),
-             "other than 0 and 1": _one(rl_weights=[1, 1, 0.5, 1]), "several temperatures": _one(temperatures=[1, 1, 0.5, 1])}
+             "other than 0 and 1": _one(rl_weights=[1, 1, 0.5, 1]),
+             "several temperatures": _one(temperatures=[1, 1, 0.5, 1])}
     for message, batch in cases.items():
         with pytest.raises(WireError, match=message):
             sample_ops.unpack(decode(encode([batch])))

@@ -78,7 +78,8 @@ def test_one_prompts_calls_reach_arctic_as_one_group(front, policy):
 
     async def group():
         async with httpx.AsyncClient(base_url=str(http.base_url), timeout=120, headers=AUTH) as client:
-            return await asyncio.gather(*(client.post("/inference/v1/generate", json=body(policy, 3)) for _ in range(4)))
+            return await asyncio.gather(*(client.post("/inference/v1/generate", json=body(policy, 3))
+                                          for _ in range(4)))
 
     answers = asyncio.run(group())
     assert all(a.status_code == 200 for a in answers)
@@ -129,7 +130,8 @@ def test_weight_updates_pause_and_resume_follow_the_trainer(front, policy):
     service, http, _ = front
     run_dir = service.run.run_dir
     service.trainer.announced = 0
-    assert http.post("/update_weights", json={"weight_dir": str(run_dir / "broadcasts" / "step_0")}).json() == {"status": "ok"}
+    assert (http.post("/update_weights", json={"weight_dir": str(run_dir / "broadcasts" / "step_0")}).json()
+            == {"status": "ok"})
     late = http.post("/update_weights", json={"weight_dir": str(run_dir / "broadcasts" / "step_3")})
     assert late.status_code == 409 and "step 3 were not trained by Arctic" in late.json()["message"]
     assert http.post("/update_weights", json={"weight_dir": None}).status_code == 400
@@ -151,7 +153,8 @@ def test_weight_updates_pause_and_resume_follow_the_trainer(front, policy):
     assert held and 'vllm:num_requests_waiting{engine="0"} 1.0' in metrics
     assert answer.status_code == 200
     assert metric(http, "arctic:requests_served_total") == served + 1
-    assert metric(http, "vllm:num_requests_waiting", engine="0") == metric(http, "vllm:num_preemptions_total", engine="0") == 0
+    assert (metric(http, "vllm:num_requests_waiting", engine="0")
+            == metric(http, "vllm:num_preemptions_total", engine="0") == 0)
 
 
 def metric(http, name: str, **labels: str) -> float:
@@ -166,7 +169,8 @@ def test_health_models_and_chat_for_evaluations(front, policy):
     assert http.get("/health").json() == {"status": "ok"}
     (model,) = http.get("/v1/models").json()["data"]
     assert model["id"] == str(policy) and model["max_model_len"] == 64
-    chat = http.post("/v1/chat/completions", json={"model": str(policy), "messages": [{"role": "user", "content": "repeat 3"}],
+    chat = http.post("/v1/chat/completions", json={"model": str(policy),
+                                                   "messages": [{"role": "user", "content": "repeat 3"}],
                                                    "max_tokens": 6, "n": 2}).json()
     assert len(chat["choices"]) == 2 and all(isinstance(c["message"]["content"], str) for c in chat["choices"])
     # PRIME-RL's evaluation sampling arguments: top_k and min_p come in extra_body, logprobs asked for.
@@ -195,7 +199,8 @@ def test_chat_requests_default_to_the_models_generation_config(policy, tmp_path)
     generation = json.loads((folder / "generation_config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps(
-        {**generation, "do_sample": True, "temperature": 0.25, "top_k": 3, "eos_token_id": [tokenizer.eos_token_id, 7]}))
+        {**generation, "do_sample": True, "temperature": 0.25, "top_k": 3,
+         "eos_token_id": [tokenizer.eos_token_id, 7]}))
     with serving(tmp_path, folder, seq_len=64) as (service, url):
         server, calls = service.client.transport.server, []
         handle = server.handle
@@ -203,7 +208,8 @@ def test_chat_requests_default_to_the_models_generation_config(policy, tmp_path)
         messages = {"model": str(folder), "messages": [{"role": "user", "content": "repeat 3"}], "max_tokens": 4}
         with httpx.Client(base_url=url, timeout=120) as http:
             assert http.post("/v1/chat/completions", json=messages).status_code == 200
-            assert http.post("/v1/chat/completions", json={**messages, "top_k": 0, "temperature": 1.0}).status_code == 200
+            assert http.post("/v1/chat/completions",
+                             json={**messages, "top_k": 0, "temperature": 1.0}).status_code == 200
             assert http.post("/inference/v1/generate", json=body(folder, stop_token_ids=[9])).status_code == 200
             ignoring = body(folder, stop_token_ids=[9], ignore_eos=True)
             assert http.post("/inference/v1/generate", json=ignoring).status_code == 200

@@ -29,7 +29,8 @@ REFUSED = {
     "context parallel": ("[trainer.model]\ncp = 2\n", "trainer.model.cp"),
     "steps disagree": ("[trainer]\nmax_steps = 7\n", "max_steps differs between sections"),
     "skip_optimizer": ("[ckpt]\nskip_optimizer = true\n", "ckpt.skip_optimizer: not supported by arctic-primerl"),
-    "unknown scheduler key": ("[trainer.scheduler]\ntype = 'cosine'\ndecay_steps = 3\n", r"unknown key\(s\) \['decay_steps'\]"),
+    "unknown scheduler key": ("[trainer.scheduler]\ntype = 'cosine'\ndecay_steps = 3\n",
+                              r"unknown key\(s\) \['decay_steps'\]"),
 }
 
 
@@ -177,15 +178,16 @@ source = [{name = "held-out", env = {taskset = {id = "math"}}}]
     addresses = [(split, address) for split, _, address in env_sources(config)]
     assert addresses == [("train", "tcp://127.0.0.1:5000"), ("train", "tcp://127.0.0.1:5001"), ("eval", "tcp://127.0.0.1:5002")]
     processes = prime_rl_processes(run)
-    assert [p.name for p in processes] == ["env server train/reverse", "env server train/math", "env server eval/held-out",
-                                           "orchestrator"]
+    assert [p.name for p in processes] == ["env server train/reverse", "env server train/math",
+                                           "env server eval/held-out", "orchestrator"]
     assert processes[-1].command == ["orchestrator", "@", str(tmp_path / "run" / "configs" / "orchestrator.json")]
     assert run.loss[0]["trust_region"] == "both-sides" and run.loss[0]["mask_high"] == 0.3
     assert run.schedule.rates()[0] == pytest.approx(1e-5) and run.schedule.rates()[1] == pytest.approx(1e-3)
 
 
 def test_prime_rls_schedules_step_by_step():
-    linear = LRSchedule.from_prime_rl({"type": "linear", "warmup_steps": 2, "decay_steps": 3, "min_lr": 1e-4}, 1e-3, 8).rates()
+    linear = LRSchedule.from_prime_rl({"type": "linear", "warmup_steps": 2, "decay_steps": 3, "min_lr": 1e-4},
+                                      1e-3, 8).rates()
     assert linear == pytest.approx([1e-4, 5.5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 5.5e-4, 1e-4])
     cosine = LRSchedule.from_prime_rl({"type": "cosine", "warmup_steps": 0, "min_lr": 0.0}, 1e-3, 4).rates()
     assert cosine == pytest.approx([1e-3, 1e-3 * (1 + 2**-0.5) / 2, 5e-4, 1e-3 * (1 - 2**-0.5) / 2])
@@ -197,6 +199,7 @@ def run_cli(*args, cwd):
                           cwd=cwd, timeout=120)
 
 
+@pytest.mark.slow
 def test_bad_runs_stop_in_seconds_with_one_line(tmp_path, policy):
     toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", extra="[weight_broadcast]\ntype = 'nccl'\n")
     missing = write_toml(tmp_path / "missing.toml", policy, tmp_path / "run2")  # 'orchestrator' is not installed here
@@ -212,10 +215,12 @@ def test_a_command_given_as_a_path_is_named_as_missing_or_not_executable(tmp_pat
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "orchestrator").write_text("#!/bin/sh\n")  # not executable
-    for command, message in (("prime-rl/bin/orchestrator", f"does not exist ({tmp_path / 'prime-rl' / 'bin' / 'orchestrator'})"),
+    for command, message in (("prime-rl/bin/orchestrator",
+                              f"does not exist ({tmp_path / 'prime-rl' / 'bin' / 'orchestrator'})"),
                              (str(tmp_path / "nowhere" / "orchestrator"), "does not exist:"),
                              ("./bin/orchestrator", f"is not executable ({tmp_path / 'bin' / 'orchestrator'})")):
-        toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", arctic=f'orchestrator_command = ["{command}"]')
+        toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run",
+                          arctic=f'orchestrator_command = ["{command}"]')
         with pytest.raises(ArcticError) as refused:
             check_commands(read_run(toml))
         assert f"orchestrator command {command!r} {message}" in str(refused.value)
@@ -238,7 +243,8 @@ def test_dry_run_prints_the_commands_and_writes_nothing(tmp_path, policy):
 
 
 def test_a_process_writes_its_config_when_it_starts(tmp_path, policy):
-    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run", arctic=f'orchestrator_command = ["{sys.executable}"]')
+    toml = write_toml(tmp_path / "rl.toml", policy, tmp_path / "run",
+                      arctic=f'orchestrator_command = ["{sys.executable}"]')
     (orchestrator,) = prime_rl_processes(read_run(toml))
     assert not (tmp_path / "run").exists()
     orchestrator.command = [sys.executable, "-c", "pass"]

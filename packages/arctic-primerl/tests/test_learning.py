@@ -25,6 +25,7 @@ STEPS = 24
 WINDOW = 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_grpo_through_prime_rls_protocol_raises_the_reward(tmp_path):
     policy = warmed_up_policy(tmp_path / "demo", ("repeat",))

@@ -10,7 +10,6 @@ trainer's next call) depends on timing, so each is also run on its own, against 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -26,17 +25,10 @@ from arctic_core.ports import free_port
 from arctic_primerl import cli, service
 from arctic_primerl.config import read_run
 from arctic_primerl.launch import Process
+from adapter_suites import check_run_ends_on_lost_server
 from runs import write_toml
 
-FAULT_SERVER = Path(__file__).parents[3] / "tests" / "fault_server.py"
 FAKE_ORCHESTRATOR = Path(__file__).with_name("fake_orchestrator.py")
-
-
-def start_server(policy: Path, point: str) -> tuple[subprocess.Popen[str], str]:
-    spec = importlib.util.spec_from_file_location("fault_server", FAULT_SERVER)
-    fault_server = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fault_server)
-    return fault_server.start_for(policy, point)
 
 
 def remote_toml(tmp_path: Path, policy: Path, url: str) -> Path:
@@ -50,23 +42,18 @@ def remote_toml(tmp_path: Path, policy: Path, url: str) -> Path:
     return toml
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_server_gone_mid_run_is_named_on_the_last_line(policy, tmp_path):
-    server, url = start_server(policy, "generate-after-step")
-    try:
-        result = subprocess.run([sys.executable, "-m", "arctic_primerl.cli", "rl", "@", str(remote_toml(tmp_path, policy, url))],
-                                cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, timeout=540)
-        gone = server.poll()  # it killed itself before the run ended
-    finally:
-        server.kill()
-    output = result.stdout
-    assert gone == -signal.SIGKILL, output[-6000:]  # after an optimizer step: mid-run
-    assert result.returncode == 2, output[-6000:]
-    last = output.strip().splitlines()[-1]
-    assert last.startswith(f"arctic-primerl: error: the Arctic server at {url} went away (ConnectError"), output[-6000:]
-    assert last.endswith("restart it and rerun with a [resume] table in the config to continue from the last checkpoint")
-    assert output.count("arctic-primerl: error:") == 1
+    def run(url: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "arctic_primerl.cli", "rl", "@",
+                               str(remote_toml(tmp_path, policy, url))],
+                              cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=540)
+
+    check_run_ends_on_lost_server(policy, "arctic-primerl", run,  # it dies after an optimizer step: mid-run
+                                  rerun="restart it and rerun with a [resume] table in the config to continue from "
+                                        "the last checkpoint")
 
 
 class GoneService:
@@ -106,4 +93,5 @@ def test_either_side_failing_on_a_gone_server_ends_on_arctics_line(failing, poli
                        "Connection refused); restart it and rerun with a [resume] table in the config to continue "
                        "from the last checkpoint")
     above = "\n".join(err[:-1])  # the failure as the run met it, above
-    assert ("sync_weights to the Arctic server" if failing == "trainer" else "orchestrator exited with status 1") in above
+    assert ("sync_weights to the Arctic server" if failing == "trainer"
+            else "orchestrator exited with status 1") in above

@@ -50,7 +50,7 @@ def prime_rl_token_losses(trainer_logprobs: torch.Tensor, inference_logprobs: to
 def rl_mask_of(mask: list[bool], rl_weights: list[float] | None) -> torch.Tensor:
     """PRIME-RL's trainable tokens: the loss mask, less tokens of rl weight 0."""
     weights = rl_weights if rl_weights is not None else [1.0] * len(mask)
-    return torch.tensor([m and w != 0.0 for m, w in zip(mask, weights)])
+    return torch.tensor([m and w != 0.0 for m, w in zip(mask, weights, strict=True)])
 
 
 @pytest.mark.parametrize("case", DEFAULT_CASES, ids=lambda c: f"kl{c['config']['kl_tau']}")
@@ -60,7 +60,7 @@ def test_the_reference_loss_is_the_one_prime_rl_recorded(case):
     give the loss and gradients PRIME-RL's ``compute_loss`` recorded."""
     total = torch.zeros((), dtype=torch.float64)
     leaves = []
-    for row, recorded in zip(decode(ROLLOUTS), case["trainer_logprobs"]):
+    for row, recorded in zip(decode(ROLLOUTS), case["trainer_logprobs"], strict=True):
         leaves.append(logprobs := torch.tensor(recorded, dtype=torch.float64, requires_grad=True))
         total = total + prime_rl_token_losses(
             logprobs, torch.tensor(row.inference_logprobs, dtype=torch.float64),
@@ -69,7 +69,7 @@ def test_the_reference_loss_is_the_one_prime_rl_recorded(case):
     loss = total / case["rl_scale"]
     assert loss.item() == pytest.approx(case["loss"], abs=1e-6)
     loss.backward()
-    for mine, theirs in zip(leaves, case["grads"]):
+    for mine, theirs in zip(leaves, case["grads"], strict=True):
         assert torch.allclose(mine.grad, torch.tensor(theirs, dtype=torch.float64), atol=1e-6, rtol=1e-4)
 
 

@@ -1,19 +1,4 @@
-"""Fixtures of the arctic-skyrl tests."""
-
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-import pytest
-
-from arctic_core.demo.task import CountingTask
-from arctic_core.demo.tiny_model import save_tiny_policy
-
-sys.path.insert(0, str(Path(__file__).parent))  # the helper modules beside the tests
-
-
-@pytest.fixture(scope="session")
-def policy(tmp_path_factory) -> Path:
-    """A tiny random Qwen3 policy with the demo's tokenizer (fp32)."""
-    return save_tiny_policy(tmp_path_factory.mktemp("policy"), CountingTask().corpus())
+"""Fixtures of the arctic-skyrl tests. The tiny policy (``policy``) is shared with every suite:
+:mod:`arctic_core.testing`, registered by the repository's ``conftest.py``. The helper modules
+beside the tests (``skyrl_run``, ``counting_env``) import as top-level modules: pytest puts this
+folder (no ``__init__.py``) on ``sys.path`` when it loads this file."""

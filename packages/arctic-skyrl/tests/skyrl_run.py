@@ -12,9 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
+import adapter_suites
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from arctic_core.demo.frameworks import write_parquet  # noqa: F401 (for the tests)
 from arctic_core.demo.task import CountingTask
 from arctic_skyrl import example
 
@@ -23,24 +24,12 @@ TESTS = Path(__file__).parent
 
 def gsm8k_rows(count: int) -> list[dict]:
     """Rows as SkyRL's ``examples/gsm8k/gsm8k_dataset.py`` writes them (skyrl-gym's gsm8k env scores them)."""
-    rows = []
-    for index in range(count):
-        a, b = 3 + index, 4 + 2 * index
-        question = f"What is {a} plus {b}? Output the final answer after \"####\"."
-        rows.append({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": question}],
-                     "env_class": "gsm8k", "reward_spec": {"method": "rule", "ground_truth": str(a + b)},
-                     "extra_info": {"split": "train", "index": index}})
-    return rows
+    return adapter_suites.gsm8k_rows(count, layout="skyrl")
 
 
 def counting_rows(task: CountingTask, env_class: str = "counting") -> list[dict]:
     """The demo's counting task as SkyRL prompts for an environment of :mod:`counting_env`."""
     return example.counting_rows(task.problems(), env_class)
-
-
-def write_parquet(rows: list[dict], path: Path) -> Path:
-    pd.DataFrame(rows).to_parquet(path)
-    return path
 
 
 def main_base_args(model: Path, train: Path, out: Path, *, steps: int, batch: int = 2, n: int = 4,
@@ -64,7 +53,8 @@ def main_base_args(model: Path, train: Path, out: Path, *, steps: int, batch: in
     ]
 
 
-def run_main_base(args: list[str], cwd: Path, timeout: float = 900, merged: bool = False) -> subprocess.CompletedProcess:
+def run_main_base(args: list[str], cwd: Path, timeout: float = 900,
+                  merged: bool = False) -> subprocess.CompletedProcess:
     """The run's outputs; ``merged``: stderr into stdout, in the order they were written."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0",
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),

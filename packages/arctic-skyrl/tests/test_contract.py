@@ -26,7 +26,9 @@ def test_every_dispatch_method_skyrl_trainer_calls_is_implemented():
 
 
 def test_the_inference_client_implements_skyrl_interface():
-    abstract = {name for name, value in vars(InferenceEngineInterface).items() if getattr(value, "__isabstractmethod__", False)}
+    abstract = {name for name, value in vars(InferenceEngineInterface).items()
+                if getattr(value, "__isabstractmethod__", False)}
     assert abstract <= set(vars(ArcticInferenceClient)), sorted(abstract - set(vars(ArcticInferenceClient)))
-    client = ArcticInferenceClient(lambda: None, tokenizer=None, model_path="m", default_sampling={}, settings=BackendSettings())
+    client = ArcticInferenceClient(lambda: None, tokenizer=None, model_path="m", default_sampling={},
+                                   settings=BackendSettings())
     assert asyncio.run(client.get_world_size()) == (1, 1)

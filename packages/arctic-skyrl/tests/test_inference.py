@@ -93,7 +93,8 @@ def test_requests_arctic_cannot_honour_are_refused_by_name(served):
         asyncio.run(client.generate({"prompt_token_ids": [PROMPTS[0]],
                                      "sampling_params": {"max_tokens": 4, "stop": ["###"]}}))
     with pytest.raises(ValueError, match=r"\['best_of'\] have no Arctic meaning"):
-        asyncio.run(client.generate({"prompt_token_ids": [PROMPTS[0]], "sampling_params": {"max_tokens": 4, "best_of": 2}}))
+        asyncio.run(client.generate({"prompt_token_ids": [PROMPTS[0]],
+                                     "sampling_params": {"max_tokens": 4, "best_of": 2}}))
     with pytest.raises(ValueError, match="prompt_token_ids"):
         asyncio.run(client.generate({"prompts": [[{"role": "user", "content": "hi"}]]}))
 

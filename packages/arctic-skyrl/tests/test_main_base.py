@@ -16,6 +16,7 @@ from skyrl_run import gsm8k_rows, logged_scalars, main_base_args, run_main_base,
 STEPS = 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_main_base_trains_checkpoints_and_resumes_on_arctic(policy, tmp_path):
     data = write_parquet(gsm8k_rows(8), tmp_path / "train.parquet")
@@ -31,7 +32,8 @@ def test_main_base_trains_checkpoints_and_resumes_on_arctic(policy, tmp_path):
     # Two mini-batches per step, each an optimizer step at SkyRL's learning rate.
     assert all(value == pytest.approx(1e-6) for value in scalars["policy/policy_lr"].values())
     # One prompt group per mini-batch: its prompt is packed once under the n responses.
-    assert all(value < scalars["policy/arctic/tokens"][step] for step, value in scalars["policy/arctic/packed_tokens"].items())
+    assert all(value < scalars["policy/arctic/tokens"][step]
+               for step, value in scalars["policy/arctic/packed_tokens"].items())
     assert any(tag.startswith("eval/") for tag in scalars)  # greedy evaluation through Arctic's samplers
     export = tmp_path / "exports" / f"global_step_{STEPS}" / "policy"
     assert AutoModelForCausalLM.from_pretrained(export).config.num_hidden_layers > 0

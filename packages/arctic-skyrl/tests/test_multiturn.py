@@ -30,6 +30,7 @@ def trained_rows(dump) -> list[tuple[list[int], list[int]]]:
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_turn_environment_trains_with_the_shared_turn_packed_once(policy, tmp_path):
     data = write_parquet(counting_rows(CountingTask(ops=("repeat",)), "counting_twice"), tmp_path / "task.parquet")

@@ -30,13 +30,15 @@ def outcomes(policy, tmp_path_factory):
         folder = tmp_path_factory.mktemp(case.replace(" ", "-"))
         data = write_parquet(gsm8k_rows(4), folder / "train.parquet")
         start = time.monotonic()
-        result = run_main_base(main_base_args(policy, data, folder, steps=1, extra=CASES[case][0]), cwd=folder, timeout=180)
+        result = run_main_base(main_base_args(policy, data, folder, steps=1, extra=CASES[case][0]), cwd=folder,
+                               timeout=180)
         return result, time.monotonic() - start
 
     with ThreadPoolExecutor(len(CASES)) as pool:
-        return dict(zip(CASES, pool.map(attempt, CASES)))
+        return dict(zip(CASES, pool.map(attempt, CASES), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_bad_settings_exit_fast_with_one_message(outcomes, case):
     result, seconds = outcomes[case]

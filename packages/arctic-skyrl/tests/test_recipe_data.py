@@ -46,7 +46,8 @@ def test_gsm8k_rows_are_scored_by_skyrl_gyms_gsm8k_environment(policy, tmp_path)
     source = tmp_path / "problems.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in records))
     gsm8k.main(["--source", str(source), "--test-size", "5", "--format", "skyrl", "--out", str(tmp_path / "out")])
-    items = load(tmp_path / "out" / "train.skyrl.parquet", policy) + load(tmp_path / "out" / "test.skyrl.parquet", policy)
+    items = (load(tmp_path / "out" / "train.skyrl.parquet", policy)
+             + load(tmp_path / "out" / "test.skyrl.parquet", policy))
     assert len(items) == len(records)
     for messages, env_class, extras, _ in items:
         question = records[extras["extra_info"]["index"]]["question"]

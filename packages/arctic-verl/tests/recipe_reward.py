@@ -6,12 +6,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from recipes.gsm8k import reward as gsm8k  # noqa: E402
-from recipes.gsm8k.prepare_data import DATA_SOURCE as GSM8K  # noqa: E402
-from recipes.long_context_qa import reward as qa  # noqa: E402
-from recipes.long_context_qa.prepare_data import DATA_SOURCE as QA  # noqa: E402
-from recipes.text_to_sql import reward as sql  # noqa: E402
-from recipes.text_to_sql.prepare_data import DATA_SOURCE as SQL  # noqa: E402
+from recipes.gsm8k import reward as gsm8k
+from recipes.gsm8k.prepare_data import DATA_SOURCE as GSM8K
+from recipes.long_context_qa import reward as qa
+from recipes.long_context_qa.prepare_data import DATA_SOURCE as QA
+from recipes.text_to_sql import reward as sql
+from recipes.text_to_sql.prepare_data import DATA_SOURCE as SQL
 
 SCORERS = {GSM8K: gsm8k.compute_score, SQL: sql.compute_score, QA: qa.compute_score}
 

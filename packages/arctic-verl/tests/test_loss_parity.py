@@ -44,8 +44,9 @@ CASES = {
     "gspo-rollout-is-token-icepop": ["actor.policy_loss.loss_mode=gspo", "actor.clip_ratio_low=0.0003",
                                      "actor.clip_ratio_high=0.0004", "rollout.calculate_log_probs=True"],
     "vanilla-rollout-rs-token-k1": ["rollout.calculate_log_probs=True"],
-    "gspo-seq-mean-rollout-is-sequence-rs-seq-mean-k3": ["actor.policy_loss.loss_mode=gspo", "actor.clip_ratio_low=0.0003",
-                                                         "actor.clip_ratio_high=0.0004", "rollout.calculate_log_probs=True",
+    "gspo-seq-mean-rollout-is-sequence-rs-seq-mean-k3": ["actor.policy_loss.loss_mode=gspo",
+                                                         "actor.clip_ratio_low=0.0003", "actor.clip_ratio_high=0.0004",
+                                                         "rollout.calculate_log_probs=True",
                                                          "actor.loss_agg_mode=seq-mean-token-mean"],
     "cispo-rollout-is-token-rs-token-k2-seq-max-k3": ["actor.policy_loss.loss_mode=cispo",
                                                       "rollout.calculate_log_probs=True"],
@@ -55,7 +56,8 @@ CASES = {
 CORRECTION = {"vanilla-rollout-is-token-tis": ["rollout_is=token", "rollout_is_threshold=1.5"],
               "cispo-rollout-is-sequence-icepop": ["rollout_is=sequence", "rollout_is_threshold='0.2_5.0'"],
               "gspo-rollout-is-token-icepop": ["rollout_is=token", "rollout_is_threshold='0.7_1.4'"],
-              "vanilla-rollout-rs-token-k1": ["rollout_is=null", "rollout_rs=token_k1", "rollout_rs_threshold='0.8_1.25'"],
+              "vanilla-rollout-rs-token-k1": ["rollout_is=null", "rollout_rs=token_k1",
+                                              "rollout_rs_threshold='0.8_1.25'"],
               "gspo-seq-mean-rollout-is-sequence-rs-seq-mean-k3": ["rollout_is=sequence", "rollout_rs=seq_mean_k3",
                                                                    "rollout_rs_threshold=0.05"],
               "cispo-rollout-is-token-rs-token-k2-seq-max-k3": ["rollout_is=token", "rollout_is_threshold=1.5",
@@ -88,8 +90,9 @@ def rows(policy_logp: list[torch.Tensor]) -> TensorDict:
     policy's so that clipping, the dual clip, the KL and the rollout weights all act; GRPO-like
     advantages of both signs."""
     generator = torch.Generator().manual_seed(0)
-    fields: dict[str, list[torch.Tensor]] = {name: [] for name in ("prompts", "responses", "response_mask", "old_log_probs",
-                                                                   "ref_log_prob", "rollout_log_probs", "advantages")}
+    fields: dict[str, list[torch.Tensor]] = {name: [] for name in ("prompts", "responses", "response_mask",
+                                                                   "old_log_probs", "ref_log_prob", "rollout_log_probs",
+                                                                   "advantages")}
     for index, (response, prompt) in enumerate(zip(RESPONSES, PROMPT_OF, strict=True)):
         length = len(response)
         current = policy_logp[index][len(PROMPTS[prompt]) - 1:-1].detach()
@@ -113,8 +116,8 @@ def corrected_by_verls_trainer(config, data: TensorDict) -> TensorDict:
         return data
     nested_mask = data["response_mask"]
     padded = {name: data[name].to_padded_tensor(0) for name in ("old_log_probs", "rollout_log_probs", "response_mask")}
-    corrected, _ = compute_rollout_correction_and_add_to_batch(DataProto(batch=TensorDict(padded, batch_size=len(data))),
-                                                               correction)
+    corrected, _ = compute_rollout_correction_and_add_to_batch(
+        DataProto(batch=TensorDict(padded, batch_size=len(data))), correction)
     data["response_mask"] = response_to_nested(corrected.batch["response_mask"], nested_mask)
     if "rollout_is_weights" in corrected.batch.keys():
         data["rollout_is_weights"] = response_to_nested(corrected.batch["rollout_is_weights"], nested_mask)
@@ -152,7 +155,8 @@ def test_loss_and_gradients_equal_verl_ppo_loss(policy, case):
         assert batch.num_prompts == len(PROMPTS)  # verl's repeated prompt ids are packed once
         actor = config.actor_rollout_ref.actor
         terms = loss_terms(actor, sampler_correction(config))
-        assert (terms[0]["sampler_correction"] is not None) == (config.algorithm.rollout_correction.rollout_is is not None)
+        assert ((terms[0]["sampler_correction"] is not None)
+                == (config.algorithm.rollout_correction.rollout_is is not None))
         result = arctic.fwd_bwd(batch, terms, temperature=temperature,
                                 max_response_len=actor.loss_scale_factor)
         server = arctic.transport.server

@@ -8,40 +8,20 @@ would send the user to verl's sampler settings. The server here is ``tests/fault
 
 from __future__ import annotations
 
-import importlib.util
-import signal
-import subprocess
-from pathlib import Path
-
 import pytest
 
+from adapter_suites import check_run_ends_on_lost_server
 from verl_run import gsm8k_rows, logged_steps, main_ppo_args, run_main_ppo, write_parquet
 
-FAULT_SERVER = Path(__file__).parents[3] / "tests" / "fault_server.py"
 
-
-def start_server(policy: Path, point: str) -> tuple[subprocess.Popen[str], str]:
-    spec = importlib.util.spec_from_file_location("fault_server", FAULT_SERVER)
-    fault_server = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fault_server)
-    return fault_server.start_for(policy, point)
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_server_gone_mid_run_is_named_on_the_last_line(policy, tmp_path):
-    server, url = start_server(policy, "generate-after-step")
-    try:
-        data = write_parquet(gsm8k_rows(4), tmp_path / "data.parquet")
+    data = write_parquet(gsm8k_rows(4), tmp_path / "data.parquet")
+
+    def run(url: str):
         args = main_ppo_args(policy, data, data, tmp_path, steps=3, extra=(f"+arctic.url={url}",))
-        result = run_main_ppo(args, cwd=tmp_path, merged=True)
-        gone = server.poll()  # it killed itself before the run ended
-    finally:
-        server.kill()
-    output = result.stdout
-    assert gone == -signal.SIGKILL, output[-6000:]
-    assert sorted(logged_steps(output)) == [1], output[-6000:]  # step 1 trained; step 2's sampling failed
-    assert result.returncode == 2, output[-6000:]
-    last = output.strip().splitlines()[-1]
-    assert last.startswith(f"arctic-verl: error: the Arctic server at {url} went away (ConnectError"), output[-6000:]
-    assert last.endswith("restart it and rerun to resume from the last checkpoint")
-    assert output.count("arctic-verl: error:") == 1
+        return run_main_ppo(args, cwd=tmp_path, merged=True)
+
+    result = check_run_ends_on_lost_server(policy, "arctic-verl", run)
+    assert sorted(logged_steps(result.stdout)) == [1], result.stdout[-6000:]  # step 1 trained; step 2's sampling failed

@@ -19,6 +19,7 @@ ARCTIC_METRICS = ("arctic/train/loss", "arctic/train/tokens", "arctic/step/grad_
                   "arctic/sync/seconds")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)  # two whole verl runs
 def test_three_grpo_steps_checkpoint_and_resume(policy, tmp_path):
     train = write_parquet(gsm8k_rows(8), tmp_path / "train.parquet")

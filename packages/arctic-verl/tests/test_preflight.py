@@ -34,11 +34,13 @@ TOKEN = "t0ken-for-tests"
 
 STOPS = {
     "loss-mode": ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
-                  "actor_rollout_ref.actor.policy_loss.loss_mode='clip_cov': supported: vanilla, gspo, sapo, cispo, gpg"),
+                  "actor_rollout_ref.actor.policy_loss.loss_mode='clip_cov': "
+                  "supported: vanilla, gspo, sapo, cispo, gpg"),
     "critic": ("algorithm.adv_estimator=gae", "a critic (value model) is not served by Arctic"),
     "unreachable-url": ("+arctic.url=http://127.0.0.1:{port}", "127.0.0.1:{port}"),
     "missing-model": ("actor_rollout_ref.model.path=/nonexistent/model", "/nonexistent/model"),
-    "legacy-trainer": ("trainer.use_v1=False", "trainer.use_v1=False: trainer.v1.trainer_mode=arctic runs in verl's v1"),
+    "legacy-trainer": ("trainer.use_v1=False",
+                       "trainer.use_v1=False: trainer.v1.trainer_mode=arctic runs in verl's v1"),
     "misspelt-mode": ("trainer.v1.trainer_mode=artic",  # after main_ppo_args' own: Hydra's last value wins
                       "trainer.v1.trainer_mode='artic': no such trainer mode; did you mean 'arctic'?"),
 }
@@ -55,9 +57,10 @@ def stops(policy, tmp_path_factory):
         return run_main_ppo(args, cwd=folder, timeout=240), port, folder
 
     with ThreadPoolExecutor(len(STOPS)) as pool:
-        return dict(zip(STOPS, pool.map(attempt, STOPS)))
+        return dict(zip(STOPS, pool.map(attempt, STOPS), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", STOPS)
 def test_main_ppo_stops_with_one_line(stops, case):
     result, port, folder = stops[case]
@@ -82,7 +85,8 @@ def test_a_misspelt_arctic_mode_stops_before_ray(mode, capsys):
 
 @pytest.mark.parametrize("overrides", [("trainer.v1.trainer_mode=sync",), ("trainer.v1.trainer_mode=colocate_async",),
                                        ("trainer.v1.trainer_mode=separate_async",), ("trainer.v1.trainer_mode=arctic",),
-                                       ("trainer.v1.trainer_mode=my_trainer",),  # unknown, but no 'arctic': verl's to say
+                                       # unknown, but no 'arctic': verl's to say
+                                       ("trainer.v1.trainer_mode=my_trainer",),
                                        ("trainer.v1.trainer_mode=artic", "trainer.use_v1=False")])  # no v1: unread
 def test_verls_other_modes_pass_untouched(overrides, capsys):
     plugin._check_mode_spelling(verl_config(*overrides))
@@ -103,10 +107,13 @@ def server(policy, tmp_path_factory):
     """``arctic-rl serve`` of the tiny policy, with a token and no reference model."""
     folder = tmp_path_factory.mktemp("server")
     config = folder / "arctic.yaml"
-    config.write_text(yaml.safe_dump({"model": {"path": str(policy), "device": "cpu"}, "trainer": {"backend": "torch"}}))
+    config.write_text(yaml.safe_dump({"model": {"path": str(policy), "device": "cpu"},
+                                      "trainer": {"backend": "torch"}}))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "arctic_core.cli", "serve", "--config", str(config), "--port", str(port)],
-                            env={**os.environ, "ARCTIC_RL_TOKEN": TOKEN}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "arctic_core.cli", "serve", "--config", str(config),
+                             "--port", str(port)],
+                            env={**os.environ, "ARCTIC_RL_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_until_serving(url, timeout=120, alive=lambda: proc.poll() is None)
     yield url
@@ -126,7 +133,8 @@ def test_the_server_checks(server, policy, tmp_path):
     other = tmp_path / "other-model"
     other.mkdir()
     with pytest.raises(ArcticError, match=f"serves {policy}, but actor_rollout_ref.model.path is {other}"):
-        preflight(verl_config(f"actor_rollout_ref.model.path={other}", f"+arctic.url={server}", f"+arctic.token={TOKEN}"))
+        preflight(verl_config(f"actor_rollout_ref.model.path={other}", f"+arctic.url={server}",
+                              f"+arctic.token={TOKEN}"))
     with pytest.raises(ArcticError, match="needs reference log-probs.*has no reference model"):
         preflight(served_config(policy, server, f"+arctic.token={TOKEN}", "actor_rollout_ref.actor.use_kl_loss=True"))
 
@@ -159,11 +167,13 @@ def test_settings_refused_by_name(policy):
         "rollout_is_batch_normalize", "bypass_mode", "needs actor_rollout_ref.rollout.calculate_log_probs=True")
     assert_refused_naming(
         verl_config(model, f"{correction}rollout_is=sequence", f"{correction}rollout_rs='seq_mean_k1,token_k2'",
-                    f"{correction}rollout_rs_threshold='0.5_2.0,1.0'", "actor_rollout_ref.rollout.calculate_log_probs=True"),
+                    f"{correction}rollout_rs_threshold='0.5_2.0,1.0'",
+                    "actor_rollout_ref.rollout.calculate_log_probs=True"),
         "rollout_correction.rollout_rs", "(token_k2) with rollout_is=sequence")
     assert_refused_naming(verl_config(model, f"{correction}rollout_is=null", f"{correction}rollout_rs=token_k1",
                                       "actor_rollout_ref.rollout.calculate_log_probs=False"),
-                          "rollout_correction.rollout_rs='token_k1': needs actor_rollout_ref.rollout.calculate_log_probs=True")
+                          "rollout_correction.rollout_rs='token_k1': "
+                          "needs actor_rollout_ref.rollout.calculate_log_probs=True")
     assert_refused_naming(verl_config(model, f"{correction}rollout_is=token", f"{correction}rollout_is_threshold=abc",
                                       "actor_rollout_ref.rollout.calculate_log_probs=True"),
                           "rollout_correction.rollout_is_threshold='abc': a number")
@@ -190,8 +200,10 @@ def test_verls_deprecated_optimizer_keys_are_read_as_verl_reads_them(policy):
     """``warmup_style`` and ``grad_clip``: verl's optimizer config copies them onto lr_scheduler_type
     and clip_grad; the schedule and the clipping Arctic runs follow them too."""
     config = verl_config(f"actor_rollout_ref.model.path={policy}", "actor_rollout_ref.actor.optim.lr=1e-3",
-                         "actor_rollout_ref.actor.optim.warmup_style=cosine", "+actor_rollout_ref.actor.optim.grad_clip=0.5",
-                         "actor_rollout_ref.actor.optim.lr_warmup_steps=2", "actor_rollout_ref.actor.optim.total_training_steps=10")
+                         "actor_rollout_ref.actor.optim.warmup_style=cosine",
+                         "+actor_rollout_ref.actor.optim.grad_clip=0.5",
+                         "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
+                         "actor_rollout_ref.actor.optim.total_training_steps=10")
     assert arctic_config(config, read_settings(config), on_gpu=False).trainer.optimizer.max_grad_norm == 0.5
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     cosine = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=10, min_lr_ratio=0.0)

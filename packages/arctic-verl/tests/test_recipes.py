@@ -29,7 +29,8 @@ from verl_run import logged_steps, main_ppo_args, run_main_ppo  # noqa: E402
 
 def recipe_test_module(name: str):
     """A helper module of the recipes' own tests (tests/recipe_tests), by its file."""
-    spec = importlib.util.spec_from_file_location(f"recipe_tests_{name}", ROOT / "tests" / "recipe_tests" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"recipe_tests_{name}",
+                                                  ROOT / "tests" / "recipe_tests" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -50,7 +51,8 @@ def prepared_rows(tmp_path: Path) -> list[dict]:
     bird = tmp_path / "bird.json"
     bird.write_text(json.dumps([{"db_id": "concert", "question": "How many singers are from Peru?", "evidence": "",
                                  "SQL": sql_data.GOLD}]))
-    sql_prep.main(["--records", str(bird), "--databases", str(tmp_path / "bird_db"), "--out", str(tmp_path / "sql_out")])
+    sql_prep.main(["--records", str(bird), "--databases", str(tmp_path / "bird_db"),
+                   "--out", str(tmp_path / "sql_out")])
     hotpot = tmp_path / "hotpot.json"
     hotpot.write_text(json.dumps(qa_data.hotpot_records(1)))
     qa_prep.main(["--records", str(hotpot), "--target-tokens", "130", "--out", str(tmp_path / "qa_out")])
@@ -59,6 +61,7 @@ def prepared_rows(tmp_path: Path) -> list[dict]:
                                                        "extra_info"]].to_dict("records")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_each_recipes_data_and_reward_train_through_verl_on_arctic(policy, tmp_path):
     rows = prepared_rows(tmp_path)

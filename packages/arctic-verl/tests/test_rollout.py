@@ -26,7 +26,8 @@ def test_verl_sampling_params_map_or_are_refused_by_name():
 def test_requests_get_the_defaults_verls_vllm_server_adds():
     """verl's server fills in the rollout's repetition penalty and ignore_eos, and a length within
     the rollout's budget (a later turn's longer prompt leaves less)."""
-    rollout = OmegaConf.create({"prompt_length": 16, "response_length": 8, "ignore_eos": True, "repetition_penalty": 1.2})
+    rollout = OmegaConf.create({"prompt_length": 16, "response_length": 8, "ignore_eos": True,
+                                "repetition_penalty": 1.2})
     params, _ = to_sampling_params({"temperature": 1.0}, rollout, prompt_len=4)
     assert (params.ignore_eos, params.repetition_penalty, params.max_tokens) == (True, 1.2, 8)
     assert to_sampling_params({}, rollout, prompt_len=20)[0].max_tokens == 4  # 16 + 8 - 20

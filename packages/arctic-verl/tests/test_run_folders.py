@@ -53,10 +53,12 @@ def test_folders_the_run_names_are_kept(monkeypatch):
     assert os.environ["TENSORBOARD_DIR"] == "/mine/tb"
 
 
+@pytest.mark.slow
 def test_main_ppo_writes_hydras_run_folder_under_runs(policy, tmp_path):
     """A run stopped by the start-up checks (after Hydra made its run folder)."""
     data = write_parquet(gsm8k_rows(2), tmp_path / "data.parquet")
-    args = main_ppo_args(policy, data, data, tmp_path, steps=1, extra=("actor_rollout_ref.model.path=/nonexistent/model",))
+    args = main_ppo_args(policy, data, data, tmp_path, steps=1,
+                         extra=("actor_rollout_ref.model.path=/nonexistent/model",))
     result = run_main_ppo(args, cwd=tmp_path, timeout=240)
     assert result.returncode == 2, result.stderr[-4000:]
     assert not (tmp_path / "outputs").exists()

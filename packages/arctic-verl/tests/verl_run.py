@@ -12,10 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
 import verl
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+
+from adapter_suites import gsm8k_rows  # noqa: F401 (verl's GSM8K rows, for the tests)
+from arctic_core.demo.frameworks import write_parquet  # noqa: F401 (for the tests)
 
 VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 
@@ -27,23 +29,6 @@ def verl_config(*overrides: str) -> DictConfig:
                 "data.max_prompt_length=256", "data.max_response_length=256"]
     with initialize_config_dir(config_dir=VERL_CONFIG_DIR, version_base=None):
         return compose("ppo_trainer", overrides=[*defaults, *overrides])
-
-
-def gsm8k_rows(count: int) -> list[dict]:
-    """Rows as verl's ``examples/data_preprocess/gsm8k.py`` writes them (verl's gsm8k scorer reads them)."""
-    rows = []
-    for index in range(count):
-        a, b = 3 + index, 4 + 2 * index
-        question = f"What is {a} plus {b}? Let's think step by step and output the final answer after \"####\"."
-        rows.append({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": question}],
-                     "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                     "extra_info": {"split": "train", "index": index}})
-    return rows
-
-
-def write_parquet(rows: list[dict], path: Path) -> Path:
-    pd.DataFrame(rows).to_parquet(path)
-    return path
 
 
 def main_ppo_args(model: Path, train: Path, val: Path, out: Path, *, steps: int, batch: int = 2, n: int = 4,

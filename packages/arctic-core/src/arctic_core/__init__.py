@@ -40,8 +40,14 @@ _LAZY = {
     "ArcticServer": "arctic_core.serving.server",
 }
 
+# Spelt out (not ``*_LAZY``) so that linters and type checkers see the names exported.
 __all__ = ["ArcticError", "BatchError", "ConfigError", "PluginConflictError", "PluginNotFoundError", "RemoteError",
-           "RequestError", "WorkerError", "hookimpl", *_LAZY]
+           "RequestError", "WorkerError", "hookimpl",
+           "RolloutBatch", "ArcticClient", "AsyncArcticClient",
+           "ArcticConfig", "LogProbConfig", "LossTermConfig", "ModelConfig", "OptimizerConfig", "SamplerConfig",
+           "SamplingParams", "SchedulerConfig", "TrainerConfig", "WeightSyncConfig",
+           "LogProbBackend", "LossContext", "LossTerm", "Processor", "SamplingBackend", "TrainingBackend",
+           "WeightTransport", "Lazy", "ArcticServer"]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,9 @@ a DeprecationWarning naming the new path, attributed to the line that imported t
 
 An old path is kept for at least one minor release after the one that moved it
 (docs/design/plugin-system.md states the policy).
+
+Another package keeps its own moved modules working the same way: its ``__init__`` calls
+:func:`register_moved_modules` with its table (arctic-fca does, for its ``vllm_*`` modules).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ MOVED: dict[str, str] = {
     "arctic_core.objective": "arctic_core.losses.objective",
     "arctic_core.processors": "arctic_core.losses.processors",
     "arctic_core.server": "arctic_core.serving.server",
-    "arctic_core.wire": "arctic_core.serving.wire",
+    # (0.1.0's "arctic_core.wire" is no longer here: 0.3.0 moved the module back to that path.)
     "arctic_core.http_server": "arctic_core.serving.http",
     "arctic_core.http_metrics": "arctic_core.serving.metrics",
     "arctic_core.ray_actors": "arctic_core.ray.actors",
@@ -42,8 +45,10 @@ MOVED: dict[str, str] = {
     "arctic_core.weight_files": "arctic_core.weights.files",
     "arctic_core.weight_ipc": "arctic_core.weights.ipc",
     "arctic_core.weight_sync": "arctic_core.weights.inprocess",
+    # 0.3.0: the wire format sits beside the protocol; the client's transports speak it as much as the server.
+    "arctic_core.serving.wire": "arctic_core.wire",
 }
-"""Old module path -> its current one."""
+"""Old module path -> its current one (arctic-core's, and those other packages registered)."""
 
 RENAMED: dict[str, dict[str, str]] = {
     # Renamed with the move: "InProcessTransport" was also the client's in-process transport.
@@ -65,8 +70,9 @@ class _OldPathFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         new = importlib.import_module(MOVED[spec.name])
         # stacklevel 2 skips this frame; the import system's own frames are skipped by warnings itself.
-        warnings.warn(f"{spec.name} is deprecated: it moved to {new.__name__}; import from there, or "
-                      "a plugin's names from arctic_core.plugins", DeprecationWarning, stacklevel=2)
+        hint = ", or a plugin's names from arctic_core.plugins" if spec.name.startswith("arctic_core.") else ""
+        warnings.warn(f"{spec.name} is deprecated: it moved to {new.__name__}; import from there{hint}",
+                      DeprecationWarning, stacklevel=2)
         return _forwarding(spec.name, new, RENAMED.get(spec.name, {}))
 
     def exec_module(self, module: types.ModuleType) -> None:
@@ -89,3 +95,16 @@ def _forwarding(name: str, new: types.ModuleType, renamed: dict[str, str]) -> ty
 def install() -> None:
     if not any(isinstance(finder, _OldPathFinder) for finder in sys.meta_path):
         sys.meta_path.append(_OldPathFinder())
+
+
+def register_moved_modules(table: dict[str, str]) -> None:
+    """Keep another package's moved modules importable from their old paths (``table``: old path ->
+    new one), as arctic-core's own: attributes that are the very objects of the new module, one
+    DeprecationWarning per process at the importing line. Call it from the package's ``__init__``,
+    which runs before any of its submodules is looked for. Registering the same table again is a
+    no-op; an old path already sent elsewhere is refused."""
+    for old, new in table.items():
+        if MOVED.get(old, new) != new:
+            raise ValueError(f"old module path {old!r} already moved to {MOVED[old]!r}, not {new!r}")
+    MOVED.update(table)
+    install()

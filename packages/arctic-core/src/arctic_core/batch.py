@@ -337,7 +337,8 @@ class RolloutBatch:
         unknown = sorted(set(plain) - known)
         if unknown:
             raise BatchError(f"unknown batch field(s) {unknown}; known fields: {sorted(known)}")
-        missing = sorted(n for n in ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "prompt_index") if n not in plain)
+        required = ("prompt_ids", "prompt_lens", "response_ids", "response_lens", "prompt_index")
+        missing = sorted(n for n in required if n not in plain)
         if missing:
             raise BatchError(f"missing required batch field(s) {missing}")
         extras = {k.removeprefix("extras."): v for k, v in tensors.items() if k.startswith("extras.")}
@@ -384,7 +385,8 @@ class RolloutBatch:
         self.advantages = _as_float("advantages", self.advantages)
         if self.advantages is not None:
             if tuple(self.advantages.shape) not in ((num_b,), (num_b, width)):
-                raise BatchError(f"advantages must be [B] or [B, Lr] = [{num_b}] or [{num_b}, {width}], got {list(self.advantages.shape)}")
+                raise BatchError(f"advantages must be [B] or [B, Lr] = [{num_b}] or [{num_b}, {width}], "
+                                 f"got {list(self.advantages.shape)}")
             read = self.loss_mask if self.advantages.dim() == 2 else self.loss_mask.any(dim=1)
             self.advantages = _finite_where_read("advantages", self.advantages, read)
         self.rewards = _as_float("rewards", self.rewards)

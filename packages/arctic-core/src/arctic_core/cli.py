@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Arctic RL: one backend for RL post-training of LLMs (GPU engines; everything also runs on the CPU).")
+                  help="Arctic RL: one backend for RL post-training of LLMs (GPU engines; everything also runs on "
+                       "the CPU).")
 MAX_SEED = 2**32 - 1  # seeds the demo and tiny models take (numpy's range; the demo derives per-step seeds from it)
 MAX_DEMO_STEPS = 1_000_000
 _debug = False
@@ -70,7 +71,8 @@ def demo(
                                            "earlier demo run there is replaced.")] = Path("runs/demo"),
     steps: Annotated[int, typer.Option(min=1, max=MAX_DEMO_STEPS, help="GRPO steps.")] = 400,
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the model, the task and sampling.")] = 0,
-    warmup_steps: Annotated[int, typer.Option(min=0, help="Short SFT on task demonstrations before GRPO (0 skips it).")] = 30,
+    warmup_steps: Annotated[int, typer.Option(min=0, help="Short SFT on task demonstrations before GRPO "
+                                                          "(0 skips it).")] = 30,
 ) -> None:
     """GRPO on a tiny Qwen3 built in code, on the CPU, through the in-process client.
 
@@ -114,16 +116,25 @@ def tiny_model(
 
 @app.command()
 def serve(
-    config: Annotated[Path | None, typer.Option(help="YAML ArcticConfig; without it the demo's tiny model is served.")] = None,
-    host: Annotated[str, typer.Option(help="Interface to bind; loopback unless you mean to expose the server.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: one the system picks, announced on stderr).")] = 8000,
+    config: Annotated[Path | None, typer.Option(help="YAML ArcticConfig; without it the demo's tiny model is "
+                                                     "served.")] = None,
+    host: Annotated[str, typer.Option(help="Interface to bind; loopback unless you mean to expose the "
+                                           "server.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: one the system picks, announced on "
+                                                             "stderr).")] = 8000,
     max_body_mb: Annotated[float, typer.Option(min=0.001, help="Larger request bodies are answered 413.")] = 256,
-    token: Annotated[str | None, typer.Option(envvar="ARCTIC_RL_TOKEN", show_envvar=True, help="Bearer token every call must carry.")] = None,
-    allow_public_without_token: Annotated[bool, typer.Option("--allow-public-without-token", help="Bind a non-loopback host with no token (anyone who can reach it can train your model).")] = False,
-    ray: Annotated[bool, typer.Option("--ray", help="Run the trainer as data-parallel Ray workers and the sampler as Ray replicas.")] = False,
+    token: Annotated[str | None, typer.Option(envvar="ARCTIC_RL_TOKEN", show_envvar=True,
+                                              help="Bearer token every call must carry.")] = None,
+    allow_public_without_token: Annotated[bool, typer.Option("--allow-public-without-token",
+                                                             help="Bind a non-loopback host with no token (anyone who "
+                                                                  "can reach it can train your model).")] = False,
+    ray: Annotated[bool, typer.Option("--ray", help="Run the trainer as data-parallel Ray workers and the sampler "
+                                                    "as Ray replicas.")] = False,
     ray_workers: Annotated[int, typer.Option(min=1, help="Trainer ranks with --ray.")] = 2,
-    ray_samplers: Annotated[int, typer.Option(min=0, help="Sampler replicas with --ray (0: the sampler stays in the server process).")] = 1,
-    address: Annotated[str | None, typer.Option(help="Ray cluster to join with --ray (default: start a local one).")] = None,
+    ray_samplers: Annotated[int, typer.Option(min=0, help="Sampler replicas with --ray (0: the sampler stays in "
+                                                          "the server process).")] = 1,
+    address: Annotated[str | None, typer.Option(help="Ray cluster to join with --ray (default: start a local "
+                                                     "one).")] = None,
 ) -> None:
     """Serve every client call over HTTP (FastAPI + uvicorn); calls on the model are serialised."""
     from arctic_core.config import ArcticConfig  # torch and the engines wait until the config is sound
@@ -245,7 +256,8 @@ def embedded_default_config() -> ArcticConfig:
 
 @app.command("config-reference")
 def config_reference(
-    builtin: Annotated[bool, typer.Option("--builtin", help="Only Arctic's own plugins (the page in the docs).")] = False,
+    builtin: Annotated[bool, typer.Option("--builtin",
+                                          help="Only Arctic's own plugins (the page in the docs).")] = False,
 ) -> None:
     """Print the configuration reference (Markdown): every key of the config, the sampling params,
     and the options of every installed backend and loss term."""

@@ -134,7 +134,8 @@ class _Calls:
         """Push the trainer's weights to the samplers; returns the new policy version."""
         return self._call("sync_weights", Empty())
 
-    def save_checkpoint(self, path: str | os.PathLike[str], export_hf: bool = False, keep_last: int | None = None) -> Any:
+    def save_checkpoint(self, path: str | os.PathLike[str], export_hf: bool = False,
+                        keep_last: int | None = None) -> Any:
         """Atomically save trainer state (with ``export_hf``, also a Hugging Face folder at ``path/hf``;
         with ``keep_last``, then delete all but the newest k checkpoints beside ``path``)."""
         request = _request(CheckpointRequest, path=_folder(path), export_hf=export_hf, keep_last=keep_last)

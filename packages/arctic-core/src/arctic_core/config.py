@@ -58,7 +58,8 @@ MAX_LR = 1.0
 class OptimizerConfig(StrictModel):
     """AdamW (torch's, in every training backend) and gradient clipping."""
 
-    lr: Annotated[float, Field(gt=0, le=MAX_LR)] = Field(1e-5, description="Peak learning rate (the schedule scales it).")
+    lr: Annotated[float, Field(gt=0, le=MAX_LR)] = Field(1e-5,
+                                                         description="Peak learning rate (the schedule scales it).")
     betas: tuple[AdamBeta, AdamBeta] = Field((0.9, 0.999), description="Adam's moment decays, each in [0, 1).")
     eps: Annotated[float, Field(gt=0)] = Field(1e-8, description="Adam's denominator term.")
     weight_decay: Annotated[float, Field(ge=0)] = Field(0.0, description="Decoupled (AdamW) weight decay.")
@@ -170,7 +171,8 @@ class ArcticConfig(StrictModel):
     model: ModelConfig = Field(description="The policy's weights (the only required setting).")
     trainer: TrainerConfig = Field(TrainerConfig(), description="The engine behind fwd_bwd, step and log_probs.")
     sampler: SamplerConfig = Field(SamplerConfig(), description="The engine behind generate.")
-    reference: LogProbConfig | None = Field(None, description="Set (`reference: {}`) to serve reference log-probs (KL).")
+    reference: LogProbConfig | None = Field(None,
+                                            description="Set (`reference: {}`) to serve reference log-probs (KL).")
     weight_sync: WeightSyncConfig = Field(WeightSyncConfig(), description="How sync_weights moves the weights.")
     colocate: bool = Field(False, description=(
         "Engines share one device: before each call the server puts to sleep the engines it does not "

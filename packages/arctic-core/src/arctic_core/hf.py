@@ -22,7 +22,8 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"the model's device {name!r}: no CUDA device is visible on this machine (use 'cpu' or 'auto')")
+        raise ConfigError(f"the model's device {name!r}: no CUDA device is visible on this machine "
+                          "(use 'cpu' or 'auto')")
     return device
 
 
@@ -102,7 +103,8 @@ def check_batch_fits(batch: RolloutBatch, model: PreTrainedModel | PretrainedCon
                                f"model's max_position_embeddings={limit}")
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, params: SamplingParams, max_model_len: int) -> None:
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, params: SamplingParams,
+                  max_model_len: int) -> None:
     """Refuse, naming the prompt, an empty prompt, a token id outside the vocabulary or a prompt
     with no room left for ``max_tokens`` more, and a stop id no sample can ever draw (samplers are
     called directly too, not only behind the protocol's own checks)."""

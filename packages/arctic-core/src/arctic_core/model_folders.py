@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from arctic_core.checkpoint_files import HF_EXPORT, STATE_FILE
 from arctic_core.errors import ConfigError
 
 # A causal LM's files: its configs, safetensors weights and tokenizer. Weights in other formats
@@ -26,7 +27,7 @@ def is_model_folder(path: str | Path) -> bool:
 def hub_id(path: str) -> str | None:
     """``path`` as a Hub model id when it may be one: nothing exists at that path here, and it has the
     id's form (``name`` or ``org/name``)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id  # noqa: PLC0415 (only for Hub ids)
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # only for Hub ids
 
     if Path(path).expanduser().exists():
         return None
@@ -51,14 +52,12 @@ def model_folder(path: str, setting: str, fetch: bool = True) -> str:
                           "or a model id on the Hugging Face Hub")
     try:
         return _snapshot(repo, local_only=not fetch)
-    except Exception as exc:  # noqa: BLE001 (offline, unknown or gated model, network: each named below)
+    except Exception as exc:  # offline, unknown or gated model, network: each named below
         raise ConfigError(f"{setting}: nothing is at {path!r} here, and fetching it as a model id from the "
                           f"Hugging Face Hub failed: {type(exc).__name__}: {_one_line(exc)}") from exc
 
 
 def _why_not_a_model(folder: Path) -> str:
-    from arctic_core.serving.checkpoint_folders import HF_EXPORT, STATE_FILE  # it imports the config, which imports us
-
     if not folder.exists():
         return "does not exist"
     if (folder / STATE_FILE).is_file():  # a checkpoint of the trainer: its model folder is inside, if exported
@@ -88,7 +87,7 @@ def _one_line(exc: Exception, limit: int = 400) -> str:
 def _snapshot(repo: str, local_only: bool = False) -> str:
     """The cached snapshot folder of the Hub model ``repo``, fetched unless ``local_only`` (with
     huggingface_hub's progress bars)."""
-    from huggingface_hub import snapshot_download  # noqa: PLC0415
+    from huggingface_hub import snapshot_download
 
     folder = snapshot_download(repo, allow_patterns=MODEL_FILES, local_files_only=local_only)
     if not any(Path(folder).glob("*.safetensors")):

@@ -65,8 +65,8 @@ class HFGenerateSampler:
         for i, p in enumerate(prompts):  # left padding: generation continues every row at the same column
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                                             "min_p": params.min_p or None}
+        sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p,
+                                             "top_k": params.top_k, "min_p": params.min_p or None}
         if params.repetition_penalty != 1.0:
             sampling["repetition_penalty"] = params.repetition_penalty
         out = self.model.generate(

@@ -14,7 +14,7 @@ def arctic_sampling_backends():
         "hf-generate": Lazy("arctic_fca.hf_sampler:HFGenerateSampler",
                             "transformers generate(): n samples per prompt, sampling log-probs.",
                             options="arctic_fca.hf_sampler:HFSamplerOptions"),
-        "vllm": Lazy("arctic_fca.vllm_sampler:VllmSampler",
+        "vllm": Lazy("arctic_fca.vllm.sampler:VllmSampler",
                      "vLLM 0.24.x: prefix caching, in-place weight updates, sleep mode (the 'vllm' extra).",
-                     options="arctic_fca.vllm_sampler:VllmOptions", needs="arctic-fca[vllm]"),
+                     options="arctic_fca.vllm.sampler:VllmOptions", needs="arctic-fca[vllm]"),
     }

@@ -35,7 +35,8 @@ def _main() -> None:
 @app.command()
 def rl(
     config: Annotated[list[str], typer.Argument(help="@ rl.toml: PRIME-RL's rl config, with an \\[arctic] table.")],
-    dry_run: Annotated[bool, typer.Option(help="Check the settings and print the commands; start and write nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Check the settings and print the commands; "
+                                               "start and write nothing.")] = False,
 ) -> None:
     """Run PRIME-RL's orchestrator and environment servers; Arctic trains and samples."""
     from arctic_primerl.config import read_run

@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import Field
 
+from arctic_core.adapters import refusals as reasons
+from arctic_core.adapters.mapping import BackendInputs, backend_config, check_supported, placement
 from arctic_core.adapters.settings import BackendSettings
 from arctic_core.adapters.translation import overlay
 from arctic_core.config import ArcticConfig, StrictModel, unknown_key, validate
@@ -26,6 +28,7 @@ from arctic_core.errors import ConfigError
 from arctic_primerl.loss import loss_terms
 from arctic_primerl.schedule import LRSchedule
 from arctic_primerl.trainer import RunFolder
+from arctic_primerl.wire import PRIME_RL_VERSION
 
 
 class ArcticSection(BackendSettings):
@@ -43,7 +46,7 @@ class ArcticSection(BackendSettings):
 
 # Keys of [trainer] that change what is computed and that Arctic does not reproduce.
 REFUSED = {
-    ("model", "lora"): "LoRA (Arctic trains full weights)",
+    ("model", "lora"): f"LoRA ({reasons.FULL_WEIGHTS})",
     ("model", "quantization"): "FP8 training",
     ("model", "freeze_moe_router"): "a frozen MoE router",
     ("enable_router_replay",): "routed-expert replay",
@@ -86,9 +89,9 @@ class RunSettings(StrictModel):
     arctic: ArcticSection
 
     def arctic_config(self, on_gpu: bool) -> ArcticConfig:
-        base = {"model": {"path": self.model_name, "dtype": "bfloat16" if on_gpu else "float32"},
-                "trainer": {"optimizer": self.optimizer}}
-        return ArcticConfig.from_dict(overlay(base, self.arctic.config))
+        """The backend the adapter starts: PRIME-RL's model and optimizer, Arctic's engines
+        (``[arctic.config]`` overrides engine choices)."""
+        return backend_config(MAPPING, self, self.arctic, on_gpu)
 
     def orchestrator_config(self) -> dict[str, Any]:
         """PRIME-RL's orchestrator table, with the shared keys as its launcher fills them and the
@@ -101,20 +104,16 @@ class RunSettings(StrictModel):
 
 
 def read_run(path: Path) -> RunSettings:
-    """Parse and check ``rl.toml``; the first problem raises a ConfigError naming its key."""
+    """Parse and check ``rl.toml``: a ConfigError lists every setting Arctic does not reproduce, or
+    else names the first other problem by its key."""
     with path.open("rb") as f:
         try:
             raw = tomllib.load(f)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
     trainer, orchestrator = raw.get("trainer", {}), raw.get("orchestrator", {})
-    for keys, what in REFUSED.items():
-        if _get(trainer, keys) not in (None, False, {}):
-            raise ConfigError(f"trainer.{'.'.join(keys)}: {what} is not supported by arctic-primerl")
-    _check_transports(raw, trainer, orchestrator)
-    _check_deployment(raw.get("deployment", {}), trainer)
-    if _get(trainer, ("optim", "type")) not in (None, "adamw"):
-        raise ConfigError(f"trainer.optim.type = {trainer['optim']['type']!r}: arctic-primerl trains with AdamW")
+    arctic = validate(ArcticSection, raw.get("arctic", {}), "[arctic] table", prefix="arctic.")
+    check_supported(MAPPING, raw, arctic)
     _check_keys(raw)  # after the refusals: a refused setting's keys are named by its refusal, not as unknown
     model_name = _shared(raw, ("model", "name"), trainer, orchestrator)
     max_steps = _shared(raw, ("max_steps",), trainer, orchestrator)
@@ -127,13 +126,7 @@ def read_run(path: Path) -> RunSettings:
     lr = optim.get("lr", 1e-6)
     optimizer = {"lr": lr, "weight_decay": optim.get("weight_decay", 0.01), "max_grad_norm": optim.get("max_norm", 1.0),
                  "betas": (optim.get("betas1", 0.9), optim.get("betas2", 0.999))}
-    ckpt = {**raw.get("ckpt", {}), **trainer.get("ckpt", {})}
-    resume = {**raw.get("resume", {}), **trainer.get("resume", {})}
-    for key in CKPT_REFUSED:
-        if ckpt.get(key) not in (None, False):
-            raise ConfigError(f"ckpt.{key}: not supported by arctic-primerl (checkpoints go under the run folder, whole)")
-    if "dir" in resume:
-        raise ConfigError("resume.dir: arctic-primerl resumes from this run's own checkpoints (resume.step)")
+    ckpt, resume = _ckpt_and_resume(raw)
     resuming = "resume" in raw or "resume" in trainer
     run_dir = run_folder(raw, model_name, orchestrator, resuming)
     resume_step = resume.get("step")
@@ -142,13 +135,13 @@ def read_run(path: Path) -> RunSettings:
     port = raw.get("inference", {}).get("server", {}).get("port", 8000)
     return RunSettings(
         model_name=model_name, max_steps=max_steps, seq_len=seq_len, run_dir=run_dir, port=port,
-        loss=loss_terms(trainer.get("loss")), optimizer=optimizer,
+        loss=MAPPING.loss_terms(raw), optimizer=optimizer,
         schedule=LRSchedule.from_prime_rl(trainer.get("scheduler", {}), lr, max_steps),
         checkpoints="ckpt" in raw or "ckpt" in trainer, ckpt_interval=ckpt.get("interval"),
         ckpt_keep_last=ckpt.get("keep_last"), ckpt_keep_interval=ckpt.get("keep_interval"), resume_step=resume_step,
         clean=bool(raw.get("clean", False)), orchestrator=with_shared_sections(raw, orchestrator),
         process_env=_env_vars(raw, "orchestrator"), backend_env=_env_vars(raw, "trainer", "inference"),
-        arctic=validate(ArcticSection, raw.get("arctic", {}), "[arctic] table", prefix="arctic."),
+        arctic=arctic,
     )
 
 
@@ -268,22 +261,75 @@ def _shared(raw: dict[str, Any], keys: tuple[str, ...], *sections: dict[str, Any
     return next(iter(values.values()), None)
 
 
-def _check_transports(raw: dict[str, Any], trainer: dict[str, Any], orchestrator: dict[str, Any]) -> None:
-    for key, served in (("weight_broadcast", "the sampler is synced in memory"), ("rollout_transport", "rollouts are read from files")):
+def refusals(raw: dict[str, Any], settings: BackendSettings) -> list[str]:
+    """Every setting of ``rl.toml`` whose math or placement Arctic does not reproduce."""
+    trainer, orchestrator = raw.get("trainer", {}), raw.get("orchestrator", {})
+    found = [f"trainer.{'.'.join(keys)}: {what} is not supported by arctic-primerl"
+             for keys, what in REFUSED.items() if _get(trainer, keys) not in (None, False, {})]
+    found += _transport_refusals(raw, trainer, orchestrator) + _deployment_refusals(raw.get("deployment", {}), trainer)
+    if _get(trainer, ("optim", "type")) not in (None, "adamw"):
+        found.append(f"trainer.optim.type = {trainer['optim']['type']!r}: arctic-primerl trains with AdamW")
+    ckpt, resume = _ckpt_and_resume(raw)
+    found += [f"ckpt.{key}: not supported by arctic-primerl (checkpoints go under the run folder, whole)"
+              for key in CKPT_REFUSED if ckpt.get(key) not in (None, False)]
+    if "dir" in resume:
+        found.append("resume.dir: arctic-primerl resumes from this run's own checkpoints (resume.step)")
+    return found
+
+
+def _ckpt_and_resume(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The [ckpt] and [resume] tables, the trainer's own keys over the shared ones."""
+    trainer = raw.get("trainer", {})
+    return {**raw.get("ckpt", {}), **trainer.get("ckpt", {})}, {**raw.get("resume", {}), **trainer.get("resume", {})}
+
+
+def _transport_refusals(raw: dict[str, Any], trainer: dict[str, Any], orchestrator: dict[str, Any]) -> list[str]:
+    found = []
+    for key, served in (("weight_broadcast", "the sampler is synced in memory"),
+                        ("rollout_transport", "rollouts are read from files")):
         for where, table in (("", raw), ("trainer.", trainer), ("orchestrator.", orchestrator)):
             kind = _get(table, (key, "type"))
             if kind not in (None, "filesystem"):
-                raise ConfigError(f"{where}{key}.type = {kind!r}: arctic-primerl serves 'filesystem' ({served}); remove the setting")
+                found.append(f"{where}{key}.type = {kind!r}: arctic-primerl serves 'filesystem' ({served}); "
+                             "remove the setting")
+    return found
 
 
-def _check_deployment(deployment: dict[str, Any], trainer: dict[str, Any]) -> None:
+def _deployment_refusals(deployment: dict[str, Any], trainer: dict[str, Any]) -> list[str]:
+    found = []
     if deployment.get("type", "single_node") != "single_node":
-        raise ConfigError(f"deployment.type = {deployment['type']!r}: arctic-primerl runs on one node; Arctic "
-                          "spreads its engines over GPUs itself ([arctic.config])")
+        found.append(f"deployment.type = {deployment['type']!r}: arctic-primerl runs on one node; Arctic "
+                     "spreads its engines over GPUs itself ([arctic.config])")
     for key in ("num_train_gpus", "num_infer_gpus"):
         if deployment.get(key, 1) != 1:
-            raise ConfigError(f"deployment.{key} = {deployment[key]}: Arctic places its engines itself; give GPUs to "
-                              "[arctic.config] (trainer.backend = 'ray', sampler replicas) instead")
+            found.append(f"deployment.{key} = {deployment[key]}: Arctic places its engines itself; give GPUs to "
+                         "[arctic.config] (trainer.backend = 'ray', sampler replicas) instead")
     for key in ("cp", "dp_replicate"):
         if _get(trainer, ("model", key)) not in (None, 1):
-            raise ConfigError(f"trainer.model.{key}: PRIME-RL's parallelism settings do not apply; Arctic's are in [arctic.config]")
+            found.append(f"trainer.model.{key}: PRIME-RL's parallelism settings do not apply; "
+                         "Arctic's are in [arctic.config]")
+    return found
+
+
+def backend_inputs(run: RunSettings, on_gpu: bool) -> BackendInputs:
+    """PRIME-RL's model and optimizer; bf16 on a GPU, fp32 on the CPU (the device is Arctic's choice)."""
+    return BackendInputs(model_path=run.model_name, optimizer=run.optimizer, dtype=placement(on_gpu)["dtype"])
+
+
+class PrimeRLMapping:
+    """PRIME-RL's ``rl.toml`` in Arctic's terms (see :class:`arctic_core.adapters.mapping.FrameworkMapping`).
+    PRIME-RL is not a package of the environment Arctic runs in (its processes run in their own):
+    the release the adapter speaks to is the one its wire format was recorded from."""
+
+    adapter, framework, supported = "arctic-primerl", "prime-rl", (PRIME_RL_VERSION, "0.9")
+    owner = "PRIME-RL's own settings (model.name, [trainer.optim], [trainer.scheduler])"
+    metric_names: dict[str, str] = {}  # the trainer logs Arctic's metrics under their own names
+    refusals = staticmethod(refusals)
+    backend_inputs = staticmethod(backend_inputs)
+
+    @staticmethod
+    def loss_terms(raw: dict[str, Any]) -> list[dict[str, Any]]:
+        return loss_terms(raw.get("trainer", {}).get("loss"))
+
+
+MAPPING = PrimeRLMapping()

@@ -26,13 +26,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from arctic_core.adapters.request_grouping import RequestGrouper
+from arctic_core.adapters import refusals as reasons
+from arctic_core.adapters.sampling import GroupedSampler
 from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, finish_reason, vllm_sampling_params
-from arctic_core.batch import RolloutBatch
 from arctic_core.client import AsyncArcticClient
 from arctic_core.config import SamplingParams
 from arctic_core.errors import ArcticError, error_answer
-from arctic_core.hf import generation_config, token_id_list
+from arctic_core.hf import generation_config
 from arctic_core.serving.http import ApiError, bearer_check, error_response
 
 # vLLM sampling keys whose values Arctic cannot honour, with the value that means "off".
@@ -62,15 +62,12 @@ class FrontSettings:
     """Sampling settings a chat request leaves out, from the model's generation config (as vLLM's)."""
 
 
-def model_generation_settings(model: str) -> tuple[dict[str, Any], set[int]]:
-    """The chat defaults and the end-of-sequence ids the model's ``generation_config.json`` sets
-    (none when it has no such file): vLLM samples with both."""
+def chat_defaults(model: str) -> dict[str, Any]:
+    """The sampling settings the model's ``generation_config.json`` sets (none without one), which
+    vLLM's chat server samples with."""
     config = generation_config(model)
-    if config is None:
-        return {}, set()
-    given = config.to_diff_dict()
-    defaults = {key: given[key] for key in GENERATION_DEFAULTS if given.get(key) is not None}
-    return defaults, set(token_id_list(config.eos_token_id))
+    given = config.to_diff_dict() if config is not None else {}
+    return {key: given[key] for key in GENERATION_DEFAULTS if given.get(key) is not None}
 
 
 @dataclass
@@ -142,8 +139,8 @@ def sampling_params(body: dict[str, Any], prompt_len: int, settings: FrontSettin
             raise ApiError(400, "BadRequest", f"sampling_params.{key} = {value!r} is not supported by Arctic's sampler")
     known = set(UNSERVED_SAMPLING) | IGNORED_SAMPLING | VLLM_SAMPLING_KEYS
     if not isinstance(body.get("logprobs"), int | None) or (body.get("logprobs") or 0) > 1:
-        raise ApiError(400, "BadRequest", f"sampling_params.logprobs = {body['logprobs']!r}: Arctic returns the sampled "
-                                          "token's log-prob only (logprobs = 1)")
+        raise ApiError(400, "BadRequest", f"sampling_params.logprobs = {body['logprobs']!r}: Arctic returns the "
+                                          "sampled token's log-prob only (logprobs = 1)")
     unknown = sorted(set(body) - known)
     if unknown:
         raise ApiError(400, "BadRequest", f"unknown sampling_params {unknown}")
@@ -159,26 +156,16 @@ def sampling_params(body: dict[str, Any], prompt_len: int, settings: FrontSettin
 
 
 class Front:
-    """What the routes share: the settings, the state, the metrics, and the request grouper that
-    turns single-sample calls into one Arctic ``generate`` per prompt group."""
+    """What the routes share: the settings, the state, the metrics, and the sampler that turns
+    single-sample calls into one Arctic ``generate`` per prompt group."""
 
     def __init__(self, connect: Callable[[], AsyncArcticClient], settings: FrontSettings,
                  trained_step: Callable[[], int], tokenizer: Any) -> None:
-        self.connect, self.settings, self.tokenizer = connect, settings, tokenizer
+        self.settings, self.tokenizer = settings, tokenizer
         self.state = FrontState(trained_step)
         self.state.unpaused.set()
         self.metrics = FrontMetrics(self.state)
-        self._grouper: RequestGrouper | None = None
-
-    def grouper(self) -> RequestGrouper:
-        if self._grouper is None:  # the client belongs to the event loop the app runs in
-            client = self.connect()
-
-            async def send(prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
-                return (await client.generate(prompts, params)).batch
-
-            self._grouper = RequestGrouper(send, self.settings.group_quiet_s, self.settings.group_max_wait_s)
-        return self._grouper
+        self.sampler = GroupedSampler(connect, settings.group_quiet_s, settings.group_max_wait_s)
 
     def check_model(self, name: str) -> None:
         if name != self.settings.model_name:
@@ -196,7 +183,7 @@ class Front:
                 state.waiting -= 1
         state.running += 1
         try:
-            batch, row = await self.grouper().submit(prompt, params)
+            batch, row = await self.sampler.sample(prompt, params)
         finally:
             state.running -= 1
         self.metrics.served.inc()
@@ -243,7 +230,7 @@ def _add_sampling_routes(app: FastAPI, front: Front, authorised: list) -> None:
         return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_logprobs": None,
                 "choices": [{"index": 0, "token_ids": tokens, "finish_reason": finished,
                              "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp}
-                                                      for t, lp in zip(tokens, logprobs)]}}],
+                                                      for t, lp in zip(tokens, logprobs, strict=True)]}}],
                 "usage": _usage(len(body.token_ids), len(tokens))}
 
     @app.post("/v1/chat/completions", dependencies=authorised)
@@ -319,11 +306,12 @@ def _add_orchestrator_routes(app: FastAPI, front: Front, authorised: list) -> No
 
     @app.post("/init_broadcaster", dependencies=authorised)
     async def init_broadcaster() -> JSONResponse:
-        return error_response(404, "NotFound", "Arctic syncs the sampler itself; set weight_broadcast.type = 'filesystem'")
+        return error_response(404, "NotFound",
+                              "Arctic syncs the sampler itself; set weight_broadcast.type = 'filesystem'")
 
     @app.post("/load_lora_adapter", dependencies=authorised)
     async def load_lora_adapter() -> JSONResponse:
-        return error_response(400, "BadRequest", "Arctic trains full weights; LoRA adapters are not served")
+        return error_response(400, "BadRequest", f"{reasons.FULL_WEIGHTS}: LoRA adapters are not served")
 
     @app.get("/metrics", dependencies=authorised)
     async def metrics() -> Response:
@@ -333,7 +321,7 @@ def _add_orchestrator_routes(app: FastAPI, front: Front, authorised: list) -> No
 def _chat_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[float]) -> dict[str, Any]:
     """OpenAI's chat ``logprobs``: each sampled token's text and log-prob (no alternatives)."""
     return {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs)]}
+                        for t, lp in zip(tokens, logprobs, strict=True)]}
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:

@@ -90,8 +90,8 @@ def prime_rl_processes(run: RunSettings) -> list[Process]:
         processes.append(Process(f"env server {split}/{name}", [*run.arctic.env_server_command, "@", str(path)],
                                  logs / "envs" / split / f"{name}.log", config_file=path, config=config))
     path = configs / "orchestrator.json"
-    processes.append(Process("orchestrator", [*run.arctic.orchestrator_command, "@", str(path)], logs / "orchestrator.log",
-                             config_file=path, config=orchestrator))
+    processes.append(Process("orchestrator", [*run.arctic.orchestrator_command, "@", str(path)],
+                             logs / "orchestrator.log", config_file=path, config=orchestrator))
     return processes
 
 
@@ -102,10 +102,11 @@ def _write(path: Path, config: dict[str, Any]) -> Path:
 
 
 def check_commands(run: RunSettings) -> None:
-    for what, command in (("orchestrator", run.arctic.orchestrator_command), ("env-server", run.arctic.env_server_command)):
+    for what, command in (("orchestrator", run.arctic.orchestrator_command),
+                          ("env-server", run.arctic.env_server_command)):
         if shutil.which(command[0]) is None:
-            raise ArcticError(f"PRIME-RL's {what} command {command[0]!r} {not_found(command[0])}: run arctic-primerl in "
-                              f"PRIME-RL's environment (install arctic-primerl there), or set [arctic] "
+            raise ArcticError(f"PRIME-RL's {what} command {command[0]!r} {not_found(command[0])}: run arctic-primerl "
+                              f"in PRIME-RL's environment (install arctic-primerl there), or set [arctic] "
                               f"{what.replace('-', '_')}_command")
 
 

@@ -32,7 +32,8 @@ def loss_terms(loss: dict[str, Any] | None) -> list[dict[str, Any]]:
         raise ConfigError(f"trainer.loss: unknown key(s) {unknown} for type {kind!r}; known: {sorted(DEFAULTS[kind])}")
     opts = {**DEFAULTS[kind], **loss}
     if kind == "default":
-        region = {"mask_low": opts["dppo_mask_low"], "mask_high": opts["dppo_mask_high"], "trust_region": "advantage-sign"}
+        region = {"mask_low": opts["dppo_mask_low"], "mask_high": opts["dppo_mask_high"],
+                  "trust_region": "advantage-sign"}
     else:
         region = {"mask_low": opts["ipo_threshold"], "mask_high": opts["ipo_threshold"], "trust_region": "both-sides"}
     terms = [{"name": "dppo", "weight": opts["adv_tau"], "aggregation": "token-sum", **region}]

@@ -88,13 +88,14 @@ def _trainable(batch: MicroBatch, start: int, end: int, where: str) -> list[bool
     if batch.rl_weights is None:
         return list(mask)
     weights = batch.rl_weights[start:end]
-    if any(w not in (0.0, 1.0) for w, m in zip(weights, mask) if m):
+    if any(w not in (0.0, 1.0) for w, m in zip(weights, mask, strict=True) if m):
         raise WireError(f"{where}: rl_weights other than 0 and 1 are not supported by arctic-primerl")
-    return [m and w != 0.0 for m, w in zip(mask, weights)]
+    return [m and w != 0.0 for m, w in zip(mask, weights, strict=True)]
 
 
 def _refuse_unserved_streams(batch: MicroBatch, where: str) -> None:
-    for name, algorithm in (("ce_weights", "cross-entropy (sft, echo)"), ("ref_kl_weights", "reference KL (opd, opsd)")):
+    for name, algorithm in (("ce_weights", "cross-entropy (sft, echo)"),
+                            ("ref_kl_weights", "reference KL (opd, opsd)")):
         stream = getattr(batch, name)
         if stream is not None and any(stream):
             raise WireError(f"{where}: the {algorithm} loss component ({name}) is not served by arctic-primerl; "

@@ -14,6 +14,7 @@ import torch
 from pydantic import Field
 from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
+from arctic_core.adapters.schedule import StandInSchedule
 from arctic_core.config import StrictModel
 from arctic_core.errors import ConfigError
 
@@ -42,14 +43,8 @@ class LRSchedule(StrictModel):
 
     def rates(self) -> list[float]:
         """The learning rate of steps 1..max_steps (the optimizer steps, then the scheduler)."""
-        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=self.lr)
-        scheduler = self._scheduler(optimizer)
-        rates = []
-        for _ in range(self.max_steps):
-            rates.append(optimizer.param_groups[0]["lr"])
-            optimizer.step()
-            scheduler.step()
-        return rates
+        schedule = StandInSchedule(self.lr, self._scheduler)
+        return [schedule(step) for step in range(self.max_steps)]
 
     def _scheduler(self, optimizer: torch.optim.Optimizer) -> LRScheduler:
         if self.kind == "constant":
@@ -66,7 +61,8 @@ class LRSchedule(StrictModel):
             if decay_start < self.warmup_steps:
                 raise ConfigError(f"trainer.scheduler: warmup_steps ({self.warmup_steps}) + decay_steps "
                                   f"({self.decay_steps}) exceed max_steps ({self.max_steps})")
-            phases.append(LinearLR(optimizer, start_factor=1.0, end_factor=1.0, total_iters=decay_start - self.warmup_steps))
+            phases.append(LinearLR(optimizer, start_factor=1.0, end_factor=1.0,
+                                   total_iters=decay_start - self.warmup_steps))
             phases.append(LinearLR(optimizer, start_factor=1.0, end_factor=floor, total_iters=self.decay_steps - 1))
             milestones.append(decay_start)
         if not phases:

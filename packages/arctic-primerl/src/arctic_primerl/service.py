@@ -13,11 +13,11 @@ import threading
 import uvicorn
 from transformers import AutoTokenizer
 
-from arctic_core.client import ArcticClient, AsyncArcticClient
+from arctic_core.adapters.backend import async_connect, open_backend
+from arctic_core.adapters.sampling import end_of_sequence_ids
 from arctic_core.demo.metrics import MetricsLogger
-from arctic_core.transports.inprocess import InProcessTransport
 from arctic_primerl.config import RunSettings
-from arctic_primerl.inference import FrontSettings, create_front, model_generation_settings
+from arctic_primerl.inference import FrontSettings, chat_defaults, create_front
 from arctic_primerl.trainer import RolloutTrainer, RunFolder, TrainerSettings
 
 
@@ -25,16 +25,8 @@ class ArcticPrimeRL:
     def __init__(self, run: RunSettings, on_gpu: bool) -> None:
         self.run = run
         RunFolder(run.run_dir).prepare(run.resume_step, run.clean)  # before the engines take their time
-        settings = run.arctic
-        if settings.starts_backend:
-            from arctic_core.serving.server import ArcticServer
-
-            server = ArcticServer(run.arctic_config(on_gpu))
-            self.client = ArcticClient(InProcessTransport(server))
-            self._connect = lambda: AsyncArcticClient(InProcessTransport(server))
-        else:
-            self.client = ArcticClient.http(settings.url, token=settings.token, timeout=settings.timeout)
-            self._connect = lambda: AsyncArcticClient.http(settings.url, token=settings.token, timeout=settings.timeout)
+        self.client, _ = open_backend(run.arctic, lambda: run.arctic_config(on_gpu))
+        self._connect = async_connect(self.client, run.arctic)
         run.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLogger(run.run_dir / "tensorboard")
         self.trainer = RolloutTrainer(self.client, RunFolder(run.run_dir), TrainerSettings(
@@ -49,12 +41,12 @@ class ArcticPrimeRL:
         """Serve PRIME-RL's inference routes on ``[arctic] host`` and the run's port (0: any free
         one); returns the base URL."""
         tokenizer = AutoTokenizer.from_pretrained(self.run.model_name)
-        chat_defaults, eos = model_generation_settings(self.run.model_name)
         front = FrontSettings(
             model_name=self.run.model_name, max_model_len=self.run.arctic.max_model_len or self.run.seq_len,
-            eos_token_ids=({tokenizer.eos_token_id} | eos) - {None}, token=token,
-            group_quiet_s=self.run.arctic.group_quiet_ms / 1000, group_max_wait_s=self.run.arctic.group_max_wait_ms / 1000,
-            chat_defaults=chat_defaults,
+            eos_token_ids=end_of_sequence_ids(self.run.model_name, tokenizer.eos_token_id), token=token,
+            group_quiet_s=self.run.arctic.group_quiet_ms / 1000,
+            group_max_wait_s=self.run.arctic.group_max_wait_ms / 1000,
+            chat_defaults=chat_defaults(self.run.model_name),
         )
         app = create_front(self._connect, front, lambda: self.trainer.announced, tokenizer)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -11,9 +11,6 @@ SkyRL's source, so a SkyRL release that adds one fails the tests rather than a u
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -23,9 +20,12 @@ from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.train.config import SkyRLTrainConfig
 from transformers import get_scheduler
 
+from arctic_core.adapters.export import export_model
+from arctic_core.adapters.metrics import framework_metrics, prefixed
+from arctic_core.adapters.schedule import StandInSchedule
 from arctic_core.client import ArcticClient
 from arctic_skyrl.data import right_aligned, to_rollout_batch
-from arctic_skyrl.mapping import loss_terms
+from arctic_skyrl.mapping import MAPPING
 
 MODELS = ("policy", "ref")
 
@@ -37,7 +37,7 @@ class ArcticDispatch:
         self.cfg, self.arctic = cfg, arctic
         algorithm = cfg.trainer.algorithm
         self.temperature = float(algorithm.temperature)
-        self.loss = loss_terms(cfg)
+        self.loss = MAPPING.loss_terms(cfg)
         self.policy_name = self.loss[0]["name"]
         self.schedule = learning_rates(cfg, num_training_steps)
         self.optimizer_steps = 0
@@ -89,20 +89,16 @@ class ArcticDispatch:
         metrics["prompt_packed_tokens"] = float(batch.prompt_lens.sum() + batch.response_lens.sum())
         return WorkerOutput(metrics=self._train_metrics(metrics, data))
 
-    def forward_backward_from_staged(self, model: str, chunk_refs: list[TrainingInputBatch], **kwargs: Any) -> WorkerOutput:
+    def forward_backward_from_staged(self, model: str, chunk_refs: list[TrainingInputBatch],
+                                     **kwargs: Any) -> WorkerOutput:
         return self.forward_backward(model, _one_chunk(chunk_refs), **kwargs)
 
     def _train_metrics(self, metrics: dict[str, float], data: TrainingInputBatch) -> dict[str, float]:
         """SkyRL's worker metric names where Arctic computes the same quantity, every Arctic
         metric under ``arctic/``."""
-        named = {"final_loss": "loss", "policy_loss": f"{self.policy_name}/loss",
-                 "loss_metrics/clip_ratio": f"{self.policy_name}/clipfrac", "policy_kl": "kl/loss"}
-        out = {name: metrics[source] for name, source in named.items() if source in metrics}
-        # The entropy term aggregates as SkyRL's micro-batch means do (its loss minimises -entropy).
-        out["policy_entropy"] = -metrics["entropy/loss"]
-        out["policy_lr"] = self.schedule(self.optimizer_steps)
-        out["response_length"] = float(data.metadata["response_length"])
-        return out | {f"arctic/{key}": value for key, value in metrics.items()}
+        return {**framework_metrics(metrics, MAPPING.metric_names, self.policy_name),
+                "policy_lr": self.schedule(self.optimizer_steps),
+                "response_length": float(data.metadata["response_length"]), **prefixed(metrics)}
 
     def optim_step(self, model: str, model_id: str | None = None) -> float | None:
         """One optimizer step at SkyRL's scheduled learning rate; the gradient norm before clipping."""
@@ -148,12 +144,7 @@ class ArcticDispatch:
     def save_hf_model(self, model: str, export_dir: str, tokenizer: Any = None) -> None:
         """The policy as a Hugging Face folder (weights, config, tokenizer) at ``export_dir``."""
         self._check_trained(model)
-        parent = os.path.dirname(os.path.abspath(export_dir))
-        os.makedirs(parent, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=parent) as scratch:  # beside it: the move is a rename
-            self.arctic.save_checkpoint(os.path.join(scratch, "checkpoint"), export_hf=True)
-            shutil.rmtree(export_dir, ignore_errors=True)
-            shutil.move(os.path.join(scratch, "checkpoint", "hf"), export_dir)
+        export_model(self.arctic, export_dir)
 
     def finalize_pending_saves(self, model: str) -> None:
         """Arctic's saves are complete when the call returns."""
@@ -204,12 +195,9 @@ def _one_chunk(chunk_refs: list[TrainingInputBatch]) -> TrainingInputBatch:
     return chunk_refs[0]
 
 
-def learning_rates(cfg: SkyRLTrainConfig, num_training_steps: int):
+def learning_rates(cfg: SkyRLTrainConfig, num_training_steps: int) -> StandInSchedule:
     """SkyRL's learning rate after ``n`` optimizer steps: its schedule (transformers'
-    ``get_scheduler``, as its FSDP strategy builds it) on a stand-in optimizer."""
+    ``get_scheduler``, as its FSDP strategy builds it)."""
     optim = cfg.trainer.policy.optimizer_config
-    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim.lr)
-    schedule = get_scheduler(optim.scheduler, stand_in, num_warmup_steps=optim.num_warmup_steps,
-                             num_training_steps=num_training_steps)
-    factor = schedule.lr_lambdas[0]
-    return lambda n: optim.lr * factor(n)
+    return StandInSchedule(optim.lr, lambda stand_in: get_scheduler(
+        optim.scheduler, stand_in, num_warmup_steps=optim.num_warmup_steps, num_training_steps=num_training_steps))

@@ -21,10 +21,10 @@ import torch
 from skyrl.train.utils import validate_cfg
 from skyrl.train.utils.utils import initialize_ray
 
+from arctic_core.adapters.backend import open_backend
 from arctic_core.adapters.lost_server import end_if_server_lost
 from arctic_core.adapters.preflight import describe, exit_with
 from arctic_core.adapters.settings import BackendSettings
-from arctic_core.client import ArcticClient
 from arctic_core.errors import ArcticError
 from arctic_core.ray.actors import ray_environment
 from arctic_skyrl.experiment import ArcticPPOExp
@@ -44,12 +44,6 @@ def parse(argv: list[str]) -> tuple[ArcticSkyRLConfig, BackendSettings]:
     settings = preflight(cfg)  # first: a refused setting is named even where SkyRL's own checks would assert
     validate_cfg(cfg)
     return cfg, settings
-
-
-def open_backend(cfg: ArcticSkyRLConfig, settings: BackendSettings) -> ArcticClient:
-    if settings.url:
-        return ArcticClient.http(settings.url, token=settings.token, timeout=settings.timeout)
-    return ArcticClient.in_process(arctic_config(cfg, settings, on_gpu=torch.cuda.is_available()))
 
 
 def start_ray(cfg: ArcticSkyRLConfig) -> None:
@@ -74,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ArcticError, ValueError, AssertionError) as exc:  # SkyRL's checks raise the last two
         exit_with(NAME, describe(exc, "SkyRL's"))
     start_ray(cfg)
-    arctic = open_backend(cfg, settings)
+    arctic, _ = open_backend(settings, lambda: arctic_config(cfg, settings, on_gpu=torch.cuda.is_available()))
     try:
         ArcticPPOExp(cfg, settings, arctic).run()
     except Exception:

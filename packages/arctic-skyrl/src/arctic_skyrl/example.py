@@ -24,7 +24,7 @@ from arctic_core.demo.task import Problem
 
 ENTRY = "arctic_skyrl.example"  # this module, as SkyRL's trainer.override_entrypoint names it
 ENV = "counting"
-REWARD_LINE = re.compile(r"reward/avg_raw_reward: ([-+\d.eE]+)")
+REWARD_LINE = re.compile(r"reward/avg_raw_reward: (?P<reward>[-+\d.eE]+)")
 
 
 class CountingEnv(BaseTextEnv):
@@ -83,20 +83,8 @@ def main_base_command(paths: RunPaths, steps: int) -> list[str]:
     ]
 
 
-def step_reward(line: str) -> tuple[None, float] | None:
-    """A step's mean reward from the line SkyRL's trainer logs for each step (in step order)."""
-    match = REWARD_LINE.search(line)
-    return None if match is None else (None, float(match.group(1)))
-
-
-SKYRL = Framework(
-    name="skyrl",
-    outputs=frozenset({"tensorboard", "ckpts", "exports", "logs"}),
-    rows=counting_rows,
-    command=main_base_command,
-    step_reward=step_reward,
-    env=lambda paths: {"TENSORBOARD_DIR": str(paths.out / "tensorboard")},
-)
+SKYRL = Framework(name="skyrl", outputs=frozenset({"tensorboard", "ckpts", "exports", "logs"}), rows=counting_rows,
+                  command=main_base_command, step_line=REWARD_LINE)  # SkyRL logs the steps' rewards in order
 
 
 if __name__ == "__main__":

@@ -9,16 +9,17 @@ from skyrl.train.dataset import PromptDataset
 from skyrl.train.entrypoints.main_base import BasePPOExp
 from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
 
+from arctic_core.adapters.backend import async_connect
 from arctic_core.adapters.settings import BackendSettings
-from arctic_core.client import ArcticClient, AsyncArcticClient
+from arctic_core.client import ArcticClient
 from arctic_skyrl.dispatch import ArcticDispatch
 from arctic_skyrl.inference import ArcticInferenceClient
 from arctic_skyrl.settings import ArcticSkyRLConfig
 from arctic_skyrl.trainer import ArcticTrainer
 
 # SkyRL filters its prompt files with 8 worker processes. Starting them costs more than the work
-# for small files (31 s for 16 prompts on 2 cores, 23 s for 64 on 16 cores): one process up to
-# this many prompts, then at most half the cores.
+# for small files (tens of seconds, on 2 cores as on 16): one process up to this many prompts, then
+# at most half the cores.
 SMALL_DATASET_ROWS = 20_000
 
 
@@ -42,13 +43,15 @@ class ArcticPPOExp(BasePPOExp):
         super().__init__(cfg)
 
     def _prompt_dataset(self, files: list[str]) -> PromptDataset:
-        return PromptDataset(datasets=files, tokenizer=self.tokenizer, max_prompt_length=self.cfg.trainer.max_prompt_length,
+        return PromptDataset(datasets=files, tokenizer=self.tokenizer,
+                             max_prompt_length=self.cfg.trainer.max_prompt_length,
                              num_workers=dataset_workers(files))
 
     def get_train_dataset(self) -> PromptDataset:
         dataset = self._prompt_dataset(self.cfg.data.train_data)
         if len(dataset) < self.cfg.trainer.train_batch_size:
-            raise ValueError(f"data.train_data has {len(dataset)} prompts (after filtering by trainer.max_prompt_length), "
+            raise ValueError(f"data.train_data has {len(dataset)} prompts "
+                             "(after filtering by trainer.max_prompt_length), "
                              f"fewer than trainer.train_batch_size={self.cfg.trainer.train_batch_size}")
         return dataset
 
@@ -62,15 +65,9 @@ class ArcticPPOExp(BasePPOExp):
         return None
 
     def get_inference_client(self) -> ArcticInferenceClient:
-        arctic, settings = self.arctic, self.settings
-        if settings.url:
-            def connect() -> AsyncArcticClient:
-                return AsyncArcticClient.http(settings.url, token=settings.token, timeout=settings.timeout)
-        else:
-            def connect() -> AsyncArcticClient:
-                return AsyncArcticClient(arctic.transport)  # the trainer's in-process server
         sampling = get_sampling_params_for_backend("vllm", self.cfg.generator.sampling_params)
-        return ArcticInferenceClient(connect, self.tokenizer, str(self.cfg.trainer.policy.model.path), sampling, settings)
+        return ArcticInferenceClient(async_connect(self.arctic, self.settings), self.tokenizer,
+                                     str(self.cfg.trainer.policy.model.path), sampling, self.settings)
 
     def _setup_trainer(self) -> ArcticTrainer:
         cfg = self.cfg
@@ -83,6 +80,7 @@ class ArcticPPOExp(BasePPOExp):
             generator=self.get_generator(cfg, self.tokenizer, inference_client), colocate_pg=None)
         trainer.trajectory_logger = self.get_trajectory_logger()
         self.trainer = trainer
-        updates_per_batch = cfg.trainer.train_batch_size // cfg.trainer.policy_mini_batch_size * cfg.trainer.update_epochs_per_batch
+        updates_per_batch = (cfg.trainer.train_batch_size // cfg.trainer.policy_mini_batch_size
+                             * cfg.trainer.update_epochs_per_batch)
         trainer.dispatch = ArcticDispatch(cfg, self.arctic, trainer.total_training_steps * updates_per_batch)
         return trainer

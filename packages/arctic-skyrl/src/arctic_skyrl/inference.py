@@ -10,19 +10,18 @@ Arctic's own business: the server puts engines to sleep and pushes weights itsel
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from typing import Any
 
-from skyrl.backends.skyrl_train.inference_servers.base import InferenceEngineInput, InferenceEngineInterface, InferenceEngineOutput
+from skyrl.backends.skyrl_train.inference_servers.base import (InferenceEngineInput, InferenceEngineInterface,
+                                                                InferenceEngineOutput)
 
-from arctic_core.adapters.request_grouping import RequestGrouper
+from arctic_core.adapters import refusals as reasons
+from arctic_core.adapters.sampling import GroupedSampler, end_of_sequence_ids
 from arctic_core.adapters.settings import BackendSettings
 from arctic_core.adapters.translation import finish_reason
 from arctic_core.batch import RolloutBatch
-from arctic_core.client import AsyncArcticClient
 from arctic_core.config import SamplingParams
-from arctic_core.hf import generation_config, token_id_list
 from arctic_skyrl.mapping import to_sampling_params
 
 TOKEN_IN_TOKEN_OUT = ("arctic-skyrl serves token-in/token-out generation (SkyRLGymGenerator); the OpenAI-style "
@@ -30,16 +29,14 @@ TOKEN_IN_TOKEN_OUT = ("arctic-skyrl serves token-in/token-out generation (SkyRLG
 
 
 class ArcticInferenceClient(InferenceEngineInterface):
-    """Generation through an :class:`AsyncArcticClient`; ``connect`` makes one per event loop."""
+    """Generation through an :class:`~arctic_core.client.AsyncArcticClient`; ``connect`` makes one
+    per event loop."""
 
     def __init__(self, connect, tokenizer, model_path: str, default_sampling: dict[str, Any],
                  settings: BackendSettings) -> None:
-        self.connect, self.tokenizer, self.model_path = connect, tokenizer, model_path
+        self.tokenizer, self.model_path = tokenizer, model_path
         self.default_sampling = default_sampling
-        self.quiet_s, self.max_wait_s = settings.group_quiet_ms / 1000.0, settings.group_max_wait_ms / 1000.0
-        self._grouper: RequestGrouper | None = None
-        self._client: AsyncArcticClient | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.sampler = GroupedSampler.from_settings(connect, settings)
 
     # ------------------------------------------------------------------ generation
     @property
@@ -48,20 +45,7 @@ class ArcticInferenceClient(InferenceEngineInterface):
 
     @functools.cached_property
     def eos_token_ids(self) -> set[int]:
-        """What ends a sample besides a request's stop ids, as in vLLM: the tokenizer's end-of-sequence
-        id and those of the model's generation config (a chat model often lists several)."""
-        config = generation_config(self.model_path)
-        return set(token_id_list(self.tokenizer.eos_token_id)) | set(token_id_list(config.eos_token_id if config else None))
-
-    def client(self) -> AsyncArcticClient:
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._loop is not loop:  # a connection belongs to its event loop
-            self._client, self._loop = self.connect(), loop
-            self._grouper = RequestGrouper(self._send, self.quiet_s, self.max_wait_s)
-        return self._client
-
-    async def _send(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
-        return (await self.client().generate(prompts, params)).batch
+        return end_of_sequence_ids(self.model_path, self.tokenizer.eos_token_id)
 
     async def generate(self, input_batch: InferenceEngineInput, model: str | None = None) -> InferenceEngineOutput:
         if input_batch.get("prompts") is not None:
@@ -70,11 +54,10 @@ class ArcticInferenceClient(InferenceEngineInterface):
             raise ValueError("arctic-skyrl samples text only, without sample-support capture")
         prompts = [list(p) for p in input_batch["prompt_token_ids"]]
         params, want_logprobs = to_sampling_params(dict(input_batch.get("sampling_params") or self.default_sampling))
-        self.client()
         if len(prompts) == 1:  # one trajectory's turn: regrouped with its siblings
-            samples = [await self._grouper.submit(prompts[0], params)]
+            samples = [await self.sampler.sample(prompts[0], params)]
         else:  # a whole batch: each distinct prompt once, n = its copies, sent now
-            samples = await self._grouper.submit_batch(prompts, params)
+            samples = await self.sampler.sample_batch(prompts, params)
         return self._output(samples, params, want_logprobs)
 
     def _output(self, samples: list[tuple[RolloutBatch, int]], params: SamplingParams,
@@ -83,7 +66,8 @@ class ArcticInferenceClient(InferenceEngineInterface):
         ids = [batch.response(row) for batch, row in samples]
         logprobs = None
         if want_logprobs:
-            logprobs = [batch.sampling_logprobs[row, :len(tokens)].tolist() for (batch, row), tokens in zip(samples, ids)]
+            logprobs = [batch.sampling_logprobs[row, :len(tokens)].tolist()
+                        for (batch, row), tokens in zip(samples, ids, strict=True)]
         return InferenceEngineOutput(
             responses=self.tokenizer.batch_decode(ids, skip_special_tokens=True),
             response_ids=ids,
@@ -111,9 +95,7 @@ class ArcticInferenceClient(InferenceEngineInterface):
         """No session routing: one backend serves every trajectory."""
 
     async def teardown(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self.sampler.aclose()
 
     async def get_world_size(self) -> tuple[int, int]:
         return 1, 1
@@ -122,7 +104,7 @@ class ArcticInferenceClient(InferenceEngineInterface):
         raise NotImplementedError("arctic-skyrl: weights reach the samplers through Arctic's sync_weights")
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
-        raise NotImplementedError("arctic-skyrl: Arctic trains full weights (no LoRA)")
+        raise NotImplementedError(f"arctic-skyrl: {reasons.FULL_WEIGHTS}")
 
     def get_endpoint_url(self) -> str:
         raise NotImplementedError(TOKEN_IN_TOKEN_OUT)

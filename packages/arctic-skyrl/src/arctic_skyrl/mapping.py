@@ -16,8 +16,11 @@ from typing import Any
 
 from skyrl.train.config import SkyRLTrainConfig
 
+from arctic_core.adapters import refusals as reasons
+from arctic_core.adapters.mapping import BackendInputs, backend_config, placement
+from arctic_core.adapters.metrics import POLICY
 from arctic_core.adapters.settings import BackendSettings
-from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, overlay, vllm_sampling_params
+from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, vllm_sampling_params
 from arctic_core.config import ArcticConfig, SamplingParams
 from arctic_core.errors import ConfigError
 
@@ -27,8 +30,6 @@ KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 SKYRL_LOG_RATIO_BOUNDS = (-20.0, 20.0)  # SkyRL clamps log ratios before exp (safe_exp_delta, sapo)
 SKYRL_GSPO_LOG_RATIO_BOUNDS = (None, 10.0)
 K3_CLAMP = 10.0  # SkyRL's compute_approx_kl clamps k3 to [-10, 10]
-# Keys of arctic.config that SkyRL's own settings own.
-SKYRL_OWNED = {"model": ("path",), "trainer": ("optimizer", "scheduler", "gradient_checkpointing")}
 # Keys of SkyRL's vLLM sampling dict that only shape text decoding or are always on here.
 SAMPLING_TEXT_KEYS = {"skip_special_tokens", "include_stop_str_in_output", "min_tokens", "stop", "logprobs"}
 SAMPLING_KEYS = VLLM_SAMPLING_KEYS | SAMPLING_TEXT_KEYS
@@ -44,17 +45,20 @@ def refusals(cfg: SkyRLTrainConfig, settings: BackendSettings) -> list[str]:
         found.append(f"{key}={value!r}: {why}")
 
     if trainer.critic.model.path:
-        refuse("trainer.critic.model.path", trainer.critic.model.path, "a critic (value model) is not served by "
-               "Arctic; use a critic-free estimator (grpo, rloo, reinforce++, maxrl)")
+        refuse("trainer.critic.model.path", trainer.critic.model.path, f"{reasons.NO_CRITIC} (grpo, rloo, "
+               "reinforce++, maxrl)")
     if trainer.policy.model_config_kwargs:
-        refuse("trainer.policy.model_config_kwargs", dict(trainer.policy.model_config_kwargs), "Arctic builds the "
-               "model from the config.json in trainer.policy.model.path; put the changes there")
+        refuse("trainer.policy.model_config_kwargs", dict(trainer.policy.model_config_kwargs),
+               reasons.model_config_changes("trainer.policy.model.path"))
     if algorithm.policy_loss_type not in POLICY_LOSSES:
-        refuse("trainer.algorithm.policy_loss_type", algorithm.policy_loss_type, f"supported: {', '.join(POLICY_LOSSES)}")
+        refuse("trainer.algorithm.policy_loss_type", algorithm.policy_loss_type,
+               f"supported: {', '.join(POLICY_LOSSES)}")
     if algorithm.policy_loss_type == "cispo" and algorithm.cispo.cispo_anchor != "old":
-        refuse("trainer.algorithm.cispo.cispo_anchor", algorithm.cispo.cispo_anchor, "only the 'old' anchor is supported")
+        refuse("trainer.algorithm.cispo.cispo_anchor", algorithm.cispo.cispo_anchor,
+               "only the 'old' anchor is supported")
     if algorithm.use_kl_loss and algorithm.kl_estimator_type not in KL_ESTIMATORS:
-        refuse("trainer.algorithm.kl_estimator_type", algorithm.kl_estimator_type, f"supported: {', '.join(KL_ESTIMATORS)}")
+        refuse("trainer.algorithm.kl_estimator_type", algorithm.kl_estimator_type,
+               f"supported: {', '.join(KL_ESTIMATORS)}")
     _refuse_off_policy_correction(cfg, refuse)
     if algorithm.use_entropy_loss and (trainer.max_tokens_per_microbatch > 0 or not entropy_is_exact(cfg)):
         refuse("trainer.micro_train_batch_size_per_gpu", trainer.micro_train_batch_size_per_gpu, "SkyRL's entropy "
@@ -64,7 +68,7 @@ def refusals(cfg: SkyRLTrainConfig, settings: BackendSettings) -> list[str]:
     if algorithm.enable_sample_support_replay:
         refuse("trainer.algorithm.enable_sample_support_replay", True, "sample-support replay is not supported")
     if trainer.policy.model.lora.rank > 0:
-        refuse("trainer.policy.model.lora.rank", trainer.policy.model.lora.rank, "Arctic trains full weights (no LoRA)")
+        refuse("trainer.policy.model.lora.rank", trainer.policy.model.lora.rank, reasons.FULL_WEIGHTS)
     if _real(trainer.ref.model.path) != _real(trainer.policy.model.path):
         refuse("trainer.ref.model.path", trainer.ref.model.path, "Arctic's reference model is the initial policy "
                "(trainer.policy.model.path)")
@@ -74,25 +78,21 @@ def refusals(cfg: SkyRLTrainConfig, settings: BackendSettings) -> list[str]:
         refuse("trainer.policy.optimizer_config.scheduler", trainer.policy.optimizer_config.scheduler,
                f"supported: {', '.join(SCHEDULERS)}")
     if trainer.policy.torch_profiler_config.enable:
-        refuse("trainer.policy.torch_profiler_config.enable", True, "SkyRL's profiler drives its own GPU workers, "
-               "which do not run here")
+        refuse("trainer.policy.torch_profiler_config.enable", True, reasons.own_workers("SkyRL's profiler"))
     if trainer.fully_async.enabled:
         refuse("trainer.fully_async.enabled", True, "the synchronous trainer only")
     if generator.vision_language_generator:
-        refuse("generator.vision_language_generator", True, "Arctic samples text only")
+        refuse("generator.vision_language_generator", True, reasons.TEXT_ONLY)
     if generator.inference_engine.enable_return_routed_experts:
         refuse("generator.inference_engine.enable_return_routed_experts", True, "router replay is not supported")
-    for phase, params in (("sampling_params", generator.sampling_params), ("eval_sampling_params", generator.eval_sampling_params)):
+    for phase, params in (("sampling_params", generator.sampling_params),
+                          ("eval_sampling_params", generator.eval_sampling_params)):
         if params is not None and params.stop:
-            refuse(f"generator.{phase}.stop", list(params.stop), "Arctic's samplers stop on tokens, not strings: set "
+            refuse(f"generator.{phase}.stop", list(params.stop), f"{reasons.STOP_STRINGS}: set "
                    f"generator.{phase}.additional_kwargs.stop_token_ids")
         unknown = sorted(set(params.additional_kwargs or {}) - SAMPLING_KEYS) if params is not None else []
         if unknown:
             refuse(f"generator.{phase}.additional_kwargs", unknown, f"supported: {', '.join(sorted(SAMPLING_KEYS))}")
-    for section, keys in SKYRL_OWNED.items():
-        for key in keys:
-            if key in settings.config.get(section, {}):
-                found.append(f"arctic.config.{section}.{key}: set by SkyRL's own config (trainer.policy...)")
     return found
 
 
@@ -142,12 +142,6 @@ def _rejections(correction: Any) -> dict[str, Any]:
 
 def _real(path: str | None) -> str:
     return os.path.realpath(os.path.expanduser(str(path)))
-
-
-def check_supported(cfg: SkyRLTrainConfig, settings: BackendSettings) -> None:
-    problems = refusals(cfg, settings)
-    if problems:
-        raise ConfigError("arctic-skyrl cannot honour these SkyRL settings:\n  " + "\n  ".join(problems))
 
 
 # --------------------------------------------------------------------------- loss
@@ -206,23 +200,40 @@ def loss_terms(cfg: SkyRLTrainConfig) -> list[dict[str, Any]]:
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
-def arctic_config(cfg: SkyRLTrainConfig, settings: BackendSettings, on_gpu: bool) -> ArcticConfig:
-    """The backend the adapter starts: SkyRL's model and optimizer, Arctic's engines
-    (``arctic.config`` overrides engine choices); bf16 on a GPU, fp32 on the CPU."""
+def backend_inputs(cfg: SkyRLTrainConfig, on_gpu: bool) -> BackendInputs:
+    """SkyRL's model and optimizer; bf16 on a GPU, fp32 on the CPU."""
     policy, algorithm = cfg.trainer.policy, cfg.trainer.algorithm
     optim = policy.optimizer_config
-    base = {
-        "model": {"path": str(policy.model.path), "dtype": "bfloat16" if on_gpu else "float32",
-                  "device": "cuda" if on_gpu else "cpu"},
-        "trainer": {
-            "optimizer": {"lr": optim.lr, "betas": list(optim.adam_betas), "weight_decay": optim.weight_decay,
-                          "max_grad_norm": optim.max_grad_norm if optim.max_grad_norm > 0 else None},  # <= 0: off
-            "gradient_checkpointing": bool(cfg.trainer.gradient_checkpointing),
-        },
-        "reference": {} if (algorithm.use_kl_loss or algorithm.use_kl_in_reward) else None,
-        "seed": int(cfg.trainer.seed),
-    }
-    return ArcticConfig.from_dict(overlay(base, settings.config))
+    return BackendInputs(
+        model_path=str(policy.model.path), **placement(on_gpu),
+        optimizer={"lr": optim.lr, "betas": list(optim.adam_betas), "weight_decay": optim.weight_decay,
+                   "max_grad_norm": optim.max_grad_norm if optim.max_grad_norm > 0 else None},  # <= 0: off
+        gradient_checkpointing=bool(cfg.trainer.gradient_checkpointing),
+        reference=algorithm.use_kl_loss or algorithm.use_kl_in_reward, seed=int(cfg.trainer.seed))
+
+
+class SkyRLMapping:
+    """SkyRL 0.4's settings in Arctic's terms (see :class:`arctic_core.adapters.mapping.FrameworkMapping`)."""
+
+    adapter, framework, supported = "arctic-skyrl", "skyrl", ("0.4.0", "0.5")
+    owner = "SkyRL's own config (trainer.policy...)"
+    # SkyRL's worker metrics that Arctic computes (the entropy term aggregates as SkyRL's
+    # micro-batch means do).
+    metric_names = {"final_loss": "loss", "policy_loss": f"{POLICY}/loss",
+                    "loss_metrics/clip_ratio": f"{POLICY}/clipfrac",
+                    "policy_kl": "kl/loss", "policy_entropy": "-entropy/loss"}
+    refusals = staticmethod(refusals)
+    loss_terms = staticmethod(loss_terms)
+    backend_inputs = staticmethod(backend_inputs)
+
+
+MAPPING = SkyRLMapping()
+
+
+def arctic_config(cfg: SkyRLTrainConfig, settings: BackendSettings, on_gpu: bool) -> ArcticConfig:
+    """The backend the adapter starts: SkyRL's model and optimizer, Arctic's engines
+    (``arctic.config`` overrides engine choices)."""
+    return backend_config(MAPPING, cfg, settings, on_gpu)
 
 
 def to_sampling_params(request: dict[str, Any]) -> tuple[SamplingParams, bool]:

@@ -9,26 +9,26 @@ each ends the process with one line on stderr and exit status 2.
 
 from __future__ import annotations
 
-from arctic_core.adapters.preflight import check_backend, check_positions, check_server, version_problem
+from arctic_core.adapters.mapping import check_supported, framework_version_problem
+from arctic_core.adapters.preflight import check_backend, check_positions, check_server
 from arctic_core.adapters.settings import BackendSettings
-from arctic_skyrl.mapping import arctic_config, check_supported
 from arctic_core.errors import ArcticError
+from arctic_skyrl.mapping import MAPPING, arctic_config
 from arctic_skyrl.settings import ArcticSkyRLConfig, read_settings
-
-SUPPORTED = ("0.4.0", "0.5")  # SkyRL releases this adapter is tested with
 
 
 def preflight(cfg: ArcticSkyRLConfig) -> BackendSettings:
     """The validated ``arctic`` settings; raises :class:`~arctic_core.errors.ArcticError` naming
     the first problem that would stop the run."""
-    problem = version_problem("arctic-skyrl", "skyrl", *SUPPORTED)
+    problem = framework_version_problem(MAPPING)
     if problem:
         raise ArcticError(problem)
     settings = read_settings(cfg)
-    check_supported(cfg, settings)
+    check_supported(MAPPING, cfg, settings)
     algorithm, model_path = cfg.trainer.algorithm, str(cfg.trainer.policy.model.path)
     if settings.url:
-        needs = "trainer.algorithm.use_kl_loss / use_kl_in_reward" if algorithm.use_kl_loss or algorithm.use_kl_in_reward else None
+        needs = ("trainer.algorithm.use_kl_loss / use_kl_in_reward"
+                 if algorithm.use_kl_loss or algorithm.use_kl_in_reward else None)
         check_server(settings, model_path, "trainer.policy.model.path", needs)
     else:
         check_backend(arctic_config(cfg, settings, on_gpu=False))

@@ -8,26 +8,16 @@ The keys mean what :class:`~arctic_core.adapters.settings.BackendSettings` docum
 
 # No `from __future__ import annotations`: SkyRL builds its config from the field types.
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig
 from skyrl.train.config.config import BaseConfig, SkyRLTrainConfig
 
-from arctic_core.adapters.settings import BackendSettings
+from arctic_core.adapters.settings import BackendSettings, settings_dataclass
 from arctic_core.config import unknown_key, validate
 from arctic_core.errors import ConfigError
 
-
-@dataclass
-class ArcticSection(BaseConfig):
-    """Where the backend runs (see :class:`~arctic_core.adapters.settings.BackendSettings`)."""
-
-    url: Optional[str] = None  # noqa: UP045 (SkyRL's config parser reads typing annotations)
-    token: Optional[str] = None  # noqa: UP045
-    config: Dict[str, Any] = field(default_factory=dict)  # noqa: UP006
-    timeout: float = 600.0
-    group_quiet_ms: float = 200.0
-    group_max_wait_ms: float = 5000.0
+# Where the backend runs (the keys and defaults of BackendSettings, which validates them).
+ArcticSection = settings_dataclass(BackendSettings, "ArcticSection", __name__, (BaseConfig,))
 
 
 @dataclass

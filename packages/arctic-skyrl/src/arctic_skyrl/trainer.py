@@ -36,5 +36,6 @@ class ArcticTrainer(RayPPOTrainer):
         if rollout is not None and mask.any():  # SkyRL's sampler-vs-trainer diagnostics
             diff = (rollout[mask] - policy[mask]).abs()
             self.all_metrics.update({f"policy/rollout_train_logprobs_abs_diff_{name}": float(value) for name, value in
-                                     (("max", diff.max()), ("min", diff.min()), ("mean", diff.mean()), ("std", diff.std()))})
+                                     (("max", diff.max()), ("min", diff.min()), ("mean", diff.mean()),
+                                      ("std", diff.std()))})
         return training_input

@@ -4,14 +4,12 @@
 Supported: trl 1.16.x (the adapter overrides TRL internals that change between minor releases).
 """
 
-from importlib.metadata import version
+from arctic_core.adapters.mapping import framework_version_problem
+from arctic_trl.mapping import MAPPING
 
-from packaging.version import Version
-
-SUPPORTED_TRL = (Version("1.16"), Version("1.17"))
-_found = Version(version("trl"))
-if not SUPPORTED_TRL[0] <= _found < SUPPORTED_TRL[1]:
-    raise ImportError(f"arctic_trl supports trl >=1.16,<1.17; trl {_found} is installed")
+_problem = framework_version_problem(MAPPING)
+if _problem:
+    raise ImportError(_problem)
 
 from arctic_core.quiet import hide_banners  # noqa: E402
 

@@ -18,9 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 from trl import GRPOConfig
 
+from arctic_core.adapters import refusals as reasons
+from arctic_core.adapters.mapping import BackendInputs
+from arctic_core.adapters.translation import overlay
 from arctic_core.config import SamplerConfig, TrainerConfig
 from arctic_core.hf import max_positions
 
@@ -120,7 +123,7 @@ def unsupported(args: GRPOConfig) -> list[str]:
         problems.append(f"generation_kwargs {unknown}: Arctic's samplers honour {sorted(GENERATION_KWARGS)}")
     optim = str(getattr(args.optim, "value", args.optim))
     if not optim.startswith("adamw_torch") or args.optim_args:
-        problems.append(f"optim={optim!r}, optim_args={args.optim_args!r}: Arctic's backends step torch's AdamW "
+        problems.append(f"optim={optim!r}, optim_args={args.optim_args!r}: {reasons.ADAMW_ONLY} "
                         "(optim='adamw_torch' or 'adamw_torch_fused', no optim_args)")
     if args.load_best_model_at_end:
         problems.append("load_best_model_at_end: resume from a checkpoint instead (resume_from_checkpoint)")
@@ -167,7 +170,7 @@ def vllm_sampler_options(args: GRPOConfig, backend: str) -> tuple[dict[str, Any]
         if option is None:
             unmatched.append(key)
         else:
-            options = _merged(options, option(value))
+            options = overlay(options, option(value))
     return options, unmatched
 
 
@@ -280,7 +283,8 @@ def loss_terms(args: GRPOConfig, micro: MicroBatch) -> tuple[list[dict[str, Any]
     return terms, args.max_completion_length if args.loss_type == "dr_grpo" else None
 
 
-def policy_loss(args: GRPOConfig, terms: list[dict[str, Any]], metrics: dict[str, float], accumulation_steps: int) -> float:
+def policy_loss(args: GRPOConfig, terms: list[dict[str, Any]], metrics: dict[str, float],
+                accumulation_steps: int) -> float:
     """TRL's ``policy_loss`` metric from the backend's: the loss without the entropy bonus, before
     TRL divides it by the accumulation steps (the loss types normalised per micro-batch)."""
     part = sum(term["weight"] * metrics[f"{term['name']}/loss"] for term in terms if term["name"] != "entropy")
@@ -331,6 +335,26 @@ def one_gpu_bf16_trainer(args: GRPOConfig, overrides: dict[str, Any]) -> bool:
             and trainer.get("backend", TrainerConfig().backend) == "deepspeed")
 
 
+def backend_inputs(model_path: str, args: GRPOConfig, overrides: dict[str, Any]) -> BackendInputs:
+    """What TRL's settings say about the in-process backend (``overrides``: the user's ``arctic=``)."""
+    extra: dict[str, Any] = {"trainer": {}}
+    if args.gradient_checkpointing:
+        # TRL checkpoints to fit in memory: recompute only the layers the free memory cannot keep.
+        extra["trainer"]["checkpoint_layers"] = "auto"
+    if one_gpu_bf16_trainer(args, overrides):
+        # DeepSpeed's bf16 optimizer (stage 1) accumulates in fp32 as stage 2 does, and ends each
+        # step sooner on one GPU; it cannot sleep, hence not with colocated engines.
+        extra["trainer"]["options"] = {"zero_stage": 1}
+    return BackendInputs(
+        model_path=model_path, dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+        device="cpu" if args.use_cpu else "auto",
+        optimizer={"lr": args.learning_rate, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
+                   "weight_decay": args.weight_decay, "decay": "transformers",
+                   "max_grad_norm": args.max_grad_norm if args.max_grad_norm else None},
+        gradient_checkpointing=bool(args.gradient_checkpointing), reference=args.beta != 0.0, seed=args.seed,
+        extra=extra)
+
+
 def arctic_config(model_path: str, args: GRPOConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """An in-process Arctic server for ``model_path`` with TRL's optimizer settings and vLLM
     settings (``VLLM_SETTINGS``), under ``overrides`` (which win). The schedule is TRL's: its
@@ -338,39 +362,57 @@ def arctic_config(model_path: str, args: GRPOConfig, overrides: dict[str, Any] |
     overrides = overrides or {}
     if vllm_settings(args, "colocate"):  # vLLM sleeps while TRL trains: Arctic's engines sleep in turn
         overrides = {"colocate": True, **overrides}
-    device = "cpu" if args.use_cpu else "auto"
-    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-    config: dict[str, Any] = {
-        "model": {"path": model_path, "dtype": dtype, "device": device},
-        "seed": args.seed,
-        "trainer": {
-            "optimizer": {"lr": args.learning_rate, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
-                          "weight_decay": args.weight_decay, "decay": "transformers",
-                          "max_grad_norm": args.max_grad_norm if args.max_grad_norm else None},
-            "gradient_checkpointing": bool(args.gradient_checkpointing),
-        },
-    }
-    if args.gradient_checkpointing:
-        # TRL checkpoints to fit in memory: recompute only the layers the free memory cannot keep.
-        config["trainer"]["checkpoint_layers"] = "auto"
-    if args.beta != 0.0:
-        config["reference"] = {}
-    if one_gpu_bf16_trainer(args, overrides):
-        # DeepSpeed's bf16 optimizer (stage 1) accumulates in fp32 as stage 2 does, and ends each
-        # step sooner on one GPU; it cannot sleep, hence not with colocated engines.
-        config["trainer"]["options"] = {"zero_stage": 1}
-    for key, value in overrides.items():
-        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    config = overlay(backend_inputs(model_path, args, overrides).config(), overrides)
     sampler = config.get("sampler", {})
     options = vllm_sampler_options(args, sampler.get("backend", SamplerConfig().backend))[0]
     if options:  # under the user's own sampler options
-        config["sampler"] = {**sampler, "options": _merged(options, sampler.get("options", {}))}
+        config["sampler"] = {**sampler, "options": overlay(options, sampler.get("options", {}))}
     return config
 
 
-def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``over``'s keys, nested dicts merged key by key."""
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+@dataclass(frozen=True)
+class TRLRun:
+    """What a GRPOTrainer on Arctic is built from: TRL's settings, the model folder, the user's
+    ``arctic=`` overrides, and the constructor's arguments Arctic refuses when given."""
+
+    args: GRPOConfig
+    model_path: str
+    overrides: dict[str, Any]
+    peft_config: Any = None
+    optimizers: Any = (None, None)
+
+
+def run_refusals(run: TRLRun, settings: Any = None) -> list[str]:
+    """Every setting of the run Arctic cannot reproduce exactly (:func:`unsupported` and the model's)."""
+    problems = unsupported(run.args)
+    if run.peft_config is not None:
+        problems.append(f"peft_config: {reasons.FULL_WEIGHTS}")
+    if run.optimizers != (None, None):
+        problems.append("optimizers: the optimizer runs in the Arctic backend (configure it in GRPOConfig)")
+    return problems + unsupported_model(run.args, AutoConfig.from_pretrained(run.model_path))
+
+
+class TRLMapping:
+    """TRL 1.16's ``GRPOTrainer`` settings in Arctic's terms (see
+    :class:`arctic_core.adapters.mapping.FrameworkMapping`); the loss terms depend on each
+    micro-batch too."""
+
+    adapter, framework, supported = "arctic-trl", "trl", ("1.16", "1.17")
+    owner = "GRPOConfig (model, learning_rate, adam_*, weight_decay, max_grad_norm, gradient_checkpointing)"
+    # The backend's loss metrics (``{term}/{metric}``) that are TRL's under another name.
+    metric_names = {"kl": "kl/kl", "entropy": "entropy/entropy", "clip_ratio/low_mean": "ppo/clip_low_frac",
+                    "clip_ratio/high_mean": "ppo/clip_high_frac", "clip_ratio/low_min": "ppo/clip_low_frac_seq_min",
+                    "clip_ratio/high_max": "ppo/clip_high_frac_seq_max", "cispo_clip_ratio": "cispo/capfrac",
+                    "vespo/phi_seq_mean": "vespo/phi_mean"}
+    refusals = staticmethod(run_refusals)
+
+    @staticmethod
+    def loss_terms(run: TRLRun, micro: MicroBatch) -> list[dict[str, Any]]:
+        return loss_terms(run.args, micro)[0]
+
+    @staticmethod
+    def backend_inputs(run: TRLRun, on_gpu: bool) -> BackendInputs:
+        return backend_inputs(run.model_path, run.args, run.overrides)
+
+
+MAPPING = TRLMapping()

@@ -31,12 +31,16 @@ import torch
 import trl
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedModel
 
+from arctic_core.adapters.backend import open_backend
+from arctic_core.adapters.export import link_export_files
+from arctic_core.adapters.mapping import check_supported
+from arctic_core.adapters.metrics import framework_metrics
+from arctic_core.adapters.settings import BackendSettings
 from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
 from arctic_core.model_folders import model_folder
-from arctic_core.serving.server import HF_EXPORT
-from arctic_trl.mapping import (MicroBatch, arctic_config, loss_terms, policy_loss, regroup_is_exact, sampling_params,
-                                truncated_sampling_caveat, unsupported, unsupported_model, vllm_notice)
+from arctic_trl.mapping import (MAPPING, MicroBatch, TRLRun, arctic_config, loss_terms, policy_loss, regroup_is_exact,
+                                sampling_params, truncated_sampling_caveat, vllm_notice)
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +100,10 @@ class ArcticOptimizer(torch.optim.Optimizer):
 
 class GRPOTrainer(trl.GRPOTrainer):
     """Drop-in for ``trl.GRPOTrainer``. ``model`` is a local model folder, a Hub model id (fetched
-    into the Hub's cache) or a loaded model (saved to a temporary folder for the backend). ``arctic``: an ``ArcticClient``, an
-    ``http://`` URL of ``arctic-rl serve``, or a dict of ArcticConfig overrides for the in-process
-    backend (default: DeepSpeed + ZoRRo trainer and the embedded FCA sampler on this machine).
+    into the Hub's cache) or a loaded model (saved to a temporary folder for the backend).
+    ``arctic``: an ``ArcticClient``, an ``http://`` URL of ``arctic-rl serve``, or a dict of
+    ArcticConfig overrides for the in-process backend (default: DeepSpeed + ZoRRo trainer and the
+    embedded FCA sampler on this machine).
     ``use_vllm=True`` keeps Arctic's sampler (``mapping.VLLM_SETTINGS``)."""
 
     def __init__(self, model: str | PreTrainedModel, reward_funcs: Any, args: trl.GRPOConfig | None = None,
@@ -107,22 +112,17 @@ class GRPOTrainer(trl.GRPOTrainer):
                  peft_config: Any = None, *, arctic: ArcticClient | str | dict[str, Any] | None = None,
                  **kwargs: Any) -> None:
         args = copy.copy(args) if args is not None else trl.GRPOConfig(output_dir="arctic-grpo")
-        problems = unsupported(args)
-        if peft_config is not None:
-            problems.append("peft_config: Arctic trains full weights")
-        if optimizers != (None, None):
-            problems.append("optimizers: the optimizer runs in the Arctic backend (configure it in GRPOConfig)")
         path = _model_folder(model)
-        problems += unsupported_model(args, AutoConfig.from_pretrained(path))
-        if problems:
-            raise ValueError("arctic_trl cannot run these settings exactly:\n  - " + "\n  - ".join(problems))
+        settings = backend_settings(arctic)
+        check_supported(MAPPING, TRLRun(args, path, settings.config, peft_config, optimizers), settings)
         caveat = truncated_sampling_caveat(args)
         if caveat:
             warnings.warn(caveat, stacklevel=2)
         notice = vllm_notice(args, (arctic or {}) if isinstance(arctic, dict | None) else None)
         if notice:
             log.warning(notice)
-        self.arctic = _connect(arctic, path, args)
+        self.arctic = arctic if isinstance(arctic, ArcticClient) else \
+            open_backend(settings, lambda: arctic_config(path, args, settings.config))[0]
         beta = args.beta
         # TRL must not build a reference model, clip the placeholder or start vLLM: the backend does
         # each (it was configured with these values above).
@@ -132,7 +132,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._policy_loss = 0.0  # TRL's policy_loss metric of the last micro-batch (with an entropy bonus)
         optimizer = ArcticOptimizer(stub, self.arctic, args.learning_rate, self._record_step)
         super().__init__(model=stub, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class or AutoTokenizer.from_pretrained(path),
+                         eval_dataset=eval_dataset,
+                         processing_class=processing_class or AutoTokenizer.from_pretrained(path),
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks,
                          optimizers=(optimizer, None), **kwargs)
         self.beta = args.beta = beta
@@ -147,8 +148,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _tokenize_prompts(self, prompts: list):
         """TRL's, once per run of identical prompts: TRL's sampler repeats each prompt
-        ``num_generations`` times in a row, and tokenizing every copy of a 4k-token prompt took
-        0.24 s per step with one tokenizer thread. Per-row environments, images and processor fields
+        ``num_generations`` times in a row, and tokenizing every copy of a long prompt costs a visible
+        share of a GPU step with one tokenizer thread. Per-row environments, images and processor fields
         keep TRL's own per-row call."""
         runs = _runs(prompts)
         if len(runs) == len(prompts) or getattr(self, "environment_factories", None) is not None:
@@ -259,11 +260,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         batch = _rollout_batch(input_ids, attention, inputs["completion_ids"].shape[1], mask, **fields)
         floor, kept, window = self._entropy_mask(batch)
-        micro = MicroBatch(self.current_gradient_accumulation_steps, int(mask.sum()), float(inputs["num_items_in_batch"]),
+        micro = MicroBatch(self.current_gradient_accumulation_steps, int(mask.sum()),
+                           float(inputs["num_items_in_batch"]),
                            self.accelerator.num_processes, on_policy, floor, kept, self._entropy_bonus(),
                            sampled is not None)
         terms, max_len = loss_terms(self.args, micro)
-        metrics = dict(self.arctic.fwd_bwd(batch, terms, temperature=self.temperature, max_response_len=max_len).metrics)
+        metrics = dict(self.arctic.fwd_bwd(batch, terms, temperature=self.temperature,
+                                           max_response_len=max_len).metrics)
         if self._entropy_bonus_enabled:  # TRL logs the loss without the bonus beside it
             self._policy_loss = policy_loss(self.args, terms, metrics, micro.accumulation_steps)
         if self.use_adaptive_entropy:
@@ -300,7 +303,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _update_entropy_controller(self, window: torch.Tensor) -> None:
         """TRL's adaptive entropy: window-global entropy measured over the accumulation window's
         micro-batches; at the optimizer-step boundary the coefficient moves by entropy_coef_delta."""
-        self._entropy_window_stats = window if self._entropy_window_stats is None else self._entropy_window_stats + window
+        self._entropy_window_stats = (window if self._entropy_window_stats is None
+                                      else self._entropy_window_stats + window)
         if not self.accelerator.sync_gradients:
             return
         totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
@@ -320,9 +324,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _record_as_trl(self, metrics: dict[str, float]) -> None:
         """The loss metrics TRL's ``_compute_loss`` logs, under its names, from the backend's."""
         train = self._metrics["train"]
-        for ours, theirs in TRL_METRICS.items():
-            if ours in metrics:
-                train[theirs].append(float(metrics[ours]))
+        for theirs, value in framework_metrics(metrics, MAPPING.metric_names, policy="").items():
+            train[theirs].append(float(value))
         for key, value in metrics.items():  # the policy term's, whatever its name
             theirs = SAMPLING_METRICS.get(key.partition("/")[2])
             if theirs:
@@ -342,12 +345,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         Hugging Face folder, linked at ``output_dir`` itself so that ``from_pretrained`` reads it."""
         folder = Path(output_dir or self.args.output_dir)
         self.arctic.save_checkpoint(str(folder / ARCTIC_CHECKPOINT), export_hf=True)
-        export = folder / ARCTIC_CHECKPOINT / HF_EXPORT
-        if export.is_dir():  # not here when the backend runs on another machine (its files are there)
-            for file in export.iterdir():
-                link = folder / file.name
-                link.unlink(missing_ok=True)
-                link.symlink_to(file.relative_to(folder))
+        link_export_files(folder / ARCTIC_CHECKPOINT, folder)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(folder)
 
@@ -374,11 +372,6 @@ SAMPLING_METRICS = {"sampler_logp_diff": "sampling/sampling_logp_difference/mean
                     "sampler_weight_min": "sampling/importance_sampling_ratio/min",
                     "sampler_weight": "sampling/importance_sampling_ratio/mean",
                     "sampler_weight_max": "sampling/importance_sampling_ratio/max"}
-# The backend's loss metrics (``{term}/{metric}``) that are TRL's under another name.
-TRL_METRICS = {"kl/kl": "kl", "entropy/entropy": "entropy", "ppo/clip_low_frac": "clip_ratio/low_mean",
-               "ppo/clip_high_frac": "clip_ratio/high_mean", "ppo/clip_low_frac_seq_min": "clip_ratio/low_min",
-               "ppo/clip_high_frac_seq_max": "clip_ratio/high_max", "cispo/capfrac": "cispo_clip_ratio",
-               "vespo/phi_mean": "vespo/phi_seq_mean"}
 
 
 def _model_folder(model: str | PreTrainedModel) -> str:
@@ -389,12 +382,12 @@ def _model_folder(model: str | PreTrainedModel) -> str:
     return folder
 
 
-def _connect(arctic: ArcticClient | str | dict[str, Any] | None, path: str, args: trl.GRPOConfig) -> ArcticClient:
-    if isinstance(arctic, ArcticClient):
-        return arctic
+def backend_settings(arctic: ArcticClient | str | dict[str, Any] | None) -> BackendSettings:
+    """The ``arctic=`` argument as the adapters' backend settings: a server's URL, or the overrides
+    of the backend started in this process (a client given as it is: nothing to start)."""
     if isinstance(arctic, str):
-        return ArcticClient.http(arctic)
-    return ArcticClient.in_process(arctic_config(path, args, arctic))
+        return BackendSettings(url=arctic)
+    return BackendSettings(config=arctic if isinstance(arctic, dict) else {})
 
 
 def _runs(prompts: list[Any]) -> list[tuple[Any, int]]:
@@ -417,7 +410,8 @@ def group_micro_batches(batches: list[dict[str, Any]], window: int) -> list[dict
     for start in range(0, len(batches), window):
         chunk = batches[start:start + window]
         rows = {k: _concat([b[k] for b in chunk]) for k, v in chunk[0].items() if _per_row(v)}
-        prompts = [_token_key(ids[mask.bool()]) for ids, mask in zip(rows["prompt_ids"], rows["prompt_mask"])]
+        prompts = [_token_key(ids[mask.bool()])
+                   for ids, mask in zip(rows["prompt_ids"], rows["prompt_mask"], strict=True)]
         first = {p: i for i, p in reversed(list(enumerate(prompts)))}
         order = sorted(range(len(prompts)), key=lambda i: (first[prompts[i]], i))
         offset = 0
@@ -430,7 +424,7 @@ def group_micro_batches(batches: list[dict[str, Any]], window: int) -> list[dict
 
 
 def _token_key(ids: torch.Tensor) -> bytes:
-    """A row's tokens as a dict key (a tuple of Python ints costs ~0.3 ms per 5k-token prompt)."""
+    """A row's tokens as a dict key (raw bytes: a tuple of Python ints would cost far more for a long prompt)."""
     return ids.cpu().numpy().tobytes()
 
 
@@ -443,7 +437,8 @@ def _concat(parts: list[Any]) -> Any:
 
 
 def _take(values: Any, rows: list[int]) -> Any:
-    return values[torch.tensor(rows, device=values.device)] if isinstance(values, torch.Tensor) else [values[i] for i in rows]
+    return (values[torch.tensor(rows, device=values.device)] if isinstance(values, torch.Tensor)
+            else [values[i] for i in rows])
 
 
 def _to_host(value: Any) -> Any:

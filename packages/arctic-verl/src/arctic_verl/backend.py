@@ -2,40 +2,23 @@
 
 verl's trainer runs in one Ray actor and its rollout (agent loops) in others, so the trainer and
 the rollout client each connect on their own: to a server Ray actor by name, or to an
-``arctic-rl serve`` URL. :class:`BackendAddress` is that address, small and picklable, sent to
-the agent-loop workers inside the rollout client.
+``arctic-rl serve`` URL, through the backend's
+:class:`~arctic_core.adapters.backend.BackendAddress`, sent to the agent-loop workers inside the
+rollout client.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from arctic_core.client import ArcticClient, AsyncArcticClient
+from arctic_core.adapters import backend
+from arctic_core.adapters.backend import BackendAddress
+from arctic_core.client import ArcticClient
+from arctic_core.config import ArcticConfig
 from arctic_verl.mapping import arctic_config
 from arctic_verl.settings import ArcticSettings
-
-
-@dataclass(frozen=True)
-class BackendAddress:
-    """A server Ray actor's name, or an HTTP URL with its token."""
-
-    actor: str | None = None
-    url: str | None = None
-    token: str | None = None
-    timeout: float = 600.0
-
-    def client(self) -> ArcticClient:
-        if self.url:
-            return ArcticClient.http(self.url, token=self.token, timeout=self.timeout)
-        return ArcticClient.ray(name=self.actor)
-
-    def async_client(self) -> AsyncArcticClient:
-        if self.url:
-            return AsyncArcticClient.http(self.url, token=self.token, timeout=self.timeout)
-        return AsyncArcticClient.ray(name=self.actor)
 
 
 def server_gpus(settings: ArcticSettings) -> float:
@@ -53,12 +36,11 @@ def server_gpus(settings: ArcticSettings) -> float:
 def open_backend(config: DictConfig, settings: ArcticSettings) -> tuple[ArcticClient, BackendAddress]:
     """The client the trainer uses and the address the rollout uses: the server named by the
     settings, or one started now as a Ray actor of this run (it ends with the run)."""
-    if not settings.starts_backend:
-        address = BackendAddress(actor=settings.actor, url=settings.url, token=settings.token, timeout=settings.timeout)
-        client = address.client()
-        client.status()  # reachable, and the token is right
-        return client, address
-    name, gpus = f"arctic-verl-{uuid.uuid4().hex[:8]}", server_gpus(settings)
-    client = ArcticClient.ray(arctic_config(config, settings, on_gpu=gpus > 0), name=name, num_gpus=gpus,
-                              num_cpus=settings.num_cpus)
-    return client, BackendAddress(actor=name)
+
+    def start_actor(server_config: ArcticConfig) -> tuple[ArcticClient, BackendAddress]:
+        name = f"arctic-verl-{uuid.uuid4().hex[:8]}"
+        client = ArcticClient.ray(server_config, name=name, num_gpus=server_gpus(settings), num_cpus=settings.num_cpus)
+        return client, BackendAddress(actor=name)
+
+    return backend.open_backend(settings, lambda: arctic_config(config, settings, on_gpu=server_gpus(settings) > 0),
+                                start_actor)

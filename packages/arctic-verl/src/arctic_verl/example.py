@@ -17,7 +17,8 @@ from arctic_core.demo import frameworks
 from arctic_core.demo.frameworks import BATCH, LR, RESPONSE_TOKENS, SAMPLES, Framework, RunPaths
 from arctic_core.demo.task import Problem
 
-STEP_LINE = re.compile(r"step:(\d+) - .*\bcritic/score/mean:(?:np\.\w+\()?([-\d.e]+)")
+# The line verl's console logger prints for each step.
+STEP_LINE = re.compile(r"step:(?P<step>\d+) - .*\bcritic/score/mean:(?:np\.\w+\()?(?P<reward>[-\d.e]+)")
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None, **kwargs) -> float:
@@ -62,20 +63,8 @@ def main_ppo_command(paths: RunPaths, steps: int) -> list[str]:
     ]
 
 
-def step_reward(line: str) -> tuple[int, float] | None:
-    """A step's mean reward from the line verl's console logger prints for it."""
-    match = STEP_LINE.search(line)
-    return None if match is None else (int(match.group(1)), float(match.group(2)))
-
-
-VERL = Framework(
-    name="verl",
-    outputs=frozenset({"outputs", "tensorboard", "checkpoints"}),
-    rows=counting_rows,
-    command=main_ppo_command,
-    step_reward=step_reward,
-    env=lambda paths: {"TENSORBOARD_DIR": str(paths.out / "tensorboard")},
-)
+VERL = Framework(name="verl", outputs=frozenset({"outputs", "tensorboard", "checkpoints"}), rows=counting_rows,
+                 command=main_ppo_command, step_line=STEP_LINE)
 
 
 if __name__ == "__main__":

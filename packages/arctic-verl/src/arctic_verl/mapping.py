@@ -14,8 +14,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from arctic_core.adapters import refusals as reasons
+from arctic_core.adapters.mapping import BackendInputs, backend_config, placement
+from arctic_core.adapters.metrics import POLICY
 from arctic_core.adapters.preflight import describe
-from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, overlay, vllm_sampling_params
+from arctic_core.adapters.translation import VLLM_SAMPLING_KEYS, vllm_sampling_params
 from arctic_core.config import ArcticConfig, SamplingParams
 from arctic_core.errors import ConfigError
 from arctic_verl.settings import ArcticSettings
@@ -29,8 +32,6 @@ KL_TYPES: dict[str, tuple[str, float | None]] = {
 }
 VERL_LOG_RATIO_BOUNDS = (-20.0, 20.0)  # verl clamps log ratios before exp (vanilla, sapo, cispo)
 VERL_GSPO_LOG_RATIO_BOUNDS = (None, 10.0)
-# Keys of arctic.config that verl's own settings own.
-VERL_OWNED = {"model": ("path",), "trainer": ("optimizer", "scheduler", "gradient_checkpointing")}
 SAMPLING_KEYS = VLLM_SAMPLING_KEYS | {"logprobs", "max_new_tokens"}
 
 
@@ -41,8 +42,8 @@ def get(config: DictConfig, key: str, default: Any = None) -> Any:
 def actor_optim(config: DictConfig) -> Any:
     """The actor's optimizer settings as verl's own config class reads them: its deprecated
     aliases (``warmup_style``, ``grad_clip``) applied, as verl's engines see them."""
-    from verl.utils.config import omega_conf_to_dataclass  # noqa: PLC0415
-    from verl.workers.config import FSDPOptimizerConfig  # noqa: PLC0415
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import FSDPOptimizerConfig
 
     with warnings.catch_warnings():  # verl warns that the aliases are deprecated: its own users' news
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -60,7 +61,7 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
     def refuse(key: str, why: str) -> None:
         found.append(f"{key}={get(config, key)!r}: {why}")
 
-    from verl.trainer.ppo.utils import need_critic  # noqa: PLC0415 (verl's own rule for needing a critic)
+    from verl.trainer.ppo.utils import need_critic  # verl's own rule for needing a critic
 
     with warnings.catch_warnings():  # verl warns that it disables the critic: not news here
         warnings.simplefilter("ignore")
@@ -69,22 +70,21 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
         refuse("trainer.use_v1", "trainer.v1.trainer_mode=arctic runs in verl's v1 trainer; the legacy trainer "
                "ignores trainer modes and would train on verl's own engines")
     if critic:
-        found.append(f"algorithm.adv_estimator={get(config, 'algorithm.adv_estimator')!r} / critic.enable: a critic "
-                     "(value model) is not served by Arctic; use a critic-free estimator (grpo, rloo, "
-                     "reinforce_plus_plus, remax, ...)")
+        found.append(f"algorithm.adv_estimator={get(config, 'algorithm.adv_estimator')!r} / critic.enable: "
+                     f"{reasons.NO_CRITIC} (grpo, rloo, reinforce_plus_plus, remax, ...)")
     if get(config, "reward.reward_model.enable"):
         refuse("reward.reward_model.enable", "model-based rewards run on verl's GPU reward workers; use a "
                "reward function (reward.custom_reward_function)")
     if get(config, "distillation.enabled"):
         refuse("distillation.enabled", "on-policy distillation is not supported")
-    if (get(config, "actor_rollout_ref.model.lora_rank") or 0) > 0 or (get(config, "actor_rollout_ref.model.lora.rank") or 0) > 0:
-        refuse("actor_rollout_ref.model.lora_rank", "Arctic trains full weights (no LoRA)")
+    if ((get(config, "actor_rollout_ref.model.lora_rank") or 0) > 0
+            or (get(config, "actor_rollout_ref.model.lora.rank") or 0) > 0):
+        refuse("actor_rollout_ref.model.lora_rank", reasons.FULL_WEIGHTS)
     if get(config, "actor_rollout_ref.model.lora_adapter_path"):
-        refuse("actor_rollout_ref.model.lora_adapter_path", "Arctic trains full weights (no LoRA)")
+        refuse("actor_rollout_ref.model.lora_adapter_path", reasons.FULL_WEIGHTS)
     for key in ("actor_rollout_ref.model.override_config", "actor_rollout_ref.model.hf_config_path"):
         if get(config, key):
-            refuse(key, "Arctic builds the model from the config.json in actor_rollout_ref.model.path; put the "
-                   "changes there")
+            refuse(key, reasons.model_config_changes("actor_rollout_ref.model.path"))
     loaded = set(get(config, f"{actor}.checkpoint.load_contents") or ())
     if get(config, "trainer.resume_mode", "auto") != "disable" and not {"model", "optimizer", "extra"} <= loaded:
         refuse(f"{actor}.checkpoint.load_contents", "Arctic resumes the weights, the optimizer and the schedule "
@@ -92,7 +92,8 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
     mode = get(config, f"{actor}.policy_loss.loss_mode", "vanilla")
     if mode not in POLICY_LOSSES:
         refuse(f"{actor}.policy_loss.loss_mode", f"supported: {', '.join(POLICY_LOSSES)}")
-    if get(config, f"{actor}.loss_agg_mode") == "seq-mean-token-sum-norm" and get(config, f"{actor}.loss_scale_factor") is None:
+    if (get(config, f"{actor}.loss_agg_mode") == "seq-mean-token-sum-norm"
+            and get(config, f"{actor}.loss_scale_factor") is None):
         refuse(f"{actor}.loss_agg_mode", "without actor.loss_scale_factor verl divides each micro-batch by its own "
                "padded width, which depends on how verl would cut micro-batches; set "
                f"{actor}.loss_scale_factor=<response_length> (verl's recommended constant)")
@@ -101,16 +102,13 @@ def refusals(config: DictConfig, settings: ArcticSettings) -> list[str]:
         refuse(f"{actor}.kl_loss_type", f"supported: {', '.join(KL_TYPES)} (each optionally with '+')")
     _refuse_rollout_correction(config, refuse)
     optim = f"{actor}.optim"
-    if str(get(config, f"{optim}.optimizer", "AdamW")) != "AdamW" or str(get(config, f"{optim}.optimizer_impl", "torch.optim")) != "torch.optim":
-        refuse(f"{optim}.optimizer", "Arctic's backends step torch's AdamW")
+    if (str(get(config, f"{optim}.optimizer", "AdamW")) != "AdamW"
+            or str(get(config, f"{optim}.optimizer_impl", "torch.optim")) != "torch.optim"):
+        refuse(f"{optim}.optimizer", reasons.ADAMW_ONLY)
     if get(config, f"{optim}.override_optimizer_config"):
         refuse(f"{optim}.override_optimizer_config", "not supported; set lr, betas, weight_decay, clip_grad")
     if get(config, "global_profiler.steps"):
-        refuse("global_profiler.steps", "verl's profiler drives verl's own GPU workers, which do not run here")
-    for section, keys in VERL_OWNED.items():
-        for key in keys:
-            if key in settings.config.get(section, {}):
-                found.append(f"arctic.config.{section}.{key}: set by verl's own config (actor_rollout_ref...)")
+        refuse("global_profiler.steps", reasons.own_workers("verl's profiler"))
     return found
 
 
@@ -141,12 +139,6 @@ def _refuse_rollout_correction(config: DictConfig, refuse) -> None:
         refuse(f"{section}.rollout_{'is' if level is not None else 'rs'}", "needs actor_rollout_ref.rollout."
                "calculate_log_probs=True (the sampler's log-probs the correction compares with; verl would skip it "
                "silently)")
-
-
-def check_supported(config: DictConfig, settings: ArcticSettings) -> None:
-    problems = refusals(config, settings)
-    if problems:
-        raise ConfigError("arctic-verl cannot honour these verl settings:\n  " + "\n  ".join(problems))
 
 
 # --------------------------------------------------------------------------- loss
@@ -207,24 +199,43 @@ def loss_terms(actor: DictConfig, correction: dict[str, Any] | None = None) -> l
 
 
 # --------------------------------------------------------------------------- backend
-def arctic_config(config: DictConfig, settings: ArcticSettings, on_gpu: bool) -> ArcticConfig:
-    """The backend the adapter starts: verl's model and optimizer, Arctic's engines
-    (``arctic.config`` overrides engine choices); bf16 on a GPU, fp32 on the CPU."""
-    from verl.trainer.ppo.utils import need_reference_policy  # noqa: PLC0415
+def backend_inputs(config: DictConfig, on_gpu: bool) -> BackendInputs:
+    """verl's model and optimizer; bf16 on a GPU, fp32 on the CPU."""
+    from verl.trainer.ppo.utils import need_reference_policy
 
     optim = actor_optim(config)
-    base = {
-        "model": {"path": str(get(config, "actor_rollout_ref.model.path")),
-                  "dtype": "bfloat16" if on_gpu else "float32", "device": "cuda" if on_gpu else "cpu"},
-        "trainer": {
-            "optimizer": {"lr": optim.lr, "betas": list(optim.betas), "weight_decay": optim.weight_decay,
-                          "max_grad_norm": optim.clip_grad},
-            "gradient_checkpointing": bool(get(config, "actor_rollout_ref.model.enable_gradient_checkpointing", False)),
-        },
-        "reference": {} if need_reference_policy(config) else None,
-        "seed": int(get(config, "actor_rollout_ref.rollout.seed", 0) or 0),
-    }
-    return ArcticConfig.from_dict(overlay(base, settings.config))
+    return BackendInputs(
+        model_path=str(get(config, "actor_rollout_ref.model.path")), **placement(on_gpu),
+        optimizer={"lr": optim.lr, "betas": list(optim.betas), "weight_decay": optim.weight_decay,
+                   "max_grad_norm": optim.clip_grad},
+        gradient_checkpointing=bool(get(config, "actor_rollout_ref.model.enable_gradient_checkpointing", False)),
+        reference=need_reference_policy(config), seed=int(get(config, "actor_rollout_ref.rollout.seed", 0) or 0))
+
+
+class VerlMapping:
+    """verl 0.9's settings in Arctic's terms (see :class:`arctic_core.adapters.mapping.FrameworkMapping`)."""
+
+    adapter, framework, supported = "arctic-verl", "verl", ("0.9.1", "0.10")
+    owner = "verl's own config (actor_rollout_ref...)"
+    # verl's actor metrics that Arctic computes (the step's mini-batches reduced as verl reduces them).
+    metric_names = {"actor/pg_loss": f"train/{POLICY}/loss", "actor/pg_clipfrac": f"train/{POLICY}/clipfrac",
+                    "actor/pg_clipfrac_lower": f"train/{POLICY}/dual_clipfrac", "actor/kl_loss": "train/kl/loss",
+                    "actor/grad_norm": "step/grad_norm", "actor/entropy_loss": "-train/entropy/loss"}
+    refusals = staticmethod(refusals)
+    backend_inputs = staticmethod(backend_inputs)
+
+    @staticmethod
+    def loss_terms(config: DictConfig) -> list[dict[str, Any]]:
+        return loss_terms(config.actor_rollout_ref.actor, sampler_correction(config))
+
+
+MAPPING = VerlMapping()
+
+
+def arctic_config(config: DictConfig, settings: ArcticSettings, on_gpu: bool) -> ArcticConfig:
+    """The backend the adapter starts: verl's model and optimizer, Arctic's engines
+    (``arctic.config`` overrides engine choices)."""
+    return backend_config(MAPPING, config, settings, on_gpu)
 
 
 def with_server_defaults(request: dict[str, Any], rollout: DictConfig, prompt_len: int) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import difflib
 import sys
 
 MODE = "arctic"
-SUPPORTED = ("0.9.1", "0.10")  # verl releases this adapter is tested with
 NEAR_MISS = 0.7  # difflib's ratio from which a trainer mode reads as a misspelt 'arctic' ('arctic-verl' included)
 RERUN = "rerun to resume from the last checkpoint"
 
@@ -69,7 +68,7 @@ def _registered_modes() -> set[str]:
     """The trainer modes verl knows in this process (its own and those of its plugins)."""
     try:
         from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
-    except Exception:  # a verl without v1 trainers: nothing is known for sure
+    except Exception:  # noqa: BLE001 (a verl without v1 trainers, or one that fails to import: nothing is known for sure)
         return set()
     return set(TRAINER_REGISTRY)
 
@@ -101,9 +100,10 @@ def _name_a_lost_server(config, caller: dict) -> None:
 
 
 def _install() -> None:
-    from arctic_core.adapters.preflight import version_problem
+    from arctic_core.adapters.mapping import framework_version_problem
+    from arctic_verl.mapping import MAPPING
 
-    problem = version_problem("arctic-verl", "verl", *SUPPORTED)
+    problem = framework_version_problem(MAPPING)
     if problem:
         _check_at_start(problem)
         return
@@ -120,9 +120,9 @@ def _install() -> None:
 
 try:
     _install()
-except Exception as exc:  # verl would hide it: say it, and stop any run that asks for the mode
+except Exception as exc:  # noqa: BLE001 (verl would hide it: say it, and stop any run that asks for the mode)
     print(f"arctic-verl: the verl plugin failed to load: {exc!r}", file=sys.stderr)
     try:
         _check_at_start(f"the arctic-verl plugin failed to load: {exc!r}")
-    except Exception:
+    except Exception:  # noqa: BLE001 (the plugin never raises at import)
         pass

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from arctic_core.adapters.mapping import check_supported
 from arctic_core.adapters.preflight import check_backend, check_positions, check_server, exit_with
 from arctic_core.errors import ArcticError
-from arctic_verl.mapping import arctic_config, check_supported, get
+from arctic_verl.mapping import MAPPING, arctic_config, get
 from arctic_verl.settings import read_settings
 
 
 def preflight(config: DictConfig) -> None:
     """Raise :class:`ArcticError` naming the first problem that would stop the run."""
     settings = read_settings(config)
-    check_supported(config, settings)
+    check_supported(MAPPING, config, settings)
     model_path = str(get(config, "actor_rollout_ref.model.path"))
     if settings.url:
-        from verl.trainer.ppo.utils import need_reference_policy  # noqa: PLC0415
+        from verl.trainer.ppo.utils import need_reference_policy
 
         needs = "verl's KL (use_kl_loss / use_kl_in_reward)" if need_reference_policy(config) else None
         check_server(settings, model_path, "actor_rollout_ref.model.path", needs)

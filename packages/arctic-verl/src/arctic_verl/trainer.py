@@ -29,12 +29,14 @@ from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_c
 from verl.workers.config import FSDPOptimizerConfig
 from verl.workers.utils.padding import response_to_nested
 
+from arctic_core.adapters.export import link_export
+from arctic_core.adapters.mapping import check_supported
+from arctic_core.adapters.metrics import framework_metrics, mean_over_calls, prefixed
+from arctic_core.adapters.schedule import StandInSchedule
 from arctic_core.client import ArcticClient
-from arctic_core.losses.aggregation import add_metrics
-from arctic_core.serving.server import HF_EXPORT
 from arctic_verl.backend import open_backend, server_gpus
 from arctic_verl.data import to_rollout_batch
-from arctic_verl.mapping import actor_optim, check_supported, get, loss_terms, sampler_correction
+from arctic_verl.mapping import MAPPING, actor_optim, get
 from arctic_verl.rollout import ArcticLLMClient
 from arctic_verl.settings import read_settings
 
@@ -58,7 +60,7 @@ class ArcticActor:
                         max_ckpt_to_keep: int | None = None) -> None:
         self.arctic.save_checkpoint(local_path, export_hf=self.export_hf)
         if self.export_hf:  # where verl writes its Hugging Face copy (save_contents: hf_model)
-            (Path(local_path) / "huggingface").symlink_to(HF_EXPORT, target_is_directory=True)
+            link_export(local_path, Path(local_path) / "huggingface")
         self.saved.append(local_path)
         while max_ckpt_to_keep and len(self.saved) > max_ckpt_to_keep:  # as verl's checkpoint managers do
             shutil.rmtree(self.saved.pop(0), ignore_errors=True)
@@ -77,40 +79,27 @@ def write_rows(batch: KVBatchMeta, **fields: torch.Tensor) -> None:
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(fields, batch_size=len(batch)))
 
 
-def learning_rates(optim: FSDPOptimizerConfig):
+def learning_rates(optim: FSDPOptimizerConfig) -> StandInSchedule:
     """verl's learning rate after ``n`` scheduler steps: its schedule functions, chosen and set up
-    as verl's engines do, on a stand-in optimizer (verl steps the schedule once per training step)."""
-    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim.lr)
+    as verl's engines do (verl steps the schedule once per training step)."""
     total, warmup = optim.total_training_steps, optim.lr_warmup_steps
     if warmup <= 0:
         warmup = int(optim.lr_warmup_steps_ratio * total)
     if optim.lr_scheduler_type == "cosine":
-        schedule = get_cosine_schedule_with_warmup(stand_in, num_warmup_steps=warmup, num_training_steps=total,
-                                                   min_lr_ratio=optim.min_lr_ratio, num_cycles=optim.num_cycles,
-                                                   zero_indexed_step=optim.zero_indexed_step)
-    else:
-        schedule = get_constant_schedule_with_warmup(stand_in, num_warmup_steps=warmup)
-    factor = schedule.lr_lambdas[0]
-    return lambda n: optim.lr * factor(n)
+        return StandInSchedule(optim.lr, lambda stand_in: get_cosine_schedule_with_warmup(
+            stand_in, num_warmup_steps=warmup, num_training_steps=total, min_lr_ratio=optim.min_lr_ratio,
+            num_cycles=optim.num_cycles, zero_indexed_step=optim.zero_indexed_step))
+    return StandInSchedule(optim.lr, lambda stand_in: get_constant_schedule_with_warmup(
+        stand_in, num_warmup_steps=warmup))
 
 
-def actor_metrics(train: list[dict[str, float]], steps: list[dict[str, float]], policy: str, lr: float) -> dict[str, float]:
+def actor_metrics(train: list[dict[str, float]], steps: list[dict[str, float]], policy: str,
+                  lr: float) -> dict[str, float]:
     """verl's actor metric names where Arctic computes the same quantity, and every Arctic metric
     under ``arctic/``, each the mean over the step's mini-batches (extremes: the extreme), as verl
     reduces them."""
-    means: dict[str, float] = {}
-    for prefix, results in (("arctic/train/", train), ("arctic/step/", steps)):
-        reduced: dict[str, float] = {}
-        for result in results:
-            add_metrics(reduced, result, 1.0 / len(results))
-        means.update({prefix + key: value for key, value in reduced.items()})
-    verl_names = {"actor/pg_loss": f"arctic/train/{policy}/loss", "actor/pg_clipfrac": f"arctic/train/{policy}/clipfrac",
-                  "actor/pg_clipfrac_lower": f"arctic/train/{policy}/dual_clipfrac",
-                  "actor/kl_loss": "arctic/train/kl/loss", "actor/grad_norm": "arctic/step/grad_norm"}
-    out = {name: means[source] for name, source in verl_names.items() if source in means}
-    if "arctic/train/entropy/loss" in means:
-        out["actor/entropy_loss"] = -means["arctic/train/entropy/loss"]  # the bonus term minimises -entropy
-    return {**means, **out, "actor/lr": lr}
+    means = {**prefixed(mean_over_calls(train), "train/"), **prefixed(mean_over_calls(steps), "step/")}
+    return {**prefixed(means), **framework_metrics(means, MAPPING.metric_names, policy), "actor/lr": lr}
 
 
 @register_trainer(MODE)
@@ -127,13 +116,13 @@ class ArcticTrainer(PPOTrainer):
 
     def _setup(self) -> None:
         self.settings = read_settings(self.config)
-        check_supported(self.config, self.settings)
+        check_supported(MAPPING, self.config, self.settings)
         with open_dict(self.config):
             # One agent-loop worker: every request of a step then meets in one rollout client,
             # which sends them to Arctic as one batch (the server runs one call at a time).
             self.config.actor_rollout_ref.rollout.agent.num_workers = 1
         actor = self.config.actor_rollout_ref.actor
-        self.loss = loss_terms(actor, sampler_correction(self.config))
+        self.loss = MAPPING.loss_terms(self.config)
         self.temperature = float(self.config.actor_rollout_ref.rollout.temperature)
         self.max_response_len = actor.loss_scale_factor  # verl's constant for seq-mean-token-sum-norm
         self._init_tokenizer()
@@ -223,7 +212,8 @@ class ArcticTrainer(PPOTrainer):
         """The rows of each PPO mini-batch, from verl's own iterator as one rank runs it."""
         actor = self.config.actor_rollout_ref.actor
         index = TensorDict({"row": torch.arange(num_rows)}, batch_size=[num_rows])
-        iterator = tu.make_iterator(index, mini_batch_size=actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n,
+        iterator = tu.make_iterator(index,
+                                    mini_batch_size=actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n,
                                     epochs=actor.ppo_epochs, seed=actor.data_loader_seed,
                                     dataloader_kwargs={"shuffle": actor.shuffle})
         return [mini_batch["row"] for mini_batch in iterator]

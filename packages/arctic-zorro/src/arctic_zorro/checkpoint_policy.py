@@ -1,10 +1,9 @@
 """``checkpoint_layers: auto``: before each micro-batch, checkpoint as few decoder layers as the
 free device memory allows, keeping the activations of the others.
 
-Recomputing a checkpointed layer costs most of its forward again (measured for the Qwen3-1.7B
-shape on an H200: 401 ms per 6,800-token micro-batch with every layer checkpointed, 312 ms with 8
-of 28, 282 ms with none), while a kept layer costs memory in proportion to the micro-batch's
-tokens. Which layers are checkpointed changes no result, only the time and the peak memory.
+Recomputing a checkpointed layer costs most of its forward again (figures in docs/design/zorro.md),
+while a kept layer costs memory in proportion to the micro-batch's tokens. Which layers are
+checkpointed changes no result, only the time and the peak memory.
 
 A kept layer's activations are estimated from the model's shape (what autograd saves for a
 Llama-shaped layer: the two RMSNorms' fp32 inputs and normalised values, the projections' outputs,

@@ -54,7 +54,8 @@ def _prepare_environment() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
 
 
 _prepare_environment()
@@ -123,7 +124,7 @@ def warn_of_stale_build_locks(older_than: float = STALE_BUILD_LOCK_S) -> None:
     file in the op's build folder; a build that was killed leaves it behind, and every later build
     of that op waits for it to go, forever and silently. Name any lock older than ``older_than``
     seconds (by default, longer than a build takes)."""
-    from torch.utils.cpp_extension import get_default_build_root  # noqa: PLC0415
+    from torch.utils.cpp_extension import get_default_build_root
 
     # torch's own rule: TORCH_EXTENSIONS_DIR/<op>, else <default root>/<python>_<cuda>/<op>
     root, pattern = os.environ.get("TORCH_EXTENSIONS_DIR"), "*/lock"

@@ -84,7 +84,8 @@ def build_forest(batch: RolloutBatch) -> PackedForest:
         previous = row
     input_ids = torch.cat(new_tokens) if new_tokens else torch.empty(0, dtype=torch.long)
     position_ids = torch.cat(new_positions) if new_positions else torch.empty(0, dtype=torch.long)
-    return PackedForest(input_ids, position_ids, _subtree_ends(paths, packed), paths, sum(s.shape[0] for s in sequences))
+    return PackedForest(input_ids, position_ids, _subtree_ends(paths, packed), paths,
+                        sum(s.shape[0] for s in sequences))
 
 
 def _subtree_ends(paths: list[torch.Tensor], num_nodes: int) -> torch.Tensor:
@@ -109,6 +110,7 @@ def response_gather_index(forest: PackedForest, batch: RolloutBatch) -> tuple[to
     cols = torch.cat([torch.arange(int(n)) for n in lens]) if rows.numel() else rows
     prompt_lens = batch.prompt_lens[batch.prompt_index]
     nodes = torch.cat(
-        [forest.row_paths[i][int(prompt_lens[i]) - 1 : int(prompt_lens[i]) - 1 + int(lens[i])] for i in range(batch.num_responses)]
+        [forest.row_paths[i][int(prompt_lens[i]) - 1 : int(prompt_lens[i]) - 1 + int(lens[i])]
+         for i in range(batch.num_responses)]
     ) if rows.numel() else rows
     return rows, cols, nodes

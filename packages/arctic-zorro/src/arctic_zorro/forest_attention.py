@@ -56,8 +56,8 @@ class FlexKernels:
     (padded length, window, grad mode, dtype) it meets; later ones go to a second compile with
     torch.compile's default dynamism (any length from its second one on).
 
-    Kernels compiled for any length made a training micro-batch ~9% slower (prompt 4096 on an
-    H200), and torch.compile's default switches to them at the second length it meets: packed
+    Kernels compiled for any length made a training micro-batch slower (docs/design/zorro.md),
+    and torch.compile's default switches to them at the second length it meets: packed
     micro-batches rarely repeat a length. Padded to a few lengths per octave
     (:func:`padded_length`), a run reuses a handful of fixed-shape kernels. The two wrappers are
     distinct functions so that their compile caches (and Dynamo's recompile limit, which counts
@@ -126,7 +126,8 @@ class ForestAttentionMeta:
         return forest_block_mask(end, pos, window)
 
 
-def forest_block_mask(end: torch.Tensor, pos: torch.Tensor, window: int | None = None, block: int = FLEX_BLOCK) -> object:
+def forest_block_mask(end: torch.Tensor, pos: torch.Tensor, window: int | None = None,
+                      block: int = FLEX_BLOCK) -> object:
     """FlexAttention ``BlockMask`` of the forest rule, built from the forest's structure with a few
     vectorised torch ops: no dense ``T x T`` mask, no compilation, no host sync.
 
@@ -149,7 +150,8 @@ def forest_block_mask(end: torch.Tensor, pos: torch.Tensor, window: int | None =
     first_q = index * block
     last_q = torch.clamp(first_q + block - 1, max=size - 1)
     earlier = index[None, :] < index[:, None]  # [query block, key block]
-    any_visible = (earlier & (block_max[None, :] >= first_q[:, None])) | torch.eye(blocks, dtype=torch.bool, device=end.device)
+    diagonal = torch.eye(blocks, dtype=torch.bool, device=end.device)
+    any_visible = (earlier & (block_max[None, :] >= first_q[:, None])) | diagonal
     full = earlier & (block_min[None, :] >= last_q[:, None])
     if window is not None:  # a window cuts into blocks the structure calls full: they stay partial
         full = torch.zeros_like(full)
@@ -184,10 +186,12 @@ def forest_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, H, D]``."""
     if forest is None:
-        raise RuntimeError(f"attention '{ATTENTION_NAME}' needs forest metadata; call it through arctic_zorro.packed_forward")
+        raise RuntimeError(f"attention '{ATTENTION_NAME}' needs forest metadata; call it through "
+                           "arctic_zorro.packed_forward")
     for unsupported in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(f"forest attention cannot apply {unsupported!r} exactly; disable zorro for this model")
+            raise NotImplementedError(f"forest attention cannot apply {unsupported!r} exactly; disable zorro for "
+                                      "this model")
     if dropout:
         raise NotImplementedError("forest attention runs without attention dropout (RL training uses none)")
     mask = forest.mask(sliding_window)

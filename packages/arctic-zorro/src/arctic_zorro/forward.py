@@ -54,7 +54,8 @@ def scatter_outputs(
     return scatter_values(run_processors(logits, targets, processors), batch, rows, cols)
 
 
-def run_processors(logits: torch.Tensor, targets: torch.Tensor, processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
+def run_processors(logits: torch.Tensor, targets: torch.Tensor,
+                   processors: Mapping[str, Processor]) -> dict[str, torch.Tensor]:
     """Every processor once (one may produce several outputs) -> ``{output: [N]}``."""
     out: dict[str, torch.Tensor] = {}
     with sharing():  # log-probs and entropy from one kernel launch each way on a GPU
@@ -65,7 +66,8 @@ def run_processors(logits: torch.Tensor, targets: torch.Tensor, processors: Mapp
     return out
 
 
-def scatter_values(values: Mapping[str, torch.Tensor], batch: RolloutBatch, rows: torch.Tensor, cols: torch.Tensor) -> dict[str, torch.Tensor]:
+def scatter_values(values: Mapping[str, torch.Tensor], batch: RolloutBatch, rows: torch.Tensor,
+                   cols: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-token ``[N]`` values into ``[B, Lr]`` tensors (zeros at padding), keeping autograd."""
     if not values:
         return {}

@@ -3,8 +3,8 @@ fused kernels.
 
 In training, transformers' RMSNorm runs about six elementwise kernels forward (upcast, square,
 mean, rsqrt, multiply, downcast and the weight) and more backward, SiLU x up three; with gradient
-checkpointing the forward ones run twice. On the H200 they are about a third of a GRPO
-micro-batch's GPU time for the Qwen3-1.7B shape. ``torch.compile`` turns each into one kernel
+checkpointing the forward ones run twice. They are a large share of a GRPO micro-batch's GPU time
+(docs/design/zorro.md). ``torch.compile`` turns each into one kernel
 forward and one or two backward, from the same expressions as transformers' (the casts where
 transformers casts), so the result is the same math; only the order of the fp32 sums differs.
 

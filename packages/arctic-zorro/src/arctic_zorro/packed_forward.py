@@ -108,7 +108,7 @@ def head_outputs(
     recompute = torch.is_grad_enabled() and not logits_fit(hidden, getattr(head, "out_features", 0), chunk_tokens)
     parts = [
         checkpoint(chunk_values, h, t, use_reentrant=False) if recompute else chunk_values(h, t)
-        for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
+        for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True)
     ]
     if not parts:  # no response tokens at all
         return {o: hidden.new_zeros(0, dtype=torch.float32) for p in processors.values() for o in p.outputs}

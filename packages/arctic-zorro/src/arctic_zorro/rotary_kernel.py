@@ -6,8 +6,8 @@ its backward is the transposed rotation of the output gradient:
 ``dx1 = g1 * cos1 + g2 * sin2``, ``dx2 = g2 * cos2 - g1 * sin1``. Both run in fp32 and round once
 into the input's dtype, as the compiled expression does.
 
-torch.compile's kernel for the same expression moved ~0.8 TB/s on an H200 (q of a ~9,500-token
-micro-batch: 95 us each way, for 78 MB); this one reads each head's halves as ``[tokens, D/2]``
+torch.compile's kernel for the same expression moves its bytes well below the copy rate
+(docs/design/zorro.md); this one reads each head's halves as ``[tokens, D/2]``
 tiles and writes the result token-major (``[B, T, H, D]``), the layout the projections write q/k
 in and FlexAttention's padding copies from.
 """
@@ -23,7 +23,8 @@ BLOCK_TOKENS = 32
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, tokens,
-                   x_stride_b, x_stride_h, x_stride_t, cs_stride_b, cs_stride_t, out_stride_b, out_stride_h, out_stride_t,
+                   x_stride_b, x_stride_h, x_stride_t, cs_stride_b, cs_stride_t,
+                   out_stride_b, out_stride_h, out_stride_t,
                    HALF: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
     block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = block * BLOCK + tl.arange(0, BLOCK)[:, None]

@@ -126,7 +126,8 @@ class TorchTrainer(TorchLogProbEngine):
         params = [p for p in self.model.parameters() if p.grad is not None]
         with lr_for_step(self.optimizer, self.scheduler, lr):
             lr = self.optimizer.param_groups[0]["lr"]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf")))
+            clip = max_norm if max_norm is not None else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
             if not math.isfinite(grad_norm):  # an update by NaN/inf would leave every weight NaN for good
                 log.warning("gradient norm is %s: step skipped, gradients dropped", grad_norm)
                 self.optimizer.zero_grad(set_to_none=True)

@@ -58,7 +58,7 @@ def check_positions(model_path: str, tokens: int, what: str) -> None:
     the positions of the model in the folder ``model_path``: past them every request would fail.
     Checked wherever that folder is here (a local folder, or a Hub model in the cache; whichever
     backend serves it); a missing one is the folder checks' to report."""
-    from transformers import AutoConfig  # noqa: PLC0415 (heavy; only where a folder is checked)
+    from transformers import AutoConfig  # heavy; only where a folder is checked
 
     folder = cached_model_folder(model_path)
     if folder is None:

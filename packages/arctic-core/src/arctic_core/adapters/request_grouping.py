@@ -28,7 +28,8 @@ class RequestGrouper:
 
     def __init__(self, send: Send, quiet_s: float, max_wait_s: float) -> None:
         self.send, self.quiet_s, self.max_wait_s = send, quiet_s, max_wait_s
-        self.pending: dict[str, dict[tuple[int, ...], list[asyncio.Future[Sample]]]] = defaultdict(lambda: defaultdict(list))
+        self.pending: dict[str, dict[tuple[int, ...], list[asyncio.Future[Sample]]]]
+        self.pending = defaultdict(lambda: defaultdict(list))
         self.params: dict[str, SamplingParams] = {}
         self.flusher: asyncio.Task | None = None
         self.submitted = 0
@@ -80,10 +81,11 @@ class RequestGrouper:
             calls += [self._generate(group, params[key].model_copy(update={"n": n})) for n, group in by_count.items()]
         await asyncio.gather(*calls)
 
-    async def _generate(self, group: dict[tuple[int, ...], list[asyncio.Future[Sample]]], params: SamplingParams) -> None:
+    async def _generate(self, group: dict[tuple[int, ...], list[asyncio.Future[Sample]]],
+                        params: SamplingParams) -> None:
         try:
             batch = await self.send([list(p) for p in group], params)
-        except Exception as exc:  # every caller of this call learns why
+        except Exception as exc:  # noqa: BLE001 (every caller of this call learns why)
             for futures in group.values():
                 for future in futures:
                     if not future.done():

@@ -7,6 +7,7 @@ sampling) comes from the framework's own settings.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -43,3 +44,17 @@ class BackendSettings(StrictModel):
     @property
     def starts_backend(self) -> bool:
         return not self.url
+
+
+def settings_dataclass(settings: type[StrictModel], name: str, module: str, bases: tuple[type, ...] = ()) -> type:
+    """A dataclass ``module.name`` with the fields and defaults of ``settings``, for a framework
+    whose config is a tree of dataclasses (SkyRL's): the section parses with the framework's config,
+    and its values are validated by ``settings`` itself afterwards. Fields are typed ``Any``: the
+    framework passes them through as they are."""
+    specs = []
+    for field_name, info in settings.model_fields.items():
+        if info.default_factory is not None:
+            specs.append((field_name, Any, dataclasses.field(default_factory=info.default_factory)))
+        else:
+            specs.append((field_name, Any, dataclasses.field(default=info.default)))
+    return dataclasses.make_dataclass(name, specs, bases=bases, module=module)

@@ -22,7 +22,8 @@ def overlay(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """``base`` with ``extra`` laid over it, nested mappings merged key by key."""
     merged = dict(base)
     for key, value in extra.items():
-        merged[key] = overlay(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (overlay(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict)
+                       else value)
     return merged
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,15 +46,23 @@ class RunPaths:
 
 @dataclass(frozen=True)
 class Framework:
-    """One framework's side of the example: its dataset rows, its command line, and how to read a
-    step's mean reward from its output."""
+    """One framework's side of the example: its dataset rows, its command line, and the line of its
+    output that logs a step's mean reward (``step_line``: groups ``step`` and ``reward``, or
+    ``reward`` alone when the framework logs the steps in order without their number)."""
 
     name: str
     outputs: frozenset[str]  # what its run writes under --out
     rows: Callable[[list[Problem]], list[dict]]
     command: Callable[[RunPaths, int], list[str]]
-    step_reward: Callable[[str], tuple[int | None, float] | None]  # (step or None: the next, reward) of a line
-    env: Callable[[RunPaths], dict[str, str]] = lambda paths: {}
+    step_line: re.Pattern[str]
+
+    def step_reward(self, line: str) -> tuple[int | None, float] | None:
+        """(the step, or None for the next one; its mean reward) of a line that logs one."""
+        match = self.step_line.search(line)
+        if match is None:
+            return None
+        step = match.groupdict().get("step")
+        return (int(step) if step is not None else None), float(match.group("reward"))
 
 
 def score(prompt: str, completion: str) -> float:
@@ -141,7 +150,7 @@ def child_env(framework: Framework, paths: RunPaths) -> dict[str, str]:
     # nothing from more. Unbuffered, so that each step's line arrives when it is logged; every
     # worker's lines kept (Ray would fold repeated ones).
     fixed = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1"}
-    return {**os.environ, **fixed, **framework.env(paths)}
+    return {**os.environ, **fixed, "TENSORBOARD_DIR": str(paths.out / "tensorboard")}  # both frameworks read it
 
 
 def follow(command: list[str], cwd: Path, env: dict[str, str], log: Path, on_line: Callable[[str], None]) -> int:

@@ -24,7 +24,7 @@ from arctic_core.demo.metrics import MetricsLogger, plot_rewards
 from arctic_core.demo.task import CountingTask, Problem, is_well_formed
 from arctic_core.demo.tiny_model import save_tiny_policy
 from arctic_core.errors import ConfigError
-from arctic_core.serving.server import HF_EXPORT
+from arctic_core.checkpoint_files import HF_EXPORT
 
 
 @dataclass
@@ -111,10 +111,12 @@ class GRPODemo:
         gen = self.client.generate([chat_prompt_ids(self.tokenizer, p) for p in problems], params)
         batch = gen.batch
         texts = [self.tokenizer.decode(batch.response(i), skip_special_tokens=True) for i in range(batch.num_responses)]
-        rewards = torch.tensor([self.task.reward(problems[int(p)], t) for p, t in zip(batch.prompt_index, texts)])
+        rewards = torch.tensor([self.task.reward(problems[int(p)], t)
+                                for p, t in zip(batch.prompt_index, texts, strict=True)])
         old = self.client.log_probs(batch, temperature=self.s.temperature).outputs["logprobs"]
         ref = self.client.log_probs(batch, model="reference", temperature=self.s.temperature).outputs["logprobs"]
-        batch = batch.replace(old_logprobs=old, ref_logprobs=ref, rewards=rewards, advantages=group_advantages(rewards, batch))
+        batch = batch.replace(old_logprobs=old, ref_logprobs=ref, rewards=rewards,
+                              advantages=group_advantages(rewards, batch))
         loss = [{"name": "ppo", "clip_low": 0.2, "clip_high": 0.28}, {"name": "kl", "weight": self.s.kl_coef}]
         train = self.client.fwd_bwd(batch, loss, temperature=self.s.temperature).metrics
         opt = self.client.step().metrics

@@ -51,7 +51,7 @@ class CountingTask:
         """Fraction of positions with the right digit; anything that is not a digit is wrong."""
         items = completion.split()
         expected = self.answer(problem).split()
-        hits = sum(1 for got, want in zip(items, expected) if got == want)
+        hits = sum(1 for got, want in zip(items, expected, strict=False) if got == want)
         return hits / max(len(expected), len(items))
 
     def corpus(self) -> list[str]:
@@ -60,4 +60,4 @@ class CountingTask:
 
 
 def is_well_formed(text: str, length: int) -> bool:
-    return re.fullmatch(r"\d( \d){%d}" % (length - 1), text.strip()) is not None
+    return re.fullmatch(rf"\d( \d){{{length - 1}}}", text.strip()) is not None

@@ -19,7 +19,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2}
 TINY_SHAPES: dict[str, dict[str, object]] = {
     "qwen3": {**_SHAPE, "head_dim": 32},
     "qwen2": dict(_SHAPE),

@@ -97,7 +97,9 @@ def _contract_problem(result: object) -> str | None:
     bad = [key for key, value in metrics.items() if not (isinstance(value, (int, float)) or _is_scalar_tensor(value))]
     if bad:
         return f"returned metrics {bad} that are not 0-dim tensors or numbers"
-    return "returned a metric named 'loss' (the term's loss is reported as '<term>/loss')" if "loss" in metrics else None
+    if "loss" in metrics:
+        return "returned a metric named 'loss' (the term's loss is reported as '<term>/loss')"
+    return None
 
 
 def _is_scalar_tensor(value: object) -> bool:

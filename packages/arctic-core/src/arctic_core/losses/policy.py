@@ -209,7 +209,8 @@ class PolicyTerm:
             reference = old
             if opts.off_policy_logprobs == "sampling":
                 if batch.sampling_logprobs is None:
-                    raise BatchError(f"loss {self.name!r} with off_policy_logprobs: sampling needs batch.sampling_logprobs")
+                    raise BatchError(f"loss {self.name!r} with off_policy_logprobs: sampling needs "
+                                     "batch.sampling_logprobs")
                 reference = batch.sampling_logprobs.float()
             kl = torch.nan_to_num(reference - logp.detach(), nan=0.0) * mask
             mean_kl = kl.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)

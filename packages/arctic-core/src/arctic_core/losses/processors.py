@@ -5,8 +5,8 @@ autograd graph so that losses can differentiate through them.
 
 On a GPU both run on one Triton kernel each way (:mod:`arctic_core.losses.token_stats`), which
 reads the ``[N, V]`` logits (152k columns for Qwen3) once forward and once backward: eagerly, the
-upcast, the maximum, the exponentials and the sums each pass over them, about a sixth of a GRPO
-micro-batch on the H200. The kernel yields both outputs at once, so inside :func:`sharing` (the
+upcast, the maximum, the exponentials and the sums each pass over them, a sizeable share of a
+GRPO micro-batch (docs/design/zorro.md). The kernel yields both outputs at once, so inside :func:`sharing` (the
 training engines' processor loop) a loss reading both log-probs and entropy gets them from one
 forward launch and, with gradients through both, one backward launch writing one ``[N, V]``
 gradient instead of two that autograd then adds.

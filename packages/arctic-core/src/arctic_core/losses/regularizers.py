@@ -94,7 +94,8 @@ class KLLoss:
     def _reference(self, batch: RolloutBatch) -> torch.Tensor:
         if self.options.against == "old":
             if batch.old_logprobs is None:
-                raise BatchError("loss 'kl' with against: old needs batch.old_logprobs (the sampling policy's log-probs)")
+                raise BatchError("loss 'kl' with against: old needs batch.old_logprobs (the sampling policy's "
+                                 "log-probs)")
             return batch.old_logprobs.float()
         if batch.ref_logprobs is None:
             raise BatchError("loss 'kl' needs batch.ref_logprobs (reference-model log-probs)")

@@ -10,8 +10,8 @@ element, ``(g_logp ([j = target] - p_j) - g_entropy p_j (z_j - E_p[z])) / temper
 ``p_j = exp(z_j - lse)``, rounded once to the logits' dtype as the eager upcast's backward does.
 
 torch.compile's kernels for the same expressions read each row several times and materialise an
-fp32 ``[N, V]`` scatter for the log-probs' backward (on an H200, 9 ms of a GRPO micro-batch's 256 at
-Qwen3-1.7B's vocabulary). Under ``TRITON_INTERPRET=1`` the kernels run on the CPU, which is how the
+fp32 ``[N, V]`` scatter for the log-probs' backward (what that costs a GRPO micro-batch:
+docs/design/zorro.md). Under ``TRITON_INTERPRET=1`` the kernels run on the CPU, which is how the
 CPU test suite checks them against the eager expressions.
 """
 

@@ -43,7 +43,8 @@ def arctic_training_backends():
 
 @hookimpl
 def arctic_logprob_backends():
-    return {"ray": Lazy("arctic_core.ray.logprob:RayLogProbEngine", "An inner log-prob backend in a Ray actor of its own.",
+    return {"ray": Lazy("arctic_core.ray.logprob:RayLogProbEngine",
+                        "An inner log-prob backend in a Ray actor of its own.",
                         options="arctic_core.ray.logprob:RayLogProbOptions", needs="arctic-core[ray]")}
 
 

@@ -37,7 +37,7 @@ def _check_options(registry: Registry, kind: str, name: str, options: dict[str, 
     if model is None:
         return
     checked = validate(model, options, f"{path} of backend {name!r}", prefix=f"{path}.")
-    from arctic_core.ray.actors import InnerBackendOptions  # noqa: PLC0415 (imports no Ray)
+    from arctic_core.ray.actors import InnerBackendOptions  # imports no Ray
 
     if isinstance(checked, InnerBackendOptions):  # a Ray backend: the backend its actors run
         if checked.backend == name:

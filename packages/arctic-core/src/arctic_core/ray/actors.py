@@ -18,7 +18,7 @@ from safetensors.torch import save as save_safetensors
 
 from pydantic import Field
 
-from arctic_core.serving import wire
+from arctic_core import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, StrictModel
 from arctic_core.errors import ArcticError, ConfigError, RemoteError, RequestError, WorkerError
@@ -48,7 +48,8 @@ def build_inner(kind: str, backend: str, config_cls: type[StrictModel], config_j
 
     registry = default_registry()
     factory = registry.get(kind, backend)
-    engine = factory(config_cls.model_validate_json(config_json), ModelConfig.model_validate_json(model_json), seed=seed)
+    engine = factory(config_cls.model_validate_json(config_json), ModelConfig.model_validate_json(model_json),
+                     seed=seed)
     return registry, engine
 
 

@@ -29,7 +29,8 @@ class LogProbWorker:
     """The inner log-prob backend in its own process."""
 
     def __init__(self, backend: str, config_json: str, model_json: str, seed: int) -> None:
-        self.registry, self.engine = build_inner("logprob_backend", backend, LogProbConfig, config_json, model_json, seed)
+        self.registry, self.engine = build_inner("logprob_backend", backend, LogProbConfig, config_json, model_json,
+                                                 seed)
 
     def log_probs(self, request: bytes) -> bytes:
         return run_log_probs(self.engine, self.registry, request)

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import Field
 
-from arctic_core.serving import wire
+from arctic_core import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams, validate_options
 from arctic_core.plugins.interfaces import NamedTensors
@@ -62,7 +62,8 @@ class RaySampler:
         ray = ensure_ray(self.options.address)
         require_resources(ray, "the ray sampler", self.options.replicas, self.options.cpus_per_replica,
                           self.options.gpus_per_replica)
-        actor = ray.remote(num_cpus=self.options.cpus_per_replica, num_gpus=self.options.gpus_per_replica)(SamplerWorker)
+        actor = ray.remote(num_cpus=self.options.cpus_per_replica,
+                           num_gpus=self.options.gpus_per_replica)(SamplerWorker)
         # Seeds differ per replica: two replicas must not draw the same random stream.
         self.replicas = [actor.remote(self.options.backend, inner.model_dump_json(), model.model_dump_json(), seed + i)
                          for i in range(self.options.replicas)]

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from arctic_core.serving import wire
+from arctic_core import wire
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, TrainerConfig, validate_options
 from arctic_core.errors import RequestError, WorkerError
@@ -77,7 +77,8 @@ class TrainerWorker(WeightSyncActor):
         if comm_backend == "nccl":
             torch.cuda.set_device(0)  # Ray shows each rank only its own GPUs
         torch.distributed.init_process_group(comm_backend, rank=rank, world_size=world)
-        self.registry, self.trainer = build_inner("training_backend", backend, TrainerConfig, config_json, model_json, seed)
+        self.registry, self.trainer = build_inner("training_backend", backend, TrainerConfig, config_json, model_json,
+                                                  seed)
 
     def forward_backward(self, request: bytes, ctx: dict[str, int]) -> dict[str, float]:
         from arctic_core.losses.objective import build_objective

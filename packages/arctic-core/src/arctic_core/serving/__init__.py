@@ -1,3 +1,4 @@
 """The server side: the engines behind the protocol (``server``), how checkpoints reach disk
-(``checkpoint_folders``), its HTTP front (``http``, with Prometheus ``metrics``) and the wire
-format every transport speaks (``wire``)."""
+(``checkpoint_folders``) and its HTTP front (``http``, with Prometheus ``metrics``). The wire
+format every transport speaks, client and server, is :mod:`arctic_core.wire` (beside
+:mod:`arctic_core.protocol`; ``arctic_core.serving.wire`` until 0.3.0)."""

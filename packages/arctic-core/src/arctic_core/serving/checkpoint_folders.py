@@ -18,15 +18,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
+from arctic_core.checkpoint_files import HF_EXPORT, STATE_FILE  # noqa: F401 (importable from here too, as before)
 from arctic_core.config import format_validation_error
 from arctic_core.errors import RequestError
 
 log = logging.getLogger(__name__)
-
-STATE_FILE = "arctic_state.json"
-"""Written last into every checkpoint folder: its presence marks a complete checkpoint."""
-HF_EXPORT = "hf"
-"""The checkpoint's subfolder holding the policy as a Hugging Face model (``export_hf=True``)."""
 
 
 class CheckpointState(BaseModel):

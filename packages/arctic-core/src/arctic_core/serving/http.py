@@ -3,7 +3,7 @@
 Endpoints (see ``/openapi.json`` of a running server, or ``/docs``):
 
 - ``POST /v1/{op}`` for every operation in :data:`arctic_core.protocol.OPS`: the body is the
-  request in the wire format (``arctic_core.serving.wire``: safetensors bytes, never pickle), the answer
+  request in the wire format (``arctic_core.wire``: safetensors bytes, never pickle), the answer
   is the result in the same format.
 - ``GET /health``: status, policy version, step and engines, as JSON. It never waits for a call.
 - ``GET /metrics``: Prometheus text (calls, seconds, tokens per operation, process memory).
@@ -24,7 +24,7 @@ Errors are JSON ``{"error": <class name>, "message": <what is wrong>}``:
 | 405 | a method other than POST on an operation (``MethodNotAllowed``) |
 | 413 | a body over the size limit (checked on ``Content-Length`` before reading, and on the bytes read) |
 | 500 | an unexpected exception, with its message; the server keeps serving |
-"""
+"""  # noqa: E501 (Markdown table rows: the docstring is the OpenAPI description)
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from arctic_core.serving import wire
+from arctic_core import wire
 from arctic_core.errors import error_answer
 from arctic_core.serving.metrics import CallMetrics
 from arctic_core.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -100,8 +100,10 @@ def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: i
         after = on_shutdown if op == "shutdown" else None
         app.add_api_route(
             f"/v1/{op}", _op_endpoint(op, server, app.state.metrics, gate, max_body_bytes, after), methods=["POST"],
-            dependencies=[authorised], openapi_extra=_openapi_op(op), summary=f"{op} (serialised with every other call)",
-            response_class=Response, responses={200: {"content": {wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
+            dependencies=[authorised], openapi_extra=_openapi_op(op),
+            summary=f"{op} (serialised with every other call)",
+            response_class=Response,
+            responses={200: {"content": {wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
         )
 
     @app.post("/v1/{op}", dependencies=[authorised], include_in_schema=False)
@@ -171,7 +173,8 @@ async def read_body(request: Request, limit: int) -> bytes:
         if not declared.isdigit():
             raise ApiError(400, "RequestError", f"Content-Length {declared!r} is not a byte count")
         if int(declared) > limit:
-            raise ApiError(413, "PayloadTooLarge", f"body of {declared} bytes exceeds the server's limit of {limit} bytes")
+            raise ApiError(413, "PayloadTooLarge",
+                           f"body of {declared} bytes exceeds the server's limit of {limit} bytes")
     chunks, size = [], 0
     async for chunk in request.stream():  # chunked uploads declare no length: count as we read
         size += len(chunk)
@@ -195,7 +198,8 @@ def bearer_check(token: str | None, source: str = "ARCTIC_RL_TOKEN") -> Callable
         if expected is None:
             return
         if credentials is None:
-            raise ApiError(401, "Unauthorized", f"missing bearer token: send 'Authorization: Bearer <token>' (the server's {source})")
+            raise ApiError(401, "Unauthorized",
+                           f"missing bearer token: send 'Authorization: Bearer <token>' (the server's {source})")
         # Constant time: a wrong token must not reveal how many of its leading bytes were right.
         if not hmac.compare_digest(credentials.credentials.encode(), expected):
             raise ApiError(401, "Unauthorized", "wrong bearer token")
@@ -207,7 +211,8 @@ def _route_problem(request: Request, exc: HTTPException) -> str:
     """What is wrong with a request that reached no endpoint, and what the server does answer."""
     where = f"{request.method} {request.url.path}"
     if exc.status_code == 405:
-        return f"{where}: this path takes {(exc.headers or {}).get('Allow', 'other methods')}; every operation is a POST"
+        allowed = (exc.headers or {}).get("Allow", "other methods")
+        return f"{where}: this path takes {allowed}; every operation is a POST"
     if exc.status_code == 404:
         return (f"{where}: no such endpoint; the server answers POST /v1/<operation> ({', '.join(sorted(OPS))}) "
                 "and GET /health, /metrics, /openapi.json, /docs")

@@ -22,10 +22,16 @@ class CallMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, ...
-        self.calls = Counter("arctic_calls", "Calls per operation and outcome ('ok' or the error class).", ["op", "outcome"], registry=self.registry)
-        self.seconds = Histogram("arctic_call_seconds", "Seconds the server spent in a call (its result's metrics['seconds']).", ["op"], buckets=_BUCKETS, registry=self.registry)
-        self.tokens = Counter("arctic_tokens", "Tokens per operation: generated tokens for generate, batch tokens otherwise.", ["op"], registry=self.registry)
-        self.policy_version = Gauge("arctic_policy_version", "Weight version the samplers serve.", registry=self.registry)
+        self.calls = Counter("arctic_calls", "Calls per operation and outcome ('ok' or the error class).",
+                             ["op", "outcome"], registry=self.registry)
+        self.seconds = Histogram("arctic_call_seconds",
+                                 "Seconds the server spent in a call (its result's metrics['seconds']).", ["op"],
+                                 buckets=_BUCKETS, registry=self.registry)
+        self.tokens = Counter("arctic_tokens",
+                              "Tokens per operation: generated tokens for generate, batch tokens otherwise.", ["op"],
+                              registry=self.registry)
+        self.policy_version = Gauge("arctic_policy_version", "Weight version the samplers serve.",
+                                    registry=self.registry)
 
     def record_ok(self, op: str, result: Result, policy_version: int) -> None:
         self.calls.labels(op, "ok").inc()

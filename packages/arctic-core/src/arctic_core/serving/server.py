@@ -28,7 +28,7 @@ from arctic_core.hf import check_batch_fits, copy_tokenizer_files
 from arctic_core.plugins.interfaces import LossContext, LogProbBackend, SamplingBackend, TrainingBackend
 from arctic_core.losses.objective import build_objective, build_processors
 from arctic_core.serving import checkpoint_folders
-from arctic_core.serving.checkpoint_folders import HF_EXPORT, STATE_FILE
+from arctic_core.checkpoint_files import HF_EXPORT, STATE_FILE
 from arctic_core.protocol import (
     CheckpointRequest,
     Empty,
@@ -129,7 +129,8 @@ class ArcticServer:
     def _op_generate(self, req: GenerateRequest) -> GenerateResult:
         batch = self.sampler.generate(req.prompts, req.params)
         tokens = int(batch.response_lens.sum())
-        return GenerateResult(batch=batch, metrics={"responses": float(batch.num_responses), "generated_tokens": float(tokens)})
+        return GenerateResult(batch=batch,
+                              metrics={"responses": float(batch.num_responses), "generated_tokens": float(tokens)})
 
     def _op_log_probs(self, req: LogProbsRequest) -> LogProbsResult:
         engine: LogProbBackend = self.trainer
@@ -285,9 +286,10 @@ class ArcticServer:
         clipped them in place or applied part of them (never apply them twice). With
         ``refusals_change_nothing`` a refusal (an Arctic error: e.g. a trainer partly restored by a
         failed load) is taken to have changed nothing; a dead worker needs load_checkpoint."""
+        passed_on = ArcticError if refusals_change_nothing else ()  # (): an except clause that catches nothing
         try:
             yield
-        except ArcticError if refusals_change_nothing else ():
+        except passed_on:
             raise
         except Exception:
             self.gradients_pending = False
@@ -301,7 +303,8 @@ class ArcticServer:
         return {"policy_version": self.policy_version, "step": self.step_count}
 
     def _status(self) -> StatusResult:
-        return StatusResult(policy_version=self.policy_version, step=self.step_count, info={"config": self.config.model_dump()})
+        return StatusResult(policy_version=self.policy_version, step=self.step_count,
+                            info={"config": self.config.model_dump()})
 
 
 def backend_metrics(product: object, method: str, metrics: object) -> dict[str, float]:

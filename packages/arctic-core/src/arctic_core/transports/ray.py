@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from arctic_core.serving import wire
+from arctic_core import wire
 from arctic_core.config import ArcticConfig
 from arctic_core.errors import WorkerError, error_answer, remote_error
 from arctic_core.protocol import Empty, Message, Result

@@ -11,7 +11,8 @@ the group itself (:func:`share_plan`, a uint8 broadcast: no pickle)::
     # trainer, rank 0                                  # sampler, any other rank
     plan = plan_broadcast(weights, bucket_bytes, v)
     share_plan(group, plan)                            plan = share_plan(group)
-    broadcast_weights(group, weights, plan)            sampler.update_weights(receive_broadcast(group, plan), plan["version"])
+    broadcast_weights(group, weights, plan)            received = receive_broadcast(group, plan)
+                                                       sampler.update_weights(received, plan["version"])
 
 :class:`TorchBroadcastTransport` (``weight_sync: {transport: torch-broadcast}``) runs that between
 Ray actors: engines that live in actors (the ``ray`` trainer and sampler backends) expose the
@@ -166,8 +167,9 @@ def receive_broadcast(group: WeightGroup, plan: dict, src: int = 0,
 
 def pack_bucket(named: dict[str, torch.Tensor], bucket: dict, device: torch.device) -> torch.Tensor:
     """One bucket of a plan as a flat tensor of its dtype on ``device``."""
+    dtype = parse_dtype(bucket["dtype"])
     try:
-        parts = [named[name].detach().reshape(-1).to(device, parse_dtype(bucket["dtype"])) for name, _ in bucket["tensors"]]
+        parts = [named[name].detach().reshape(-1).to(device, dtype) for name, _ in bucket["tensors"]]
     except KeyError as exc:
         raise BroadcastError(f"the plan names weight {exc.args[0]!r}, which the sender does not have") from None
     return torch.cat(parts)
@@ -178,7 +180,8 @@ def unpack_buckets(plan: dict, flats: Sequence[torch.Tensor]) -> list[tuple[str,
     received: dict[str, torch.Tensor] = {}
     for bucket, flat in zip(plan["buckets"], flats, strict=True):
         shapes = [torch.Size(shape) for _, shape in bucket["tensors"]]
-        for (name, _), shape, part in zip(bucket["tensors"], shapes, flat.split([s.numel() for s in shapes]), strict=True):
+        parts = flat.split([s.numel() for s in shapes])
+        for (name, _), shape, part in zip(bucket["tensors"], shapes, parts, strict=True):
             received[name] = part.view(shape)
     for alias, target in plan["aliases"].items():
         received[alias] = received[target]

@@ -25,7 +25,8 @@ from arctic_core.plugins.interfaces import NamedTensors, TrainingBackend, Weight
 from arctic_core.weights.broadcast import WHO, pack_bucket, parse_dtype, plan_broadcast, require_actors, unpack_buckets
 
 
-def export_cuda_ipc(weights: NamedTensors, bucket_bytes: int, version: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+def export_cuda_ipc(weights: NamedTensors, bucket_bytes: int,
+                    version: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """``(payload, buffers)``: the plan and one IPC handle per bucket; keep ``buffers`` alive until
     the receivers are done."""
     named = list(weights)
@@ -95,7 +96,8 @@ class CudaIpcTransport:
         try:
             for receiver in receivers:
                 if callable(getattr(receiver, "weight_group_members", None)):
-                    get_all(receiver.start_weight_receive(version, "import_weights_ipc", payload), WHO, "cuda-ipc import")
+                    get_all(receiver.start_weight_receive(version, "import_weights_ipc", payload), WHO,
+                            "cuda-ipc import")
                 else:  # an engine of this process on the same GPU
                     receiver.update_weights(import_cuda_ipc(payload), version)
                     torch.cuda.current_stream().synchronize()

@@ -32,9 +32,9 @@ from arctic_fca.fca.decode import PreparedDecode
 
 logger = logging.getLogger(__name__)
 ATTENTION_NAME = "arctic_fca_paged"
-# A prompt's causal attention with nothing cached runs on cuDNN's kernels where torch has them (on the
-# H200 ~1.6x flash attention's at 5k tokens), over q/k/v padded to one of 8 lengths per octave: cuDNN
-# builds a plan for every new shape (~32 ms of host time, the device idle meanwhile), so prompts whose
+# A prompt's causal attention with nothing cached runs on cuDNN's kernels where torch has them (faster
+# than flash attention's on long prompts: docs/design/fca.md), over q/k/v padded to one of 8 lengths
+# per octave: cuDNN builds a plan for every new shape (host time, the device idle meanwhile), so prompts whose
 # lengths keep changing would pay more for plans than for the attention. The padding is exact: padded
 # keys come after every real query, which the causal mask already hides from them.
 CUDNN_PREFILL = True

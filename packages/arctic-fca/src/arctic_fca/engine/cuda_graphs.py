@@ -41,7 +41,7 @@ class DecodeGraphs:
         self.logits, self.cache, self.tuning = logits, cache, tuning  # logits(input_ids, positions, meta)
         self.table_width, self.heads = table_width, (num_q_heads, num_kv_heads, head_dim)
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
-        self.graphs: dict[tuple[int, bool, int], _Graph] = {}
+        self.graphs: dict[tuple[int, bool], _Graph] = {}
         self.misfits = 0  # steps whose work did not fit their graph's buffers (run eagerly)
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -58,12 +58,11 @@ class DecodeGraphs:
         """Replay (capturing first if needed) the graph for this padded step; the logits ``[B,
         vocab]`` of the padded batch, or None when the work does not fit (run eagerly then).
         ``ids`` on the device (the previous step's samples) are copied in on the device."""
-        # The launches' shapes: shared-node launch or not, and the tile of the grouped layout's launch.
-        key = (positions.size, work.node is not None, work.single.requests_per_tile if work.grouped else 0)
+        key = (positions.size, work.node is not None)
         graph = self.graphs.get(key)
         fresh = graph is None
         if fresh:
-            graph = self._allocate(positions.size, with_nodes=key[1], grouped_tile=key[2])
+            graph = self._allocate(positions.size, with_nodes=key[1])
         if not graph.work.load(work, tables if graph.tables_key != tables_key else None):
             self.misfits += 1
             return None
@@ -79,13 +78,12 @@ class DecodeGraphs:
         graph.graph.replay()
         return graph.logits
 
-    def _allocate(self, batch: int, with_nodes: bool, grouped_tile: int) -> _Graph:
+    def _allocate(self, batch: int, with_nodes: bool) -> _Graph:
         device = self.cache.device
         num_q_heads, num_kv_heads, head_dim = self.heads
-        # Node blocks at most twice the cache's: the grouped layout copies a node's blocks into its groups' runs.
-        work = StaticDecodeWork(batch, self.table_width, 2 * self.cache.num_blocks, with_nodes=with_nodes,
-                                grouped_tile=grouped_tile, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                head_dim=head_dim, device=device, tuning=self.tuning)
+        work = StaticDecodeWork(batch, self.table_width, self.cache.num_blocks, with_nodes=with_nodes,
+                                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
+                                tuning=self.tuning)
 
         inputs = torch.zeros(3, batch, dtype=torch.long, device=device)
         return _Graph(torch.cuda.CUDAGraph(), work, inputs, logits=None)

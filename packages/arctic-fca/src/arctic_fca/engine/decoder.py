@@ -110,7 +110,8 @@ class FusedDecoder:
         qkv = _fuse(*(p.weight for p in projections))
         qkv_bias = _fuse(*(p.bias for p in projections)) if attn.q_proj.bias is not None else None
         norms = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        return _Layer(layer.input_layernorm.weight, qkv, qkv_bias, *(n.weight if n is not None else None for n in norms),
+        return _Layer(layer.input_layernorm.weight, qkv, qkv_bias,
+                      *(n.weight if n is not None else None for n in norms),
                       attn.scaling, attn.o_proj, layer.post_attention_layernorm.weight,
                       _fuse(mlp.gate_proj.weight, mlp.up_proj.weight), mlp.down_proj)
 

@@ -348,7 +348,7 @@ class EmbeddedEngine:
             smaller = [batch[row] for row in stay]
             if not (smaller and go_on(len(smaller)) and self.scheduler.grow(smaller, len(in_flight) + 1)):
                 break  # the steps still queued are read below
-            leaving = [s for s, on in zip(batch, going_on) if not on]
+            leaving = [s for s, on in zip(batch, going_on, strict=True) if not on]
             step = self.planner.plan(smaller, ahead=len(in_flight))
             rows = self.runner.on_device(np.array(stay))
             ids = tokens[rows] if in_flight else np.array([s.tokens[-1] for s in smaller])

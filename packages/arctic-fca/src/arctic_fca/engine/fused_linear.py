@@ -37,8 +37,9 @@ from arctic_fca.engine.triton_ops import silu_times_up
 from arctic_fca.fca.triton_decode import launch_fitting_stages
 from arctic_fca.fca.work import device_sms
 
-# Rows up to which the decoder runs its products here. On the H200 at Qwen3-1.7B's shapes the kernel
-# matches cuBLAS at 16-64 rows and falls behind it at 128 (cuBLAS's tiles fill the GPU on their own).
+# Rows up to which the decoder runs its products here. At Qwen3-1.7B's shapes the kernel matches
+# cuBLAS up to 64 rows and falls behind it above, where cuBLAS's tiles fill the GPU on their own
+# (docs/design/fca.md).
 MAX_ROWS = 64
 _COUNTERS = 1 << 14  # column tiles a split launch may have
 # Split launches' arrival counters, one set per device: its products run one after another (one
@@ -113,16 +114,16 @@ def _normalize_rows_kernel(scaled_ptr, squares_ptr, out_ptr, M, n, tiles, eps, T
 
 
 def row_tile(rows: int) -> int:
-    """The rows a program computes: 16 up to 16 rows, else 64 (on the H200 a 32-row tile made the
-    products 5-18% slower than the 64-row one, whose padding rows are masked off)."""
+    """The rows a program computes: 16 up to 16 rows, else 64 (a 32-row tile made the products
+    slower than the 64-row one, whose padding rows are masked off: docs/design/fca.md)."""
     return 16 if rows <= 16 else 64
 
 
 def dependent_launch_pays(rows: int) -> bool:
-    """Whether programmatic dependent launch shortens a chain of these products (H200, a layer's
-    products at Qwen3-1.7B's shapes): with 64-row tiles yes (42.6 against 45.8 us per layer at 64
-    rows, 42.0 against 45.1 at 32); with 16-row tiles two programs fit per SM, and the waiting
-    launch's programs take the running one's places (54.0 against 41.6 us at 16 rows)."""
+    """Whether programmatic dependent launch shortens a chain of these products (a layer's
+    products at Qwen3-1.7B's shapes, docs/design/fca.md): with 64-row tiles yes; with 16-row tiles
+    two programs fit per SM, and the waiting launch's programs take the running one's places, which
+    makes the chain slower."""
     return row_tile(rows) == 64
 
 

@@ -30,7 +30,9 @@ class PagedKVCache:
         return bool(self.keys)
 
     def allocate(self) -> None:
-        make = lambda: torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        def make() -> torch.Tensor:
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
         self.keys = [make() for _ in range(self.num_layers)]
         self.values = [make() for _ in range(self.num_layers)]
 

@@ -52,7 +52,8 @@ class ModelRunner:
         if self.device.type == "cuda" and options.cuda_graphs and options.kernel != "torch":
             from arctic_fca.engine.cuda_graphs import DecodeGraphs  # imports Triton
 
-            self.graphs = DecodeGraphs(self.logits, self.cache, table_width=-(-self.max_model_len // options.block_size),
+            self.graphs = DecodeGraphs(self.logits, self.cache,
+                                       table_width=-(-self.max_model_len // options.block_size),
                                        max_num_seqs=options.max_num_seqs, num_q_heads=self.num_q_heads,
                                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, tuning=tuning)
 
@@ -134,7 +135,10 @@ class ModelRunner:
                 rows: torch.Tensor | None) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the packed step, at ``rows`` (all rows when None), in the model's
         dtype: the samplers read them in fp32 themselves, so no fp32 copy of the whole vocabulary is made."""
-        as_tensor = lambda a: a if isinstance(a, torch.Tensor) else self.on_device(a)
+
+        def as_tensor(a: np.ndarray | torch.Tensor) -> torch.Tensor:
+            return a if isinstance(a, torch.Tensor) else self.on_device(a)
+
         return self.logits(as_tensor(ids), as_tensor(positions), meta, rows)
 
     def on_device(self, values: np.ndarray) -> torch.Tensor:

@@ -36,8 +36,8 @@ class DecodeLayout:
         wide as the longest sequence's (the CUDA graphs' buffers hold the widest the model allows,
         ~2,560 blocks for 40,960 positions: a copy of 5 MB at 512 rows, at every step a sample left).
         The rows of sequences ``before`` holds are copied from it and only their new blocks written:
-        in RL rollouts samples leave at most steps, and 64 x 8 rows of ~150 blocks written one by
-        one took ~1.5 ms of the host's time per step."""
+        in RL rollouts samples leave at most steps, and writing every row's blocks one by one took a
+        large share of the host's time per step (docs/design/fca.md)."""
         width = max(len(s.blocks) for s in running)
         tables = np.zeros((key[0], width), dtype=np.int32)
         rows_before = before.rows if before is not None else {}
@@ -112,6 +112,6 @@ class StepPlanner:
             group = self.heads["num_q_heads"] // self.heads["num_kv_heads"]
             work = build_work(plan, seq_lens.numpy(), tables.shape[1], bs, group=group,
                               num_kv_heads=self.heads["num_kv_heads"], num_sms=device_sms(self.device),
-                              tuning=self.tuning, tables=tables.numpy())
+                              tuning=self.tuning)
         self.prepare_seconds += time.perf_counter() - begin
         return StepPlan(self.layout, positions, slots, seq_lens, plan, work)

@@ -32,9 +32,8 @@ import triton.language as tl
 from arctic_fca.fca.work import device_sms
 
 BLOCK = 2048  # entries per inner step
-# With no more rows than SMs a program has an SM to itself: larger steps keep more bytes in flight
-# (H100, 64 rows: 142-258 against 159-462 us); with more rows, smaller programs share the SMs (512
-# rows: 287-882 against 571-1,114 us).
+# With no more rows than SMs a program has an SM to itself: larger steps keep more bytes in flight;
+# with more rows, smaller programs share the SMs better (docs/design/fca.md).
 WIDE_BLOCK, WIDE_WARPS = 8192, 16
 CHUNK = 128  # entries per chunk maximum (kept by the first pass, so that later passes skip whole blocks)
 

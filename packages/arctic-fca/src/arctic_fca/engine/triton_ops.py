@@ -106,8 +106,8 @@ def qk_rope_store(qkv: torch.Tensor, heads: tuple[int, int, int], positions: tor
     tokens = qkv.shape[0]
     q = qkv.new_empty(tokens, num_q, dim)
     k = qkv.new_empty(tokens, num_kv, dim)
-    # One warp per (token, head): a program's two half-heads are a few dozen values each; from 16 to
-    # 4096 tokens one warp took 1.9-61 us per layer against 2.3-83 with four (H200).
+    # One warp per (token, head): a program's two half-heads are a few dozen values each; one warp
+    # was faster than four at every token count measured (docs/design/fca.md).
     _qk_rope_store_kernel[(tokens, num_q + num_kv)](
         qkv, positions, cos, sin, q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, slots,
         q, k, cache.keys[layer], cache.values[layer], eps, NUM_Q=num_q, NUM_KV=num_kv, HALF=dim // 2,

@@ -56,7 +56,8 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, row_request: torch.Te
 
 
 def fca_attention_with_lse(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, scale: float, plan: FCAPlan) -> tuple[torch.Tensor, torch.Tensor]:
+                           block_tables: torch.Tensor, scale: float,
+                           plan: FCAPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """FCA on validated inputs with a matching plan: fp32 out ``[num_requests, num_q_heads,
     head_dim]`` and lse ``[num_requests, num_q_heads]``."""
     device = query.device

@@ -27,9 +27,9 @@ length is never below (work / target), so no batch overflows them; only the (nod
 are checked (a forest deeper than ``PAIRS_PER_REQUEST`` nodes decodes plain).
 
 On CUDA each batch size's build is captured in a CUDA graph once and replayed: eager, its ~250
-small ops cost ~5 ms of host time per step (H200), which a short decode step cannot hide. Replayed,
-they still cost ~0.8 ms of GPU time (one small kernel after another; fusing them with
-``torch.compile`` measured no faster in the vLLM engine). Two cheaper builds serve callers that
+small ops cost more host time per step than a short decode step can hide. Replayed, they still
+cost GPU time (one small kernel after another; fusing them with ``torch.compile`` measured no
+faster in the vLLM engine; figures in docs/design/fca.md). Two cheaper builds serve callers that
 know more than the tables:
 
 - ``build(shared=False)``: no block is shared; the plain work from one Triton program on CUDA
@@ -74,8 +74,8 @@ class DeviceWorkBuilder:
                  plain_kernel: bool | None = None) -> None:
         device = torch.device(device)
         # The plain build as one Triton program (``plain_work``) instead of ~55 torch ops: on CUDA
-        # by default (72 against 151 us per replayed build on the H200, bit-equal work:
-        # ``bench/fca_device_work.py --plain-cost``); elsewhere Triton runs only under its interpreter.
+        # by default (faster per replayed build, bit-equal work: ``bench/fca_device_work.py
+        # --plain-cost``, docs/design/fca.md); elsewhere Triton runs only under its interpreter.
         self.plain_kernel = device.type == "cuda" if plain_kernel is None else plain_kernel
         # Static shapes per batch size: on CUDA each (size, build) pair is captured once and replayed.
         self.graphs: dict[tuple[int, Build], torch.cuda.CUDAGraph] | None = (
@@ -84,7 +84,8 @@ class DeviceWorkBuilder:
         low, high = chunk_range or (tuning.min_chunk_tokens, tuning.max_chunk_tokens)
         self.chunk_range = (max(low, block_size), high)  # split lengths allowed
         self.tuning = tuning
-        self.max_requests, self.width, self.num_blocks, self.block_size = max_requests, table_width, num_blocks, block_size
+        self.max_requests, self.width = max_requests, table_width
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.group = num_q_heads // num_kv_heads
         self.per_tile = tuning.per_tile(self.group)
         self.target = max(1, tuning.items_per_sm * (num_sms or device_sms(device)) // num_kv_heads)
@@ -124,8 +125,8 @@ class DeviceWorkBuilder:
         self.reuses = 0  # builds since the kept forest was searched
         self.builds = {"forest": 0, "reuse": 0, "plain": 0}  # host-side counts, for metrics
         if self.plain_kernel and device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            # Compile the Triton program now, with the engine: its first JIT (~1 s) inside the first
-            # step that shares nothing cost vLLM 12% of a 65k-token run's throughput on the H200.
+            # Compile the Triton program now, with the engine: its first JIT inside the first step
+            # that shares nothing stalls that step, a visible share of a run's throughput in vLLM.
             self._build_plain(1)
 
     def build(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, *, shared: bool = True,
@@ -286,7 +287,8 @@ class DeviceWorkBuilder:
         columns = (forest.node_row[owner] * self.width + forest.node_col[owner] + piece * (size // bs),
                    torch.minimum(size, tokens[owner] - piece * size),
                    q_first,
-                   torch.minimum(torch.full_like(q_first, self.per_tile), forest.node_size[owner] - tile * self.per_tile))
+                   torch.minimum(torch.full_like(q_first, self.per_tile),
+                                 forest.node_size[owner] - tile * self.per_tile))
         return _write_launch(self.work.node, columns, item < total, first_row=tokens.new_zeros(()))
 
     def _single_items(self, suffix_start: torch.Tensor, suffix: torch.Tensor, node_rows: torch.Tensor) -> torch.Tensor:
@@ -299,7 +301,8 @@ class DeviceWorkBuilder:
                    torch.minimum(chunk, suffix[owner] - piece * chunk),
                    self.max_pairs + owner,
                    torch.ones_like(owner))
-        self.work.q_index[self.max_pairs : self.max_pairs + suffix.numel()].copy_(torch.arange(suffix.numel(), device=suffix.device))
+        self.work.q_index[self.max_pairs : self.max_pairs + suffix.numel()].copy_(
+            torch.arange(suffix.numel(), device=suffix.device))
         _write_launch(self.work.single, columns, item < total, first_row=node_rows)
         return pieces
 

@@ -4,9 +4,8 @@ A graph replays the same kernel launches with the same grids and pointers, so th
 items (``arctic_fca.fca.work``) go into buffers allocated once, at capacity: the grids cover the
 capacity and programs past the step's item count do nothing (the kernel reads the count). Each
 step costs two host-to-device copies (one packed int32 metadata buffer, and the shared nodes'
-block ids; the grouped layout adds their pages' owners and valid tokens); the block tables, as wide
-as the batch's longest (the buffers hold the widest a model allows), are copied only when the
-batch's sequences change. The copies never
+block ids); the block tables, as wide as the batch's longest (the buffers hold the widest a model
+allows), are copied only when the batch's sequences change. The copies never
 wait for the device: each goes out of a fresh pinned buffer (the caching host allocator keeps it
 until its copy ran), so steps can be queued while earlier ones still run. A step whose work does
 not fit returns False from ``load`` and runs eagerly instead.
@@ -17,21 +16,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from arctic_fca.fca.work import ALL_VALID, DeviceLaunch, DeviceWork, item_columns
+from arctic_fca.fca.work import DeviceLaunch, DeviceWork, item_columns
 from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 from arctic_fca.fca.work import DecodeWork
 
 
 class StaticDecodeWork:
-    """Buffers for the work of ``num_requests`` rows: with a shared-node launch or not, and
-    ``grouped_tile`` > 0 for the grouped layout (one launch of tiles of that many requests, with each
-    kv_index entry's owner and valid tokens)."""
+    """Buffers for the work of ``num_requests`` rows, with a shared-node launch or not."""
 
     def __init__(self, num_requests: int, table_width: int, max_node_blocks: int, *, with_nodes: bool,
                  num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 tuning: Tuning = DEFAULT_TUNING, grouped_tile: int = 0) -> None:
+                 tuning: Tuning = DEFAULT_TUNING) -> None:
         self.num_requests, self.table_width, self.with_nodes = num_requests, table_width, with_nodes
-        self.grouped_tile = grouped_tile
         items_cap = 2 * num_requests + 1024
         self.caps = {"node_items": items_cap if with_nodes else 0, "single_items": items_cap,
                      "q_index": 9 * num_requests, "merge_rows": 24 * num_requests + 4096, "node_kv": max_node_blocks}
@@ -48,10 +44,6 @@ class StaticDecodeWork:
             offset += size
         self.tables_size = num_requests * table_width
         self.kv_index = torch.zeros(self.tables_size + max(1, max_node_blocks), dtype=torch.int32, device=device)
-        owner = valid = None
-        if grouped_tile:  # the tables' entries are read whole by every row: set once
-            owner = torch.full_like(self.kv_index, -1)
-            valid = torch.full_like(self.kv_index, ALL_VALID)
         rows = self.caps["merge_rows"]
         group = num_q_heads // num_kv_heads
 
@@ -63,22 +55,18 @@ class StaticDecodeWork:
             kv_index=self.kv_index,
             q_index=self.dev["q_index"],
             node=launch("node_items", 0, tuning.per_tile(group)) if with_nodes else None,
-            single=launch("single_items", 1, grouped_tile or 1),
+            single=launch("single_items", 1, 1),
             merge_indptr=self.dev["merge_indptr"],
             merge_rows=self.dev["merge_rows"],
             partial=torch.zeros(rows, num_q_heads, head_dim, dtype=torch.float32, device=device),
             lse=torch.zeros(rows, num_q_heads, dtype=torch.float32, device=device),
             direct=False,
             tuning=tuning,
-            kv_owner=owner,
-            kv_valid=valid,
         )
 
     def fits(self, work: DecodeWork) -> bool:
         node_items = work.node.num_items if work.node is not None else 0
-        grouped_tile = work.single.requests_per_tile if work.grouped else 0
-        return ((work.node is not None) == self.with_nodes and grouped_tile == self.grouped_tile
-                and work.table_width <= self.table_width
+        return ((work.node is not None) == self.with_nodes and work.table_width <= self.table_width
                 and work.merge_indptr.size == self.num_requests + 1 and node_items <= self.caps["node_items"]
                 and work.single.num_items <= self.caps["single_items"] and work.q_index.size <= self.caps["q_index"]
                 and work.num_partial_rows <= self.caps["merge_rows"] and work.node_kv.size <= self.caps["node_kv"])
@@ -99,15 +87,8 @@ class StaticDecodeWork:
         rows_size = self.num_requests * work.table_width  # the tables' rows, then the nodes' blocks
         if tables is not None:
             copy_in(self.kv_index[:rows_size], tables.reshape(-1))
-            if self.grouped_tile:  # the rows may cover entries a narrower layout's nodes held
-                self.work.kv_owner[:rows_size].fill_(-1)
-                self.work.kv_valid[:rows_size].fill_(ALL_VALID)
-        nodes = slice(rows_size, rows_size + work.node_kv.size)
         if work.node_kv.size:
-            copy_in(self.kv_index[nodes], work.node_kv)
-        if work.grouped and work.node_kv.size:
-            copy_in(self.work.kv_owner[nodes], work.node_kv_owner)
-            copy_in(self.work.kv_valid[nodes], work.node_kv_valid)
+            copy_in(self.kv_index[rows_size : rows_size + work.node_kv.size], work.node_kv)
         return True
 
 

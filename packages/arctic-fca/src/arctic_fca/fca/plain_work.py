@@ -1,19 +1,17 @@
 """The plain work of a decode step in one Triton program (``DeviceWorkBuilder.build(shared=False)``).
 
 A step whose requests share no block is read plain: each request's KV split into pieces of one
-length, no node items. Written with torch ops that is ~55 tiny kernels, 0.13-0.15 ms of GPU time
-per step even replayed from a CUDA graph (H200, 128 requests), about 1% of a decode step of a
-1.7 B model, paid exactly where FCA has nothing to gain. One program does it in one launch: the
-requests fit one block of lanes, so the piece counts' prefix sum is a ``tl.cumsum``.
+length, no node items. Written with torch ops that is ~55 tiny kernels, whose GPU time, even
+replayed from a CUDA graph, is paid exactly where FCA has nothing to gain. One program does it in
+one launch: the requests fit one block of lanes, so the piece counts' prefix sum is a ``tl.cumsum``.
 
 It writes what the torch build writes and the kernels read (``same_work``): the single items and
 their count, an empty node launch, each request's query row, and the merge ranges; items past the
 count and merge rows past the last range are left as they are (nothing reads them).
 
-The default on CUDA (``DeviceWorkBuilder(plain_kernel=False)`` turns it off): on the H200 a
-replayed build takes 72 us against the torch ops' 151 us and writes the same work bit for bit
-(``bench/fca_device_work.py --plain-cost``, 128 requests); the CPU suite checks it under Triton's
-interpreter.
+The default on CUDA (``DeviceWorkBuilder(plain_kernel=False)`` turns it off): a replayed build is
+faster than the torch ops' and writes the same work bit for bit (``bench/fca_device_work.py
+--plain-cost``; figures in docs/design/fca.md); the CPU suite checks it under Triton's interpreter.
 """
 
 from __future__ import annotations

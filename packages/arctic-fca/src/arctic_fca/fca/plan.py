@@ -151,7 +151,7 @@ def _ordered(intervals: list[tuple[int, int, int, int]], order: list[int]) -> li
     members = [sorted(order[first:last + 1]) for _, _, first, last in intervals]
     children: dict[int, list[int]] = {}
     open_below: list[int] = []  # intervals found so far whose parent is not found yet
-    for index, (_, _, first, last) in enumerate(intervals):  # children are found before their parent
+    for index, (_, _, first, _last) in enumerate(intervals):  # children are found before their parent
         while open_below and intervals[open_below[-1]][2] >= first:
             children.setdefault(index, []).append(open_below.pop())
         open_below.append(index)

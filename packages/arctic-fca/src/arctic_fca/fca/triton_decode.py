@@ -11,11 +11,9 @@ Two kernels serve both (``arctic_fca.fca.work`` builds their work items, on the 
   log-sum-exp weights.
 
 FCA launches the partial kernel twice (shared-node items with tall query tiles, and the
-one-request suffix items, side by side on two CUDA streams) and merges; or, in the grouped layout
-of host-built work (``work._grouped_work``), once: items of a node's pages and its requests' own
-pages, each own page visible to its request's rows only (``OWNED``: a per-page owner and count of
-valid tokens). Plain decode is the same kernel over whole sequences, so the comparison is between
-uses of one kernel of the same quality.
+one-request suffix items, side by side on two CUDA streams) and merges; plain decode is the same
+kernel over whole sequences, so the comparison is between two uses of one kernel of the same
+quality.
 
 Under ``TRITON_INTERPRET=1`` the same kernels run on the CPU (slowly), which is how the CPU test
 suite checks them against the exact torch path.
@@ -43,33 +41,30 @@ _fitted_stages: dict[tuple, int] = {}
 
 @triton.jit
 def _partial_attention(
-    q_ptr, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, q_index_ptr, items_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, kv_index_ptr, q_index_ptr, items_ptr, count_ptr,
     out_ptr, lse_ptr,
     stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_or, stride_oh, stride_lr, stride_items,
     scale_log2,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, OWNED: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     # Persistent over items: a fixed grid (a CUDA graph replays the same one every step) strides
     # over this step's items, however many there are.
     for item in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
-        _attend_item(q_ptr, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, q_index_ptr, items_ptr, out_ptr,
-                     lse_ptr, item, kv_head,
+        _attend_item(q_ptr, k_ptr, v_ptr, kv_index_ptr, q_index_ptr, items_ptr, out_ptr, lse_ptr, item, kv_head,
                      stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                      stride_or, stride_oh, stride_lr, stride_items, scale_log2,
-                     GROUP, PAGE, HEAD_DIM, DIM_P2, BLOCK_Q, BLOCK_N, DIRECT, IEEE, OWNED)
+                     GROUP, PAGE, HEAD_DIM, DIM_P2, BLOCK_Q, BLOCK_N, DIRECT, IEEE)
 
 
 @triton.jit
-def _attend_item(q_ptr, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, q_index_ptr, items_ptr, out_ptr,
-                 lse_ptr, item, kv_head,
+def _attend_item(q_ptr, k_ptr, v_ptr, kv_index_ptr, q_index_ptr, items_ptr, out_ptr, lse_ptr, item, kv_head,
                  stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_or, stride_oh, stride_lr, stride_items, scale_log2,
                  GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
-                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-                 OWNED: tl.constexpr):
+                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
     kv_start = tl.load(items_ptr + item)
     kv_len = tl.load(items_ptr + stride_items + item)
     q_start = tl.load(items_ptr + 2 * stride_items + item)
@@ -79,14 +74,14 @@ def _attend_item(q_ptr, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, 
     request, head, local, row_ok = _query_rows(q_index_ptr, q_start, q_count, kv_head, GROUP, BLOCK_Q)
     q = _query_tile(q_ptr, request, head, row_ok, stride_qr, stride_qh, HEAD_DIM, DIM_P2)
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_Q], tl.float32)
+    row_sum = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, DIM_P2], tl.float32)
     for start in range(0, kv_len, BLOCK_N):
-        m, l, acc = _attend_block(q, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, local, kv_start, kv_len,
-                                  start, kv_head, m, l, acc,
-                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-                                  PAGE, HEAD_DIM, DIM_P2, BLOCK_N, IEEE, OWNED)
-    _write_result(out_ptr, lse_ptr, acc, m, l, request, head, local, row_ok, out_row,
+        m, row_sum, acc = _attend_block(q, k_ptr, v_ptr, kv_index_ptr, kv_start, kv_len, start, kv_head,
+                                        m, row_sum, acc,
+                                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+                                        PAGE, HEAD_DIM, DIM_P2, BLOCK_N, IEEE)
+    _write_result(out_ptr, lse_ptr, acc, m, row_sum, request, head, local, row_ok, out_row,
                   stride_or, stride_oh, stride_lr, HEAD_DIM, DIM_P2, DIRECT)
 
 
@@ -111,61 +106,46 @@ def _query_tile(q_ptr, request, head, row_ok, stride_qr, stride_qh, HEAD_DIM: tl
 
 
 @triton.jit
-def _attend_block(q, k_ptr, v_ptr, kv_index_ptr, kv_owner_ptr, kv_valid_ptr, local, kv_start, kv_len, start, kv_head,
-                  m, l, acc, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+def _attend_block(q, k_ptr, v_ptr, kv_index_ptr, kv_start, kv_len, start, kv_head, m, row_sum, acc,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
                   PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, OWNED: tl.constexpr):
+                  IEEE: tl.constexpr):
     """Tokens ``start : start + BLOCK_N`` of an item (pages through ``kv_index[kv_start:]``) into
-    the online softmax state (running max ``m``, sum ``l``, ``acc``) of the query tile ``q``.
-    OWNED: each page has an owner (``kv_owner``, parallel to ``kv_index``: -1 for a page every row
-    sees, else the index among the item's requests of the only one that sees it) and a count of
-    valid tokens (``kv_valid``); a row that has seen no token yet keeps ``m = -inf``."""
+    the online softmax state (running max ``m``, sum ``row_sum``, ``acc``) of the query tile ``q``."""
     dims = tl.arange(0, DIM_P2)
     dim_ok = dims < HEAD_DIM
     tokens = start + tl.arange(0, BLOCK_N)
     tok_ok = tokens < kv_len
-    position = kv_start + tokens // PAGE
-    page = tl.load(kv_index_ptr + position, mask=tok_ok, other=0).to(tl.int64)
+    page = tl.load(kv_index_ptr + kv_start + tokens // PAGE, mask=tok_ok, other=0).to(tl.int64)
     slot = tokens % PAGE
-    if OWNED:
-        owner = tl.load(kv_owner_ptr + position, mask=tok_ok, other=-1)
-        tok_ok = tok_ok & (slot < tl.load(kv_valid_ptr + position, mask=tok_ok, other=0))
     k = tl.load(k_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
                 mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if OWNED:
-        visible = tok_ok[None, :] & ((owner[None, :] < 0) | (owner[None, :] == local[:, None]))
-    else:
-        visible = tok_ok[None, :]
-    s = tl.where(visible, s * scale_log2, float("-inf"))
+    s = tl.where(tok_ok[None, :], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    if OWNED:  # a row with nothing visible so far: exp2(-inf - 0) = 0, not exp2(-inf + inf) = NaN
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_base = m_new
-    p = tl.exp2(s - m_base[:, None])
-    alpha = tl.exp2(m - m_base)
-    l = l * alpha + tl.sum(p, 1)
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
                 mask=tok_ok[:, None] & dim_ok[None, :], other=0.0)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l, acc
+    return m_new, row_sum, acc
 
 
 @triton.jit
-def _write_result(out_ptr, lse_ptr, acc, m, l, request, head, local, row_ok, out_row,
+def _write_result(out_ptr, lse_ptr, acc, m, row_sum, request, head, local, row_ok, out_row,
                   stride_or, stride_oh, stride_lr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, DIRECT: tl.constexpr):
     """An item's rows: its final output (DIRECT: a request's only item, row = the request), or one
     fp32 partial (out, natural-log lse) per request at ``out_row + local``."""
     dims = tl.arange(0, DIM_P2)
     dim_ok = dims < HEAD_DIM
-    out = acc / l[:, None]
+    out = acc / row_sum[:, None]
     if DIRECT:
         target = request[:, None] * stride_or + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + target, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -173,7 +153,7 @@ def _write_result(out_ptr, lse_ptr, acc, m, l, request, head, local, row_ok, out
         partial = (out_row + local).to(tl.int64)
         tl.store(out_ptr + partial[:, None] * stride_or + head[:, None] * stride_oh + dims[None, :], out,
                  mask=row_ok[:, None] & dim_ok[None, :])
-        tl.store(lse_ptr + partial * stride_lr + head, (m + tl.log2(l)) * 0.6931471805599453, mask=row_ok)
+        tl.store(lse_ptr + partial * stride_lr + head, (m + tl.log2(row_sum)) * 0.6931471805599453, mask=row_ok)
 
 
 @triton.jit
@@ -219,18 +199,16 @@ def _launch(launch: DeviceLaunch, work: DeviceWork, query, key_cache, value_cach
     config = tuning.node if launch.requests_per_tile > 1 else tuning.single
     per_sm = config.programs_per_sm or tuning.programs_per_sm
     programs = max(1, min(launch.items.shape[1], int(per_sm * device_sms(query.device)) // num_kv_heads))
-    owned = work.kv_owner is not None
-    fit_key = (query.device, query.dtype, head_dim, block_q, config.block_n, config.num_stages, owned)
-    owner, valid = (work.kv_owner, work.kv_valid) if owned else (work.kv_index, work.kv_index)  # unread unless owned
+    fit_key = (query.device, query.dtype, head_dim, block_q, config.block_n, config.num_stages)
     launch_fitting_stages(fit_key, config.num_stages, lambda stages: _partial_attention[(programs, num_kv_heads)](
-        query, key_cache, value_cache, work.kv_index, owner, valid, work.q_index, launch.items, launch.count,
+        query, key_cache, value_cache, work.kv_index, work.q_index, launch.items, launch.count,
         out, lse,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), launch.items.stride(0),
         scale * LOG2E,
         GROUP=group, PAGE=page, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
-        BLOCK_N=config.block_n, DIRECT=work.direct, IEEE=query.dtype == torch.float32, OWNED=owned,
+        BLOCK_N=config.block_n, DIRECT=work.direct, IEEE=query.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=stages,
     ))
 

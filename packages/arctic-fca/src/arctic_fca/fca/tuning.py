@@ -26,11 +26,11 @@ class Tuning:
     node: LaunchConfig = LaunchConfig(num_stages=5)  # shared-node items: tall query tiles
     single: LaunchConfig = LaunchConfig(num_stages=2)  # one request's own tokens
     # Persistent programs (x KV heads) per streaming multiprocessor: 4 rather than one program per
-    # item lifted small rollouts by 1-2.5% on the H200 (tail items run in the same wave).
+    # item let tail items run in the same wave, which small rollouts gain from (docs/design/fca.md).
     programs_per_sm: int = 4
     # The merge: partial rows a program reads at once, and its warps. A request has a few partial
-    # rows (2-5 in GRPO rollouts): 4 rows and one warp per program took 2.9 / 4.5 / 7.0 us per layer
-    # at 8x8@2048 / 16x16@4096 / 64x8@2048 on the H200, against 3.8 / 7.4 / 12.1 with 16 and two.
+    # rows (2-5 in GRPO rollouts): 4 rows and one warp per program were faster than 16 and two at
+    # every GRPO shape measured (docs/design/fca.md).
     merge_rows: int = 4
     merge_warps: int = 1
     overlap_launches: bool = True  # node and single launches on two CUDA streams (they write disjoint rows)
@@ -42,12 +42,6 @@ class Tuning:
     # blocks), not into split-length pieces and a short last one: the longest piece sets the
     # launch's time (a 5,440-token prompt: 3 x ~1,820 tokens rather than 2,048 + 2,048 + 1,344).
     even_pieces: bool = True
-    # Each childless node's requests read their own tokens with the node's query tile, in one launch
-    # of uniform items (``work._grouped_work``; host-built work only) instead of a shared-prompt launch
-    # and a launch of one-request items side by side. Off: on H100s it took decode steps at 8 x 8 @ 2048
-    # from 3.57-3.62 to 3.48-3.53 ms in one run and 3.59 to 3.59 in another when every sample ran to the
-    # end, but from 3.26 to 3.40 ms (6.73 to 7.36 at 16 x 16 @ 4096) when samples stopped early.
-    own_tokens_in_tiles: bool = False
 
     def replace(self, **changes: object) -> Tuning:
         return dataclasses.replace(self, **changes)

@@ -6,11 +6,11 @@ token's log-prob; ``processed_logprobs`` makes it the log-prob of the distributi
 from, after temperature and top-k/top-p), ``n`` samples per prompt, prefix caching on. Weights from
 the trainer go into the running engine without a restart: CUDA tensors as IPC handles
 (:mod:`arctic_core.weights.ipc`), CPU tensors as they are, through ``collective_rpc`` into the worker
-extension :class:`arctic_fca.vllm_worker.ArcticWorkerExtension`; the prefix cache is reset after every
+extension :class:`arctic_fca.vllm.worker.ArcticWorkerExtension`; the prefix cache is reset after every
 update, so no result mixes KV of two policies. Sleep/wake use vLLM's sleep mode (level 1: weights
 offloaded to the host, KV cache freed).
 
-Decode attention is FCA (``arctic_fca.vllm_attention``, vLLM's CUSTOM backend) unless ``fca: false``.
+Decode attention is FCA (``arctic_fca.vllm.attention``, vLLM's CUSTOM backend) unless ``fca: false``.
 
 ``sampler: {backend: vllm, options: {gpu_memory_utilization: 0.5, fca: true, engine_args: {...}}}``.
 """
@@ -30,7 +30,7 @@ from arctic_core.hf import check_prompts
 from arctic_core.plugins.interfaces import NamedTensors
 
 SUPPORTED_VERSION = "0.24."
-WORKER_EXTENSION = "arctic_fca.vllm_worker.ArcticWorkerExtension"
+WORKER_EXTENSION = "arctic_fca.vllm.worker.ArcticWorkerExtension"
 
 
 class VllmOptions(StrictModel):
@@ -78,7 +78,7 @@ class VllmSampler:
         """FCA is vLLM's CUSTOM backend, registered by our ``vllm.general_plugins`` entry point."""
         if not self.options.fca or "attention_config" in self.options.engine_args:
             return {}
-        from arctic_fca.vllm_plugin import BASE_ENV
+        from arctic_fca.vllm.plugin import BASE_ENV
 
         os.environ[BASE_ENV] = self.options.fca_base  # read by the plugin in vLLM's processes
         return {"attention_config": {"backend": "CUSTOM"}}

@@ -12,8 +12,8 @@ import os
 
 BASE_ENV = "ARCTIC_FCA_VLLM_BASE"
 BACKENDS = {
-    "FLASH_ATTN": "arctic_fca.vllm_attention.FCAAttentionBackend",
-    "TRITON_ATTN": "arctic_fca.vllm_attention.FCATritonAttentionBackend",
+    "FLASH_ATTN": "arctic_fca.vllm.attention.FCAAttentionBackend",
+    "TRITON_ATTN": "arctic_fca.vllm.attention.FCATritonAttentionBackend",
 }
 
 

@@ -1,9 +1,9 @@
 """What the host knows of a decode step's block tables, handed to FCA's metadata builders.
 
 A batch in which no two requests share a KV block cannot gain from FCA, and telling so on the
-device costs the work build's whole forest search (~0.8 ms per step on an H200). The host can
+device costs the work build's whole forest search (docs/design/fca.md, "Inside vLLM"). The host can
 tell for the price of a ``np.unique``: prefix caching gives one block id to one token prefix, so
-requests that share any block share their first (``vllm_fca.shares_a_block``). vLLM's two model
+requests that share any block share their first (``fca.shares_a_block``). vLLM's two model
 runners keep the first blocks on the host differently:
 
 - V1 (``gpu_model_runner``): the input batch holds a host copy of each group's block table, rows
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from arctic_fca.vllm_fca import HostStep, fca_builders
+from arctic_fca.vllm.fca import HostStep, fca_builders
 
 logger = logging.getLogger(__name__)
 HostView = Callable[[], "HostStep | None"]  # this step's requests as the host knows them, or None: unknown

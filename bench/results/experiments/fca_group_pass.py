@@ -1,3 +1,4 @@
+# A record, not maintained (last run at commit 5be02a7): FCA with each prompt group's own tokens in its query tile.
 """FCA decode attention with each prompt group's own tokens read by the group's query tile, in one launch.
 
 The library reads a decode step's KV in two launches side by side: the shared-prompt pass (one
@@ -59,7 +60,7 @@ def _group_pass(q_ptr, k_ptr, v_ptr, pages_ptr, owner_ptr, valid_ptr, items_ptr,
     q = tl.load(q_ptr + request[:, None] * stride_qr + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_Q], tl.float32)
+    row_sum = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
     for start in range(0, num_pages * PAGE, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
@@ -82,19 +83,19 @@ def _group_pass(q_ptr, k_ptr, v_ptr, pages_ptr, owner_ptr, valid_ptr, items_ptr,
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offsets, mask=tok_ok[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    seen = l > 0
-    out = acc / tl.where(seen, l, 1.0)[:, None]
+    seen = row_sum > 0
+    out = acc / tl.where(seen, row_sum, 1.0)[:, None]
     partial = (out_row + local).to(tl.int64)
     tl.store(out_ptr + partial[:, None] * stride_or + head[:, None] * stride_oh + dims[None, :], out,
              mask=row_ok[:, None])
-    lse = tl.where(seen, (m + tl.log2(tl.where(seen, l, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m + tl.log2(tl.where(seen, row_sum, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(lse_ptr + partial * stride_lr + head, lse, mask=row_ok)
 
 
@@ -224,7 +225,8 @@ def smoke() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU exactness check (TRITON_INTERPRET=1)")
-    parser.add_argument("--shapes", type=parse_shapes, default=[(8, 8, 2048), (8, 8, 4096), (16, 16, 4096), (64, 8, 2048)],
+    parser.add_argument("--shapes", type=parse_shapes,
+                        default=[(8, 8, 2048), (8, 8, 4096), (16, 16, 4096), (64, 8, 2048)],
                         help="G/S/P,...: groups/samples/prompt length (Qwen3-1.7B heads, 256 own tokens)")
     parser.add_argument("--settings", type=json.loads, default=[[64, 3], [64, 5]],
                         help="[block_n, num_stages] pairs of the group kernel")

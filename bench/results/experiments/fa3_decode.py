@@ -1,3 +1,4 @@
+# A record, not maintained (last run at commit b95486a): FCA's two decode passes on FlashAttention-3's paged kernels.
 """FlashAttention-3's paged decode kernels (vLLM 0.24's build) for FCA's two passes, against the Triton kernels.
 
 Each FCA decode step reads every shared prompt once (the node pass: a prompt's samples as one
@@ -33,12 +34,12 @@ from fca_common import (GPU_SUFFIX, QWEN3_1_7B_HEADS, attention_args, build_batc
 def load_fa3(folder: str | None):
     """FlashAttention-3's forward op (``torch.ops._vllm_fa3_C.fwd``)."""
     try:
-        from vllm.vllm_flash_attn import _vllm_fa3_C  # noqa: F401, PLC0415
+        from vllm.vllm_flash_attn import _vllm_fa3_C
     except ImportError:
         if folder is None:
             sys.exit("no vLLM here: pass --fa3-dir, a folder holding _vllm_fa3_C.abi3.so")
         sys.path.insert(0, folder)
-        import _vllm_fa3_C  # noqa: F401, PLC0415
+        import _vllm_fa3_C  # noqa: F401
     return torch.ops._vllm_fa3_C.fwd
 
 
@@ -110,7 +111,8 @@ def case(fwd, groups: int, samples: int, prefix: int, splits: list[int], pack: l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", type=parse_shapes, default=[(8, 8, 2048), (8, 8, 4096), (16, 16, 4096), (64, 8, 2048)],
+    parser.add_argument("--shapes", type=parse_shapes,
+                        default=[(8, 8, 2048), (8, 8, 4096), (16, 16, 4096), (64, 8, 2048)],
                         help="G/S/P,...: groups/samples/prompt length (Qwen3-1.7B heads, 256 own tokens)")
     parser.add_argument("--splits", type=json.loads, default=[0, 1, 2, 4],
                         help="FlashAttention-3 split-KV counts (0: its heuristic)")

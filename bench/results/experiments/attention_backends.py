@@ -1,3 +1,4 @@
+# A record, not maintained (last run at commit f9e9acc): training attention as dense pieces on cuDNN and flash.
 """GPU timing: one layer's training attention (forward + backward) for one prompt group of a GRPO
 micro-batch, as the forest's FlexAttention runs it and as dense attention kernels would.
 
@@ -48,7 +49,8 @@ def split(backend: SDPBackend, prompt: int, samples: int, response: int, expand_
     gqa = kv_heads != HEADS
     qp, kp, vp = leaf(1, HEADS, prompt, DIM), leaf(1, kv_heads, prompt, DIM), leaf(1, kv_heads, prompt, DIM)
     qr = leaf(1, HEADS, samples * response, DIM)
-    qs, ks, vs = leaf(samples, HEADS, response, DIM), leaf(samples, kv_heads, response, DIM), leaf(samples, kv_heads, response, DIM)
+    qs, ks, vs = (leaf(samples, HEADS, response, DIM), leaf(samples, kv_heads, response, DIM),
+                  leaf(samples, kv_heads, response, DIM))
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def run():
@@ -84,7 +86,8 @@ def main() -> None:
         variants = {
             "flex": lambda: flex(prompt, samples, response),
             "cudnn_split": lambda: split(SDPBackend.CUDNN_ATTENTION, prompt, samples, response, expand_kv=False),
-            "cudnn_split_expanded_kv": lambda: split(SDPBackend.CUDNN_ATTENTION, prompt, samples, response, expand_kv=True),
+            "cudnn_split_expanded_kv": lambda: split(SDPBackend.CUDNN_ATTENTION, prompt, samples, response,
+                                                     expand_kv=True),
             "flash_split": lambda: split(SDPBackend.FLASH_ATTENTION, prompt, samples, response, expand_kv=False),
         }
         for name, build in variants.items():

@@ -1,7 +1,7 @@
 """Mixed into vLLM's GPU worker (``worker_extension_cls``): loads the weights the Arctic trainer
 sends, through the model's own ``load_weights`` (Hugging Face names; vLLM fuses q/k/v and
 gate/up itself), and hands FCA's metadata builders the host's block tables. Reached from
-:class:`arctic_fca.vllm_sampler.VllmSampler` by ``collective_rpc``; the CUDA-IPC receive is
+:class:`arctic_fca.vllm.sampler.VllmSampler` by ``collective_rpc``; the CUDA-IPC receive is
 :class:`arctic_core.weights.actor.WeightSyncActor`'s ``import_weights_ipc``, the same one the Ray
 sampler replicas run.
 """
@@ -35,8 +35,8 @@ class ArcticWorkerExtension(WeightSyncActor):
 
     def arctic_fca_attach_host_tables(self) -> int:
         """FCA's builders learn from the host's block tables which batches share nothing
-        (``arctic_fca.vllm_host_tables``); the number of builders attached."""
-        from arctic_fca.vllm_host_tables import attach_host_tables
+        (``arctic_fca.vllm.host_tables``); the number of builders attached."""
+        from arctic_fca.vllm.host_tables import attach_host_tables
 
         return attach_host_tables(self.model_runner)
 
@@ -44,7 +44,7 @@ class ArcticWorkerExtension(WeightSyncActor):
         """How this worker's batches went since it started, summed over FCA's builders: ``decode``,
         ``mixed`` (split between FCA and the base) and ``base`` batches; ``forest``, ``reuse`` and
         ``plain`` work builds (``DeviceWorkBuilder.builds``)."""
-        from arctic_fca.vllm_fca import fca_builders
+        from arctic_fca.vllm.fca import fca_builders
 
         totals: Counter[str] = Counter()
         for _, builder in fca_builders(self.model_runner):

@@ -101,10 +101,12 @@ def decode[M: Message](data: bytes, schema: type[M]) -> M:
 def _metadata(data: bytes) -> dict[str, str]:
     """The safetensors header's ``__metadata__``, read by hand: the library only returns tensors."""
     if len(data) < 8:
-        raise RequestError(f"truncated body: {len(data)} bytes, but a safetensors message starts with an 8-byte header length")
+        raise RequestError(f"truncated body: {len(data)} bytes, but a safetensors message starts with an 8-byte "
+                           "header length")
     (size,) = struct.unpack("<Q", data[:8])
     if size > _MAX_HEADER:
-        raise RequestError(f"not a safetensors message: header length {size} is absurd (garbage or wrong content type?)")
+        raise RequestError(f"not a safetensors message: header length {size} is absurd (garbage or wrong content "
+                           "type?)")
     if 8 + size > len(data):
         raise RequestError(f"truncated body: the safetensors header needs {size} bytes but only {len(data) - 8} follow")
     header = _parse_json(data[8 : 8 + size], "the safetensors header")

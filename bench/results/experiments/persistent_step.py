@@ -1,3 +1,4 @@
+# A record, not maintained (last run at commit aedc9ac): a decode step as one persistent launch with grid barriers.
 """What would a decode step cost if it were one persistent kernel? A skeleton that moves exactly a
 Qwen3-1.7B decode step's bytes, in the step's order and with its dependencies, and computes
 nothing, timed three ways on the same buffers:

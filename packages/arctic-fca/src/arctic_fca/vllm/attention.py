@@ -1,4 +1,4 @@
-"""FCA as a vLLM 0.24 attention backend (imported by vLLM only; registered by ``vllm_plugin``).
+"""FCA as a vLLM 0.24 attention backend (imported by vLLM only; registered by ``plugin``).
 
 The backend is one of vLLM's own backends with one path added: decode rows (one query token
 each; a batch of them, or the leading rows of a mixed batch) run FCA. Everything else stays the
@@ -11,7 +11,7 @@ with that layout:
 - ``FCATritonAttentionBackend`` over vLLM's Triton backend, which also runs fp32 (used to check
   greedy outputs against vLLM without bf16 rounding in the way).
 
-The mixins live in ``arctic_fca.vllm_fca`` (tested on the CPU without vLLM). Per step the
+The mixins live in ``arctic_fca.vllm.fca`` (tested on the CPU without vLLM). Per step the
 metadata builder calls :class:`arctic_fca.fca.device_work.DeviceWorkBuilder` on the
 step's device block table and sequence lengths: the shared-prefix forest, the cost model's choice
 (FCA or the plain split-K pass of the same Triton kernel) and the work items are all tensors
@@ -26,7 +26,7 @@ from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
-from arctic_fca.vllm_fca import FCABuilderMixin, FCAImplMixin
+from arctic_fca.vllm.fca import FCABuilderMixin, FCAImplMixin
 
 
 def _subclass(name: str, bases: tuple[type, ...], body: dict | None = None) -> type:
@@ -37,7 +37,7 @@ def _subclass(name: str, bases: tuple[type, ...], body: dict | None = None) -> t
 
 
 def fca_backend(base: type[AttentionBackend]) -> type[AttentionBackend]:
-    """``base`` with FCA decode: its builder and impl get the ``vllm_fca`` mixins."""
+    """``base`` with FCA decode: its builder and impl get the ``arctic_fca.vllm.fca`` mixins."""
     builder = _subclass(f"FCA{base.get_builder_cls().__name__}", (FCABuilderMixin, base.get_builder_cls()))
     impl = _subclass(f"FCA{base.get_impl_cls().__name__}", (FCAImplMixin, base.get_impl_cls()))
     return _subclass(f"FCA{base.__name__}", (base,), {

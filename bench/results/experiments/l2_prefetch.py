@@ -1,3 +1,4 @@
+# A record, not maintained (last run at commit 681d194): decode-step weights prefetched into L2 one kernel ahead.
 """Does asking the GPU's L2 cache for the next kernel's weights shorten a decode step? Measured on
 the H200: no (docs/benchmarks.md), so the engine does not prefetch; this script is the record.
 

@@ -1,12 +1,12 @@
 """FCA's additions to a vLLM attention backend, free of vLLM imports (so the CPU suite tests them
-against stand-in bases); ``vllm_attention`` mixes them into vLLM's own backends.
+against stand-in bases); ``attention`` mixes them into vLLM's own backends.
 
 - ``FCABuilderMixin``: a batch of single-token queries gets ``fca``, this step's work from
   ``DeviceWorkBuilder`` (built on the device from the block table, no host sync), besides the
   base's metadata. A mixed batch gets FCA work for its leading single-token queries (vLLM puts
   them first) and the base's metadata for the rest, where every layer of the builder runs FCA.
   Any other batch gets ``fca = None``. What the host knows (``host_step``, set by
-  ``vllm_host_tables``) makes the build cheaper: a batch that shares no block is built plain
+  ``host_tables``) makes the build cheaper: a batch that shares no block is built plain
   without the forest search, and the same requests as the last step reuse its forest.
 - ``FCAImplMixin``: ``forward`` runs FCA on the rows the metadata gives it, when the layer is one
   FCA computes exactly, and the base impl on the rest; anything else goes to the base unchanged.
@@ -30,7 +30,7 @@ DECODER = "decoder"  # vLLM's AttentionType.DECODER (a str enum)
 
 
 class HostStep(NamedTuple):
-    """What the host knows of a step's requests, row by row (``vllm_host_tables``)."""
+    """What the host knows of a step's requests, row by row (``host_tables``)."""
 
     first_blocks: np.ndarray  # each request's first KV block
     requests: np.ndarray | None  # an id per request, new whenever a slot takes a request; None: unknown
@@ -48,7 +48,7 @@ class FCABuilderMixin:
     # does), so a mixed batch's decode rows form one leading run that FCA can take.
     reorder_batch_threshold = 1
     # This step's requests as the host knows them, or None where it does not (set by
-    # ``vllm_host_tables.attach_host_tables``); unknown: the device searches for a forest.
+    # ``host_tables.attach_host_tables``); unknown: the device searches for a forest.
     host_step: Callable[[], HostStep | None] | None = None
 
     @classmethod
@@ -155,7 +155,8 @@ def _rows_after(cam, rows: int):
     """``cam`` (vLLM's CommonAttentionMetadata) for its requests from ``rows`` on, whose tokens
     follow the first ``rows`` single-token queries (a copy; the runner's own stays whole)."""
     part = copy.copy(cam)
-    part.query_start_loc, part.query_start_loc_cpu = cam.query_start_loc[rows:] - rows, cam.query_start_loc_cpu[rows:] - rows
+    part.query_start_loc = cam.query_start_loc[rows:] - rows
+    part.query_start_loc_cpu = cam.query_start_loc_cpu[rows:] - rows
     part.num_reqs, part.num_actual_tokens = cam.num_reqs - rows, cam.num_actual_tokens - rows
     part.slot_mapping, part.positions = cam.slot_mapping[rows:], _after(cam.positions, rows)
     for name in ("seq_lens", "block_table_tensor", "is_prefilling", "seq_lens_cpu_upper_bound", "dcp_local_seq_lens",

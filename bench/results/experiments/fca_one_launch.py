@@ -1,3 +1,4 @@
+# A record, not maintained (last run at commit 477f763): both FCA decode passes in one persistent launch.
 """Both FCA passes in ONE launch, against the library's two (a measured alternative, kept as a
 record; the library keeps two launches).
 
@@ -100,7 +101,7 @@ def _one_launch_attention(
     start = 0
     q = tl.zeros([BLOCK_Q, DIM_P2], q_ptr.dtype.element_ty)
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_Q], tl.float32)
+    row_sum = tl.zeros([BLOCK_Q], tl.float32)
     acc = tl.zeros([BLOCK_Q, DIM_P2], tl.float32)
     for _ in range(0, blocks):
         here = slots == slot
@@ -112,15 +113,15 @@ def _one_launch_attention(
             request, head, local, row_ok = _query_rows(q_index_ptr, q_start, q_count, kv_head, GROUP, BLOCK_Q)
             q = _query_tile(q_ptr, request, head, row_ok, stride_qr, stride_qh, HEAD_DIM, DIM_P2)
             m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-        m, l, acc = _attend_block(q, k_ptr, v_ptr, kv_index_ptr, kv_index_ptr, kv_index_ptr, m, kv_start, kv_len,
-                                  start, kv_head, m, l, acc,
-                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-                                  PAGE, HEAD_DIM, DIM_P2, BLOCK_N, IEEE, False)
+        m, row_sum, acc = _attend_block(q, k_ptr, v_ptr, kv_index_ptr, kv_index_ptr, kv_index_ptr, m, kv_start,
+                                        kv_len, start, kv_head, m, row_sum, acc,
+                                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                        scale_log2, PAGE, HEAD_DIM, DIM_P2, BLOCK_N, IEEE, False)
         last = start + BLOCK_N >= kv_len
         if last:  # the item's last block: its rows are done
             request, head, local, row_ok = _query_rows(q_index_ptr, q_start, q_count, kv_head, GROUP, BLOCK_Q)
             out_row = tl.sum(tl.where(here, out_rows, 0))
-            _write_result(out_ptr, lse_ptr, acc, m, l, request, head, local, row_ok, out_row,
+            _write_result(out_ptr, lse_ptr, acc, m, row_sum, request, head, local, row_ok, out_row,
                           stride_or, stride_oh, stride_lr, HEAD_DIM, DIM_P2, DIRECT)
             if MERGE:
                 _merge_on_last_arrival(out_ptr, lse_ptr, final_ptr, indptr_ptr, rows_ptr, arrivals_ptr, request,
