@@ -24,6 +24,7 @@ from arctic_core.losses.objective import build_objective, build_processors, chec
 from arctic_core.plugins.hookspecs import PROVIDER_HOOKS
 from arctic_core.plugins.interfaces import LossContext
 from arctic_core.plugins.registry import build_registry
+from arctic_core.testing import check_moved_module
 
 ROOT = Path(__file__).resolve().parents[1]
 FROZEN = ROOT / "tests" / "plugins" / "arctic-first-api-plugin"
@@ -99,16 +100,7 @@ def test_a_plugin_that_imports_only_the_hook_mark_and_lazy_imports_no_torch():
 # --------------------------------------------------------------------------- old import paths
 @pytest.mark.parametrize("old", OLD_PATHS)
 def test_a_moved_module_imports_from_its_old_path_as_the_same_objects_and_warns_once(old, monkeypatch):
-    monkeypatch.delitem(sys.modules, old, raising=False)  # as in a process that has not imported it yet
-    with pytest.warns(DeprecationWarning, match=re.escape(deprecation(old))):
-        module = importlib.import_module(old)
-    new = importlib.import_module(OLD_PATHS[old])
-    public = [name for name in vars(new) if not name.startswith("_")]
-    assert public and all(getattr(module, name) is getattr(new, name) for name in public)
-    assert set(public) <= set(module.__all__) and set(public) <= set(dir(module))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert importlib.import_module(old) is module  # once per process
+    check_moved_module(old, OLD_PATHS[old], deprecation(old), monkeypatch)
 
 
 def test_the_old_paths_work_as_an_import_statement_and_keep_a_renamed_class(monkeypatch):

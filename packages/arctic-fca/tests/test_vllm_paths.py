@@ -8,16 +8,15 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
-import re
 import sys
 import types
-import warnings
 from pathlib import Path
 
 import pytest
 
 import arctic_fca
 import arctic_fca.vllm
+from arctic_core.testing import check_moved_module
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -66,17 +65,8 @@ def stand_in_vllm(monkeypatch):
 
 @pytest.mark.parametrize("old", OLD_PATHS)
 def test_an_old_path_imports_as_the_same_objects_and_warns_once(old, stand_in_vllm, monkeypatch):
-    monkeypatch.delitem(sys.modules, old, raising=False)  # as in a process that has not imported it yet
-    with pytest.warns(DeprecationWarning, match=re.escape(deprecation(old))) as caught:
-        module = importlib.import_module(old)
+    caught = check_moved_module(old, OLD_PATHS[old], deprecation(old), monkeypatch)
     assert all("arctic_core.plugins" not in str(w.message) for w in caught)  # that hint is arctic-core's
-    new = importlib.import_module(OLD_PATHS[old])
-    public = [name for name in vars(new) if not name.startswith("_")]
-    assert public and all(getattr(module, name) is getattr(new, name) for name in public)
-    assert set(public) <= set(module.__all__) and set(public) <= set(dir(module))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert importlib.import_module(old) is module  # once per process
 
 
 def test_the_old_paths_work_as_import_statements_and_warn_at_the_importing_line(monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from adapter_suites import check_run_ends_on_lost_server
 from skyrl_run import gsm8k_rows, logged_scalars, main_base_args, run_main_base, write_parquet
 
 STEPS = 3
@@ -48,3 +49,20 @@ def test_main_base_trains_checkpoints_and_resumes_on_arctic(policy, tmp_path):
     scalars = logged_scalars(tmp_path / "tensorboard")
     assert STEPS + 1 in scalars["policy/final_loss"]  # the resumed run trained step 4 only
     assert (tmp_path / "ckpts" / "latest_ckpt_global_step.txt").read_text() == str(STEPS + 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_server_gone_mid_run_is_named_on_the_last_line(policy, tmp_path):
+    """A server on ``arctic.url`` that goes away mid-run: the run ends on Arctic's line naming it, not
+    on what SkyRL's generator or trainer failed with next. The server is ``tests/fault_server.py``, an
+    ``arctic-rl serve`` that kills itself (SIGKILL) when the second step's sampling reaches it."""
+    data = write_parquet(gsm8k_rows(4), tmp_path / "train.parquet")
+
+    def run(url: str):
+        args = main_base_args(policy, data, tmp_path, steps=3,
+                              extra=(f"arctic.url={url}", "trainer.algorithm.use_kl_loss=false"))  # no reference served
+        return run_main_base(args, cwd=tmp_path, merged=True)
+
+    check_run_ends_on_lost_server(policy, "arctic-skyrl", run)
+    assert sorted(logged_scalars(tmp_path / "tensorboard")["policy/final_loss"]) == [1]

@@ -57,3 +57,25 @@ def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_policy: Path
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return repo / "snapshots" / commit
+
+
+def check_moved_module(old: str, new: str, message: str, monkeypatch: pytest.MonkeyPatch) -> list:
+    """A module moved from ``old`` to ``new`` (``arctic_core._old_paths``) imports from its old path as
+    a fresh process would: one DeprecationWarning matching ``message``, the same public objects, and
+    no second warning on the next import. Returns the warnings caught."""
+    import importlib
+    import re
+    import sys
+    import warnings
+
+    monkeypatch.delitem(sys.modules, old, raising=False)  # as in a process that has not imported it yet
+    with pytest.warns(DeprecationWarning, match=re.escape(message)) as caught:
+        module = importlib.import_module(old)
+    moved = importlib.import_module(new)
+    public = [name for name in vars(moved) if not name.startswith("_")]
+    assert public and all(getattr(module, name) is getattr(moved, name) for name in public)
+    assert set(public) <= set(module.__all__) and set(public) <= set(dir(module))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert importlib.import_module(old) is module  # once per process
+    return list(caught)
