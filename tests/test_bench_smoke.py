@@ -24,7 +24,7 @@ SLOW = pytest.mark.slow
 
 # slow: more than a few seconds on two CPU cores (the pyproject's marker).
 CASES = [
-    pytest.param("fca_kernels.py", {}, id="fca_kernels"),
+    pytest.param("fca_kernels.py", {}, id="fca_kernels", marks=SLOW),
     pytest.param("token_stats.py", TRITON, id="token_stats"),
     pytest.param("trainer_step.py", {}, id="trainer_step", marks=SLOW),
     pytest.param("sampler.py", {}, id="sampler", marks=SLOW),
