@@ -1,10 +1,16 @@
-"""Helpers shared by the tests: reach into an in-process client's engines, and make GRPO batches."""
+"""Helpers shared by the tests: reach into an in-process client's engines, make GRPO batches, and
+serve an app on loopback."""
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 
+import httpx
 import torch
+import uvicorn
 from safetensors.torch import save as st_save
 
 from arctic_core import wire
@@ -12,6 +18,7 @@ from arctic_core.batch import RolloutBatch
 from arctic_core.client import ArcticClient
 
 PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
+HOST = "127.0.0.1"
 
 
 def server_of(client: ArcticClient):
@@ -54,3 +61,27 @@ def batch_tensors(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
     """A one-response batch's wire tensors (``batch.<field>``), with fields replaced or added."""
     tensors = RolloutBatch.from_lists([[1, 2]], [[3, 4]], [0]).to_tensors() | changes
     return {f"batch.{k}": v for k, v in tensors.items()}
+
+
+class LiveServer:
+    """uvicorn serving ``app`` in a background thread on a loopback socket it bound itself."""
+
+    def __init__(self, app) -> None:
+        # proto=IPPROTO_TCP, as asyncio's own server sockets: only then does asyncio set TCP_NODELAY
+        # on accepted connections (without it every keep-alive answer waits ~40 ms for an ACK).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, 0))  # port 0: the OS picks a free one, and we hold it, so no race
+        self.url = f"http://{HOST}:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        assert httpx.get(f"{self.url}/health").status_code == 200
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

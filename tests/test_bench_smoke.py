@@ -32,6 +32,7 @@ CASES = [
     pytest.param("weight_sync.py", {}, id="weight_sync", marks=SLOW),
     pytest.param("decode_gemm.py", TRITON, id="decode_gemm", marks=SLOW),
     pytest.param("sampling_kernels.py", TRITON, id="sampling_kernels", marks=SLOW),
+    pytest.param("multi_turn.py", {}, id="multi_turn", marks=SLOW),
 ]
 
 

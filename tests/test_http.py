@@ -20,7 +20,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import uvicorn
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
@@ -39,37 +38,12 @@ from arctic_core.transports.http import wait_until_serving
 from arctic_core.protocol import OPS, GenerateRequest
 from arctic_core.serving.server import ArcticServer
 from arctic_core.errors import RemoteError
-from helpers import batch_tensors, wire_body
+from helpers import HOST, LiveServer, batch_tensors, wire_body
 
-HOST = "127.0.0.1"
 TOKEN = "s3cret-token"
 PROMPTS = [[1, 20, 30, 40, 2], [1, 50, 60, 2], [1, 70, 2]]
 # Wall-clock and memory readings: the only values allowed to differ between transports.
-TIMING = ("seconds", "tokens_per_s", "peak_rss_gib", "cuda_peak_gib")
-
-
-class LiveServer:
-    """uvicorn serving ``app`` in a background thread on a loopback socket it bound itself."""
-
-    def __init__(self, app) -> None:
-        # proto=IPPROTO_TCP, as asyncio's own server sockets: only then does asyncio set TCP_NODELAY
-        # on accepted connections (without it every keep-alive answer waits ~40 ms for an ACK).
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((HOST, 0))  # port 0: the OS picks a free one, and we hold it, so no race
-        self.url = f"http://{HOST}:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        assert httpx.get(f"{self.url}/health").status_code == 200
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+TIMING = ("seconds", "waited_seconds", "tokens_per_s", "peak_rss_gib", "cuda_peak_gib")
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +218,7 @@ def test_an_unexpected_failure_is_a_500_and_the_server_keeps_serving(shared, mon
         raise RuntimeError("the sampler fell over")
 
     client = ArcticClient.http(live.url)
-    monkeypatch.setattr(server.sampler, "generate", broken)
+    monkeypatch.setattr(server.sampler, "submit", broken)  # how the server reaches the embedded sampler
     with pytest.raises(RemoteError,
                        match="RuntimeError.*500.*generate failed on the server: the sampler fell over") as info:
         client.generate(PROMPTS, n=1, max_tokens=2)
@@ -573,7 +547,8 @@ def test_openapi_lists_every_operation(shared):
         assert "post" in spec["paths"][f"/v1/{op}"], op
         assert wire.CONTENT_TYPE in spec["paths"][f"/v1/{op}"]["post"]["requestBody"]["content"]
     assert {"/health", "/metrics"} <= spec["paths"].keys()
-    assert "serialised" in spec["info"]["description"]
+    assert "Calls run side by side" in spec["info"]["description"]
+    assert "one training call at a time" in spec["paths"]["/v1/step"]["post"]["summary"]
 
 
 # ----------------------------------------------------------------- the serve command

@@ -119,10 +119,10 @@ def test_a_worker_killed_mid_fwd_bwd_is_named_and_a_checkpoint_restores_every_ra
             client.fwd_bwd(batch, PPO)
         assert "load_checkpoint restarts the workers" in str(info.value)
         assert client.status().step == 2  # still answering
-        health = _health(server, busy=False)
+        health = _health(server)
         assert health["status"] == "degraded" and health["engines"]["trainer"]["dead_ranks"] == [1]
         client.load_checkpoint(str(tmp_path / "ckpt"))  # restarts both ranks and restores them
-        assert _health(server, busy=False)["status"] == "ok" and client.status().step == 1
+        assert _health(server)["status"] == "ok" and client.status().step == 1
         assert client.fwd_bwd(batch, PPO).metrics["loss"] == pytest.approx(expected_loss, abs=1e-6)
         assert client.step().metrics["grad_norm"] > 0
 

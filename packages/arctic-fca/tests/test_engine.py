@@ -385,7 +385,7 @@ def test_samples_stopping_while_the_next_step_is_queued_are_exact(tokenizer):
     prompts = random_prompts((18, 30, 12, 25, 40, 9), len(tokenizer), seed=4)
     stops = list(range(3, 60))
     outputs = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=20, stop_token_ids=stops,
-                                                      seed=5))
+                                                      ignore_eos=True, seed=5))
     assert len({len(o.tokens) for o in outputs}) >= 4  # stops at many different steps
     for out in outputs:
         assert not set(out.tokens[:-1]) & set(stops)
@@ -644,5 +644,8 @@ def test_triton_kernels_and_engine_under_the_interpreter():
     assert (sampling["logprob_max_abs_diff"] < 1e-5 and sampling["greedy_is_argmax"]
             and sampling["same_seed_same_tokens"])
     assert sampling["chi_square"] < 31.3 and sampling["dominant_token_wins"], sampling
+    assert sampling["row_seeds_chi_square"] < 31.3 and sampling["row_seeds_same_alone_as_in_batches"], sampling
+    assert sampling["row_seeds_distinct_tokens"] >= 6, sampling
     assert sampling["filters_keep_what_the_sort_keeps"] and sampling["filtered_logprob_max_abs_diff"] < 1e-5, sampling
+    assert sampling["row_min_p_floors_as_shared_min_p"], sampling
     assert sampling["filtered_draws_outside"] == 0 and sampling["filtered_chi_square"] < 10.8, sampling

@@ -15,7 +15,7 @@ def test_tables_kept_across_steps_equal_tables_built_afresh():
     step to step; each step's tables, built from the last step's, equal those built from nothing."""
     rng = random.Random(0)
     next_block = iter(range(1, 10_000))
-    running = [Sequence(0, [1], 100, [next(next_block) for _ in range(rng.randint(1, 4))]) for _ in range(9)]
+    running = [Sequence(0, [1], 100, [next(next_block) for _ in range(rng.randint(1, 4))], None, 0) for _ in range(9)]
     layout = None
     for step in range(40):
         for seq in running:
@@ -24,7 +24,7 @@ def test_tables_kept_across_steps_equal_tables_built_afresh():
         if step % 3 == 0:
             running.pop(rng.randrange(len(running)))
         if step % 5 == 0:
-            running.insert(rng.randrange(len(running) + 1), Sequence(0, [1], 100, [next(next_block)]))
+            running.insert(rng.randrange(len(running) + 1), Sequence(0, [1], 100, [next(next_block)], None, 0))
         key = (len(running) + rng.randint(0, 3), *(s.seq_id for s in running), *(len(s.blocks) for s in running))
         fresh = DecodeLayout.of(running, key)
         layout = DecodeLayout.of(running, key, layout)

@@ -241,7 +241,9 @@ def sampling_cases() -> dict:
     log-prob against log_softmax(logits / T), greedy rows against argmax (the first of a tie), the
     same seed drawing the same tokens, and the draws' frequencies against the probabilities (a
     chi-square statistic over 12 tokens in 3 chunks of the race's first level; 11 degrees of
-    freedom, 31.3 is the 0.1% level)."""
+    freedom, 31.3 is the 0.1% level), from one generator's seed and from per-row seeds; with per-row
+    seeds, each row's token and log-prob the same alone as at any place in batches of other sizes,
+    and different seeds drawing different tokens."""
     from arctic_fca.engine import triton_filters, triton_sampling
     from arctic_fca.engine.triton_sampling import sample_with_temperature
 
@@ -279,26 +281,54 @@ def _sampling_checks(sample_with_temperature) -> dict:
     dominant[:, 120] = 200.0
     dominant[1, :16] = -300.0
     winners, winner_logprobs = sample_with_temperature(dominant, torch.ones(4), torch.Generator().manual_seed(3))
+    # Per-row seeds (any int64), 300 consecutive ones: the same distribution.
+    row_draws = 300
+    drawn, _ = sample_with_temperature(probs.log().repeat(row_draws, 1), torch.ones(row_draws),
+                                       torch.arange(row_draws) - 150)
+    row_seed_counts = torch.bincount(drawn, minlength=12).float()
     return {"logprob_max_abs_diff": max_abs_diff(logprobs, expected),
             "dominant_token_wins": (bool((winners == 120).all())
                                     and max_abs_diff(winner_logprobs, torch.zeros(4)) < 1e-5),
             "greedy_is_argmax": torch.equal(tokens[greedy], logits[greedy].argmax(-1)) and int(tokens[3]) == 20,
             "same_seed_same_tokens": torch.equal(tokens, again),
-            "chi_square": float(((counts - draws * probs) ** 2 / (draws * probs)).sum())}
+            "chi_square": float(((counts - draws * probs) ** 2 / (draws * probs)).sum()),
+            "row_seeds_chi_square": float(((row_seed_counts - row_draws * probs) ** 2 / (row_draws * probs)).sum()),
+            **_row_seed_checks(sample_with_temperature, gen)}
+
+
+def _row_seed_checks(sample_with_temperature, gen: torch.Generator) -> dict:
+    """Per-row seeds: each row drawn alone, then in batches of other sizes at other places (rows
+    repeated, seeds at the int64 extremes and negative): the same token and log-prob; the same
+    logits under eight seeds that differ only in their high 32 bits: eight draws, nearly all
+    different (flat logits: the noise decides)."""
+    logits = torch.randn(5, 150, generator=gen)
+    temperature = torch.tensor([1.0, 0.8, 0.0, 1.5, 1.0])
+    seeds = torch.tensor([-(2**63), 2**63 - 1, 7, -123456789012345, 0x9E3779B97F4A7C15 - 2**64])
+    alone = [sample_with_temperature(logits[r : r + 1], temperature[r : r + 1], seeds[r : r + 1]) for r in range(5)]
+    alone_tokens, alone_logprobs = (torch.cat(parts) for parts in zip(*alone, strict=True))
+    same = True
+    for order in (torch.arange(5), torch.tensor([3, 0, 4, 4, 1, 2, 0, 3])):
+        tokens, logprobs = sample_with_temperature(logits[order], temperature[order], seeds[order])
+        same &= torch.equal(tokens, alone_tokens[order]) and torch.equal(logprobs, alone_logprobs[order])
+    spread, _ = sample_with_temperature(logits[[0] * 8], torch.ones(8), (torch.arange(8) - 4) << 40)
+    return {"row_seeds_same_alone_as_in_batches": same, "row_seeds_distinct_tokens": len(set(spread.tolist()))}
 
 
 def _filter_checks() -> dict:
     """Top-k, top-p and min-p by the kernels' floors against the torch path's sort (fp32 and bf16
-    logits, with ties at the boundaries and without; rows of each filter alone, together, greedy):
-    the same entries kept, each token's log-prob under the filtered distribution; and the draws'
-    frequencies under top-p against the renormalised probabilities (1 degree of freedom, 10.8 is
-    the 0.1% level)."""
+    logits, with ties at the boundaries and without; rows of each filter alone, together, greedy;
+    min-p one for all rows and each row's own): the same entries kept, each token's log-prob under
+    the filtered distribution (drawn from a generator, and from per-row seeds); each row's own
+    min-p giving the row the floors that min-p for all rows gives it; and the draws' frequencies
+    under top-p against the renormalised probabilities (1 degree of freedom, 10.8 is the 0.1%
+    level)."""
     from arctic_fca.engine.sampling import RowParams, filtered_log_probs, sample
     from arctic_fca.engine.triton_filters import row_floors
     from arctic_fca.engine.triton_sampling import sample_with_temperature
 
     gen = torch.Generator().manual_seed(4)
-    kept_equal, worst = True, 0.0
+    kept_equal, worst, row_min_p_equal = True, 0.0, True
+    row_min_p = torch.tensor([0.05, 0.3, 0.3, 0.0, 0.05, 0.0])  # row 2 greedy: no filter
     for dtype, ties, min_p in ((torch.float32, False, 0.05), (torch.float32, True, 0.0), (torch.bfloat16, False, 0.0),
                                (torch.bfloat16, True, 0.2)):
         logits = torch.randn(6, 150, generator=gen) * 3
@@ -311,6 +341,18 @@ def _filter_checks() -> dict:
         kept_equal &= torch.equal(floors.keeps(logits, params.temperature), expected.isfinite())
         tokens, logprobs = sample_with_temperature(logits, params.temperature, torch.Generator().manual_seed(5), floors)
         worst = max(worst, max_abs_diff(logprobs, expected.gather(-1, tokens[:, None]).squeeze(-1)))
+        if not ties:  # each row's own min-p: its floors as min-p for all rows gives them, and the sort's support
+            params = dataclasses.replace(params, min_p=row_min_p, any_min_p=None)
+            expected = filtered_log_probs(logits, params)
+            floors = row_floors(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+            kept_equal &= torch.equal(floors.keeps(logits, params.temperature), expected.isfinite())
+            for value in row_min_p.unique().tolist():
+                rows = row_min_p == value
+                alike = row_floors(logits, params.temperature, params.top_k, params.top_p, value)
+                row_min_p_equal &= all(torch.equal(getattr(floors, name)[rows], getattr(alike, name)[rows])
+                                       for name in ("key", "value", "chunk_tops"))
+            tokens, logprobs = sample_with_temperature(logits, params.temperature, torch.arange(6) * 31 - 50, floors)
+            worst = max(worst, max_abs_diff(logprobs, expected.gather(-1, tokens[:, None]).squeeze(-1)))
     draws = 200
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     top_p = RowParams(temperature=torch.ones(draws), top_k=torch.zeros(draws, dtype=torch.long),
@@ -319,6 +361,7 @@ def _filter_checks() -> dict:
     counts = torch.bincount(drawn, minlength=4).float()
     kept_probs = torch.tensor([0.625, 0.375, 0.0, 0.0])
     return {"filters_keep_what_the_sort_keeps": kept_equal, "filtered_logprob_max_abs_diff": worst,
+            "row_min_p_floors_as_shared_min_p": row_min_p_equal,
             "filtered_draws_outside": int(counts[2:].sum()),
             "filtered_chi_square": float(((counts[:2] - draws * kept_probs[:2]) ** 2 / (draws * kept_probs[:2])).sum())}
 

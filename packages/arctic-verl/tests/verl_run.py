@@ -43,7 +43,7 @@ def main_ppo_args(model: Path, train: Path, val: Path, out: Path, *, steps: int,
         "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={model}",
         f"actor_rollout_ref.rollout.n={n}", "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "actor_rollout_ref.rollout.agent.num_workers=2",  # several workers share the server
         f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",

@@ -22,7 +22,11 @@ Layout (B responses, P prompts, Lp / Lr the padded prompt / response widths)::
     sampling_logprobs float   [B, Lr]   optional: what the sampler reported
     advantages        float   [B] or [B, Lr]   optional
     rewards           float   [B]       optional
-    policy_version    int64   [B]       optional: weight version that generated each response
+    policy_version    int64   [B]       optional: weight version that generated each response (the
+                                        oldest of its tokens' versions when they differ)
+    token_policy_version int64 [B, Lr]  optional: weight version that sampled each response token
+                                        (a weight sync while a sample runs: its later tokens carry
+                                        the new version; ``version_range()`` gives min and max per response)
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     policy_version: torch.Tensor | None = None
+    token_policy_version: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -134,15 +139,24 @@ class RolloutBatch:
         prompt_index: Sequence[int],
         sampling_logprobs: Sequence[Sequence[float]],
         policy_version: int | Sequence[int],
+        token_policy_version: Sequence[Sequence[int]] | None = None,
     ) -> RolloutBatch:
         """A sampler's result: ``from_lists`` plus each response's sampling log-probs (one per token)
-        and the policy version it was generated with (one for all, or one per response)."""
+        and the policy version it was generated with (one for all, or one per response); with
+        ``token_policy_version`` (one per token), each response's ``policy_version`` is its oldest."""
         batch = cls.from_lists(prompts, responses, prompt_index)
         sampled = torch.zeros(tuple(batch.response_ids.shape))
         for row, values in enumerate(sampling_logprobs):
             sampled[row, : len(values)] = torch.tensor(values)
         versions = torch.as_tensor(policy_version, dtype=torch.long).expand(batch.num_responses).clone()
-        return batch.replace(sampling_logprobs=sampled, policy_version=versions)
+        per_token = None
+        if token_policy_version is not None:
+            per_token = versions[:, None].repeat(1, batch.response_ids.shape[1])
+            for row, values in enumerate(token_policy_version):
+                if len(values):
+                    per_token[row, : len(values)] = torch.tensor(values)
+                    versions[row] = min(values)
+        return batch.replace(sampling_logprobs=sampled, policy_version=versions, token_policy_version=per_token)
 
     @classmethod
     def from_padded(
@@ -298,7 +312,7 @@ class RolloutBatch:
             "loss_mask": self.loss_mask[rows, :width_r],
             "extras": {k: v[rows] for k, v in self.extras.items()},
         }
-        for name in (*TOKEN_FIELDS, "advantages", "rewards", "policy_version"):
+        for name in (*TOKEN_FIELDS, "advantages", "rewards", "policy_version", "token_policy_version"):
             value = getattr(self, name)
             if value is not None:
                 value = value[rows]
@@ -398,9 +412,29 @@ class RolloutBatch:
         if self.policy_version is not None:
             self.policy_version = _as_integers("policy_version", self.policy_version, dims=1)
             _check_len("policy_version", self.policy_version, num_b, "responses")
+        if self.token_policy_version is not None:
+            self.token_policy_version = _as_integers("token_policy_version", self.token_policy_version, dims=2)
+            if tuple(self.token_policy_version.shape) != (num_b, width):
+                raise BatchError(f"token_policy_version must be [B, Lr] = [{num_b}, {width}], "
+                                 f"got {list(self.token_policy_version.shape)}")
         for name, value in self.extras.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != num_b:
                 raise BatchError(f"extras[{name!r}] must be a tensor whose first dimension is B={num_b}")
+
+    def version_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per response, the oldest and newest policy version among its tokens ``([B], [B])``
+        (``policy_version`` for both when the batch has no per-token versions)."""
+        if self.token_policy_version is None:
+            if self.policy_version is None:
+                raise BatchError("this batch carries no policy versions")
+            return self.policy_version, self.policy_version
+        real = self.response_token_mask()
+        big = torch.iinfo(torch.long).max
+        oldest = self.token_policy_version.masked_fill(~real, big).amin(1)
+        newest = self.token_policy_version.masked_fill(~real, -big).amax(1)
+        fallback = self.policy_version if self.policy_version is not None else torch.zeros_like(oldest)
+        empty = self.response_lens == 0
+        return torch.where(empty, fallback, oldest), torch.where(empty, fallback, newest)
 
     def token_advantages(self) -> torch.Tensor:
         """Advantages broadcast to ``[B, Lr]``."""

@@ -161,6 +161,15 @@ class WeightSyncConfig(StrictModel):
                         prefix="weight_sync.options.")
 
 
+class ServerConfig(StrictModel):
+    """How many calls the server takes at once."""
+
+    max_generate_calls: Annotated[int, Field(gt=0)] = Field(1024, description=(
+        "Generate calls in flight at most (running in the sampler's batch or waiting for it); one more is "
+        "answered 'busy' (ServerBusy; HTTP 429 with Retry-After, which the clients wait out and retry) "
+        "rather than queued without bound."))
+
+
 class NoOptions(StrictModel):
     """The options of a plugin that takes none: any key is refused."""
 
@@ -178,6 +187,7 @@ class ArcticConfig(StrictModel):
         "Engines share one device: before each call the server puts to sleep the engines it does not "
         "need and wakes those it does, so one engine's memory is resident at a time (weight sync wakes both)."))
     seed: Seed = Field(0, description="Seeds weights' random parts, sampling without a request seed, and the engines.")
+    server: ServerConfig = Field(ServerConfig(), description="Calls in flight at once.")
 
     def with_local_models(self) -> ArcticConfig:
         """This config with every model path a local folder: Hub models fetched into the Hub's cache

@@ -47,6 +47,17 @@ class RemoteError(ArcticError, RuntimeError):
         self.status, self.error, self.message = status, error, message
 
 
+class RequestCancelled(RequestError):
+    """The call was cancelled (its caller went away) before it finished."""
+
+
+class ServerBusy(ArcticError):
+    """The server holds as many generate calls as it takes (``server.max_generate_calls``): retry
+    after ``retry_after`` seconds (the clients do, until their timeout)."""
+
+    retry_after = 1.0
+
+
 class WorkerError(RequestError):
     """A worker process (e.g. one data-parallel training rank) died or failed; the message names it."""
 
@@ -55,6 +66,8 @@ def error_answer(op: str, exc: Exception) -> tuple[int, str, str]:
     """How a server answers a failed call, ``(status, error class name, message)``: an Arctic error
     is the caller's to fix (400, its own message), anything else a server failure (500).
     :func:`remote_error` turns the answer back into an exception on the client."""
+    if isinstance(exc, ServerBusy):
+        return 429, type(exc).__name__, str(exc)
     if isinstance(exc, ArcticError):
         return 400, type(exc).__name__, str(exc)
     return 500, type(exc).__name__, f"{op} failed on the server: {exc}"

@@ -1,8 +1,9 @@
 """verl's rollout on Arctic: an LLM client that regroups verl's per-sample requests.
 
 verl's agent loop asks for one sample per call (for ``rollout.n = 8``, 8 calls per prompt with the
-same prompt ids); the client's :class:`~arctic_core.adapters.sampling.GroupedSampler` sends them
-to Arctic as prompt groups.
+same prompt ids), from each of its workers (``rollout.agent.num_workers``); the client's
+:class:`~arctic_core.adapters.sampling.GroupedSampler` sends a worker's calls to Arctic as prompt
+groups, and the server runs every worker's calls in the sampler's shared steps.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class ArcticLLMClient(LLMServerClient):
         length = int(batch.response_lens[row])
         log_probs = (batch.sampling_logprobs[row, :length].tolist()
                      if want_logprobs and batch.sampling_logprobs is not None else None)
-        step = int(batch.policy_version[row]) - self.step_offset if batch.policy_version is not None else 0
+        oldest, newest = (int(v[row]) - self.step_offset for v in batch.version_range()) \
+            if batch.policy_version is not None else (0, 0)
+        # A weight sync while the sample ran: its later tokens are the newer policy's.
         return TokenOutput(token_ids=batch.response(row), log_probs=log_probs, stop_reason="completed",
-                           extra_fields={"global_steps": step, "min_global_steps": step, "max_global_steps": step})
+                           extra_fields={"global_steps": oldest, "min_global_steps": oldest, "max_global_steps": newest})

@@ -117,10 +117,6 @@ class ArcticTrainer(PPOTrainer):
     def _setup(self) -> None:
         self.settings = read_settings(self.config)
         check_supported(MAPPING, self.config, self.settings)
-        with open_dict(self.config):
-            # One agent-loop worker: every request of a step then meets in one rollout client,
-            # which sends them to Arctic as one batch (the server runs one call at a time).
-            self.config.actor_rollout_ref.rollout.agent.num_workers = 1
         actor = self.config.actor_rollout_ref.actor
         self.loss = MAPPING.loss_terms(self.config)
         self.temperature = float(self.config.actor_rollout_ref.rollout.temperature)

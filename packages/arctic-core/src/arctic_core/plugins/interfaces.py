@@ -130,6 +130,27 @@ class SamplingBackend(Protocol):
     def shutdown(self) -> None: ...
 
 
+class PendingGeneration(Protocol):
+    """A generate request in a sampler's batch."""
+
+    def wait(self, timeout: float | None = None) -> RolloutBatch:
+        """The samples once all have finished (the sampler's error if the request failed)."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop the request: its samples leave the batch and give their memory back."""
+        ...
+
+
+@runtime_checkable
+class ConcurrentSampling(Protocol):
+    """A sampling backend that batches requests from many threads: ``submit`` puts one in line and
+    returns at once; the server then runs generate calls side by side (a backend without it gets
+    one generate call at a time)."""
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> PendingGeneration: ...
+
+
 class WeightReceiver(Protocol):
     def update_weights(self, weights: NamedTensors, version: int) -> None: ...
 

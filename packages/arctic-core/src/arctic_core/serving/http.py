@@ -5,14 +5,20 @@ Endpoints (see ``/openapi.json`` of a running server, or ``/docs``):
 - ``POST /v1/{op}`` for every operation in :data:`arctic_core.protocol.OPS`: the body is the
   request in the wire format (``arctic_core.wire``: safetensors bytes, never pickle), the answer
   is the result in the same format.
-- ``GET /health``: status, policy version, step and engines, as JSON. It never waits for a call.
-- ``GET /metrics``: Prometheus text (calls, seconds, tokens per operation, process memory).
+- ``GET /health``: status, policy version, step, engines and the calls running, as JSON. It never
+  waits for a call.
+- ``GET /metrics``: Prometheus text (calls, seconds, tokens per operation, process memory, and
+  the sampler's load: requests running and waiting, preemptions, KV cache use, also under vLLM's
+  gauge names).
 
-**Calls on one model are serialised**: one operation runs at a time, in a worker thread, so the
-event loop keeps answering ``/health`` and accepting requests while the engines compute. Several
-clients may share a server; their calls queue in arrival order and never interleave (a
-``fwd_bwd`` of one client cannot run in the middle of another's ``step``). Gradients from
-``fwd_bwd`` of all clients add up until a ``step``.
+**Calls run side by side**, each in a worker thread, so the event loop keeps answering
+``/health`` and accepting requests while the engines compute: generate calls of every client
+together (the embedded sampler runs them in shared steps) and beside training calls; training
+calls one at a time (a ``fwd_bwd`` of one client never runs in the middle of another's
+``step``); sleep, wake, checkpoints and shutdown alone, after the calls in flight. Gradients from
+``fwd_bwd`` of all clients add up until a ``step``. A client that disconnects while its generate
+call runs cancels it (its samples leave the batch). Generate calls in flight are bounded
+(``server.max_generate_calls``); one more is answered 429 with ``Retry-After``.
 
 Errors are JSON ``{"error": <class name>, "message": <what is wrong>}``:
 
@@ -23,6 +29,7 @@ Errors are JSON ``{"error": <class name>, "message": <what is wrong>}``:
 | 404 | an unknown operation (``RequestError``) or path (``NotFound``) |
 | 405 | a method other than POST on an operation (``MethodNotAllowed``) |
 | 413 | a body over the size limit (checked on ``Content-Length`` before reading, and on the bytes read) |
+| 429 | the server holds ``server.max_generate_calls`` generate calls (``ServerBusy``); retry after ``Retry-After`` seconds |
 | 500 | an unexpected exception, with its message; the server keeps serving |
 """  # noqa: E501 (Markdown table rows: the docstring is the OpenAPI description)
 
@@ -43,16 +50,20 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from arctic_core import wire
-from arctic_core.errors import error_answer
+from arctic_core.errors import ServerBusy, error_answer
 from arctic_core.serving.metrics import CallMetrics
 from arctic_core.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from arctic_core.protocol import OPS, Message, Result
+from arctic_core.serving.call_gate import KINDS
+from arctic_core.serving.cancellation import Cancellation
 from arctic_core.serving.server import ArcticServer
 from arctic_core.transports.http import check_token
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 256 * 2**20
+_RUNS_WITH = {"generate": "runs beside other generate and training calls", "train": "one training call at a time",
+              "alone": "runs alone, after the calls in flight", "free": "never waits"}
 
 
 class ApiError(Exception):
@@ -84,7 +95,6 @@ def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: i
     app = FastAPI(title="Arctic RL", version="1", description=(__doc__ or "").replace("``", "`"))  # Markdown, not RST
     app.state.server, app.state.metrics = server, CallMetrics()
     authorised = Depends(bearer_check(token))
-    gate = asyncio.Lock()  # queues waiting calls on the event loop rather than in worker threads
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -99,9 +109,9 @@ def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: i
     for op in OPS:
         after = on_shutdown if op == "shutdown" else None
         app.add_api_route(
-            f"/v1/{op}", _op_endpoint(op, server, app.state.metrics, gate, max_body_bytes, after), methods=["POST"],
+            f"/v1/{op}", _op_endpoint(op, server, app.state.metrics, max_body_bytes, after), methods=["POST"],
             dependencies=[authorised], openapi_extra=_openapi_op(op),
-            summary=f"{op} (serialised with every other call)",
+            summary=f"{op} ({_RUNS_WITH[KINDS[op]]})",
             response_class=Response,
             responses={200: {"content": {wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
         )
@@ -112,13 +122,13 @@ def create_app(server: ArcticServer, token: str | None = None, max_body_bytes: i
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        """Liveness and state; answers at once, even while a call runs."""
-        return _health(server, busy=gate.locked())
+        """Liveness and state; answers at once, even while calls run."""
+        return _health(server)
 
     @app.get("/metrics", dependencies=[authorised], response_class=Response)
     async def metrics() -> Response:
         """Prometheus text format."""
-        return Response(app.state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        return Response(app.state.metrics.render(server.load()), media_type=METRICS_CONTENT_TYPE)
 
     return app
 
@@ -131,8 +141,7 @@ def _engine_health(engine: Any, backend: str, asleep: bool) -> dict[str, Any]:
 
 # ----------------------------------------------------------------- one operation
 def _op_endpoint(
-    op: str, server: ArcticServer, metrics: CallMetrics, gate: asyncio.Lock, limit: int,
-    after: Callable[[], None] | None = None,
+    op: str, server: ArcticServer, metrics: CallMetrics, limit: int, after: Callable[[], None] | None = None,
 ) -> Callable[[Request], Awaitable[Response]]:
     """The endpoint of ``op``; ``after`` runs once a successful call's answer has been sent."""
     request_schema, _ = OPS[op]
@@ -141,29 +150,49 @@ def _op_endpoint(
         try:
             body = await read_body(request, limit)
             message: Message = await asyncio.to_thread(wire.decode, body, request_schema)
-            async with gate:
-                # The blocking engines run in a worker thread; ArcticServer's own lock is the
-                # guarantee that calls never interleave, the gate only keeps waiters off threads.
-                result: Result = await asyncio.to_thread(server.handle, op, message)
+            result: Result = await _unless_disconnected(request, server, op, message)
             payload = await asyncio.to_thread(wire.encode, result)
         except ApiError as exc:
             metrics.record_error(op, exc.error)
             return error_response(exc.status, exc.error, exc.message)
-        except ClientDisconnect:  # the body never arrived whole: nothing ran, nobody waits for an answer
+        except ClientDisconnect:  # the body never arrived whole, or the call was cancelled: nobody waits for an answer
             metrics.record_error(op, "ClientDisconnect")
-            return error_response(400, "ClientDisconnect", "the client disconnected before sending the whole body")
+            return error_response(400, "ClientDisconnect", "the client disconnected before the call's answer")
         except Exception as exc:  # bad input, or a bug / engine failure: answer it, keep serving
             status, error, message = error_answer(op, exc)
             if status == 500:
                 log.exception("operation %r failed", op)
             metrics.record_error(op, error)
-            return error_response(status, error, message)
+            retry = {"Retry-After": f"{ServerBusy.retry_after:g}"} if isinstance(exc, ServerBusy) else None
+            return error_response(status, error, message, retry)
         metrics.record_ok(op, result, server.policy_version)
         return Response(payload, media_type=wire.CONTENT_TYPE, background=BackgroundTask(after) if after else None)
 
     endpoint.__name__ = f"op_{op}"
     endpoint.__doc__ = f"Request: `{request_schema.__name__}`; result: `{OPS[op][1].__name__}` (wire format)."
     return endpoint
+
+
+async def _unless_disconnected(request: Request, server: ArcticServer, op: str, message: Message) -> Result:
+    """The call's result; a client that disconnects first cancels the call (a generate call's
+    samples leave the sampler's batch) and gets no answer."""
+    cancel = Cancellation()
+    call = asyncio.ensure_future(server.ahandle(op, message, cancel))
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((call, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not call.done():
+        cancel.cancel()
+        raise ClientDisconnect()
+    return call.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (ASGI's next message, once the body is read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -219,7 +248,7 @@ def _route_problem(request: Request, exc: HTTPException) -> str:
     return f"{where}: {exc.detail}"
 
 
-def _health(server: ArcticServer, busy: bool) -> dict[str, Any]:
+def _health(server: ArcticServer) -> dict[str, Any]:
     config = server.config
     backends = {"trainer": config.trainer.backend, "sampler": config.sampler.backend}
     if server.reference is not None and config.reference is not None:
@@ -227,11 +256,13 @@ def _health(server: ArcticServer, busy: bool) -> dict[str, Any]:
     engines = {name: _engine_health(getattr(server, name), backend, server.closed or name in server.asleep)
                for name, backend in backends.items()}  # after shutdown every engine is asleep for good
     degraded = any(e.get("dead_ranks") for e in engines.values())
+    load = server.load()
     return {
         "status": "shut down" if server.closed else "degraded" if degraded else "ok",
         "policy_version": server.policy_version,
         "step": server.step_count,
-        "busy": busy,
+        "busy": any(v for k, v in load["calls"].items() if k != "waiting"),
+        "calls": load["calls"],  # generate and training calls running, a lifecycle call running alone, waiting
         "engines": engines,
     }
 
@@ -247,5 +278,6 @@ def _openapi_op(op: str) -> dict[str, Any]:
             ),
             "content": {wire.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
         },
-        "description": f"Runs `{op}`; answers a `{result_schema.__name__}` in the wire format. Calls are serialised.",
+        "description": (f"Runs `{op}` ({_RUNS_WITH[KINDS[op]]}); answers a `{result_schema.__name__}` in the wire "
+                        "format."),
     }

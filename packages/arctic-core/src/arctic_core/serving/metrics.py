@@ -1,11 +1,16 @@
-"""Prometheus metrics of the HTTP server: calls, seconds and tokens per operation, process memory.
+"""Prometheus metrics of the HTTP server: calls, seconds and tokens per operation, process memory,
+and the load of the moment (calls and samples running and waiting, KV cache use).
 
 Each app owns its registry (not prometheus_client's global one), so several servers in one
 process (tests, a sidecar) never mix their counts. The per-call numbers come from
-``Result.metrics``, the same numbers every response carries.
+``Result.metrics``, the same numbers every response carries. The sampler's load is also given
+under vLLM's gauge names (``vllm:num_requests_running`` ...), which PRIME-RL's orchestrator and
+dashboards built for vLLM read; like vLLM, they count samples (a request of ``n`` samples is ``n``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -32,6 +37,7 @@ class CallMetrics:
                               registry=self.registry)
         self.policy_version = Gauge("arctic_policy_version", "Weight version the samplers serve.",
                                     registry=self.registry)
+        self.load = {name: Gauge(name, about, registry=self.registry) for name, about in _LOAD_GAUGES.items()}
 
     def record_ok(self, op: str, result: Result, policy_version: int) -> None:
         self.calls.labels(op, "ok").inc()
@@ -43,5 +49,28 @@ class CallMetrics:
     def record_error(self, op: str, error: str) -> None:
         self.calls.labels(op, error).inc()
 
-    def render(self) -> bytes:
+    def render(self, load: dict[str, Any]) -> bytes:
+        """The metrics, with the gauges of ``load`` (``ArcticServer.load()``) set to its values."""
+        sampler = load["sampler"]
+        values = {"arctic_generate_calls": load["generate_calls"], "arctic_training_calls": load["calls"]["training"]}
+        if sampler:
+            used = sampler["kv_used_blocks"] / max(sampler["kv_blocks"], 1)
+            for prefix in ("arctic_sampler_", "vllm:"):
+                values |= {f"{prefix}num_requests_running": sampler["running"],
+                           f"{prefix}num_requests_waiting": sampler["waiting"],
+                           f"{prefix}num_preemptions_total": sampler["preempted"],
+                           f"{prefix}kv_cache_usage_perc": used}
+        for name, value in values.items():
+            self.load[name].set(value)
         return generate_latest(self.registry)
+
+
+_LOAD_GAUGES = {
+    "arctic_generate_calls": "Generate calls in flight (running or waiting for the sampler).",
+    "arctic_training_calls": "Training calls running (fwd_bwd, step, log_probs, sync_weights: one at a time).",
+    **{f"{prefix}{name}": about for prefix in ("arctic_sampler_", "vllm:") for name, about in (
+        ("num_requests_running", "Samples the sampler decodes now."),
+        ("num_requests_waiting", "Samples waiting to start (in line or being prefilled)."),
+        ("num_preemptions_total", "Samples preempted so far (their blocks taken back, to be recomputed)."),
+        ("kv_cache_usage_perc", "Share of the KV cache's blocks in use (0 to 1)."))},
+}

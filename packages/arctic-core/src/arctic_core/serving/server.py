@@ -1,12 +1,22 @@
 """The server: owns the engines and answers the protocol's operations.
 
 It builds the trainer, sampler and (optionally) reference engines from the config by plugin name,
-keeps the policy version, and serialises calls: one operation runs at a time, so several clients
-can share one server without interleaving a ``fwd_bwd`` with a ``step``.
+keeps the policy version, and runs calls side by side as ``call_gate`` allows: generate calls
+together (a sampler with ``submit`` batches them at its next step; one without gets them one at a
+time) and beside training, training calls one at a time, lifecycle calls alone. Several clients
+can share one server; a ``fwd_bwd`` never interleaves with a ``step``.
+
+Weight sync while generate calls are in flight: the sampler takes the new weights between two of
+its steps, and samples in flight go on with them; each token carries the version that drew it
+(``RolloutBatch.token_policy_version``, and per sample the oldest in ``policy_version``).
+
+Generate calls in flight are bounded (``server.max_generate_calls``): past it a call is refused
+with :class:`ServerBusy` at once, never queued without bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -17,17 +27,26 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from arctic_core.config import ArcticConfig
-from arctic_core.errors import ArcticError, RequestError, engine_asleep
+from arctic_core.errors import ArcticError, RequestError, ServerBusy, engine_asleep
 from arctic_core.hf import check_batch_fits, copy_tokenizer_files
-from arctic_core.plugins.interfaces import LossContext, LogProbBackend, SamplingBackend, TrainingBackend
+from arctic_core.plugins.interfaces import (
+    ConcurrentSampling,
+    LogProbBackend,
+    LossContext,
+    SamplingBackend,
+    TrainingBackend,
+)
 from arctic_core.losses.objective import build_objective, build_processors
 from arctic_core.serving import checkpoint_folders
+from arctic_core.serving.call_gate import CallGate
+from arctic_core.serving.cancellation import Cancellation
 from arctic_core.checkpoint_files import HF_EXPORT, STATE_FILE
 from arctic_core.protocol import (
     CheckpointRequest,
@@ -62,7 +81,14 @@ class ArcticServer:
         self.policy_version = 0
         self.step_count = 0
         self.gradients_pending = False  # a fwd_bwd has accumulated gradients since the last step
-        self._lock = threading.Lock()
+        self.gate = CallGate(config.colocate)
+        self._generate_calls = 0  # in flight, bounded by server.max_generate_calls
+        self._counting = threading.Lock()
+        self._sampling = threading.Lock()  # one generate at a time on a sampler without ``submit``
+        self._colocating = threading.Lock()  # generate calls side by side wake the sampler once
+        # Async callers' calls run here: a thread per call in flight (a generate call waits for its
+        # samples in it), more than asyncio's default pool would give.
+        self._threads = ThreadPoolExecutor(config.server.max_generate_calls + 16, thread_name_prefix="arctic-call")
         self._closed = False
         self.asleep: set[str] = set()  # engines put to sleep, by the client or by colocation
         # Every plugin and its options are checked before the first engine spends minutes loading.
@@ -100,21 +126,56 @@ class ArcticServer:
         return self._closed
 
     # ----------------------------------------------------------------- dispatch
-    def handle(self, op: str, request: Message) -> Result:
-        """Run one operation; calls are serialised. Unknown ops and wrong request types are refused."""
-        if op not in OPS:
-            raise RequestError(f"unknown operation {op!r}; operations: {sorted(OPS)}")
-        expected = OPS[op][0]
-        if not isinstance(request, expected):
-            raise RequestError(f"operation {op!r} takes a {expected.__name__}, got {type(request).__name__}")
-        with self._lock:
-            if self._closed:
-                raise RequestError("the server has been shut down")
+    def handle(self, op: str, request: Message, cancel: Cancellation | None = None) -> Result:
+        """Run one operation once ``call_gate`` lets it (see the module doc); ``cancel`` stops a
+        generate call whose caller went away. Unknown ops and wrong request types are refused."""
+        _check_request(op, request)
+        with self._admitted(op):
+            return self._run(op, request, cancel)
+
+    async def ahandle(self, op: str, request: Message, cancel: Cancellation | None = None) -> Result:
+        """:meth:`handle` for an event loop: the call runs in the server's threads; a cancelled
+        awaiting task cancels a generate call."""
+        _check_request(op, request)
+        self._check_open()  # before its threads, which end with the server
+        cancel = cancel or Cancellation()
+        with self._admitted(op):
+            call = asyncio.get_running_loop().run_in_executor(self._threads, self._run, op, request, cancel)
+            try:
+                return await call
+            except asyncio.CancelledError:
+                cancel.cancel()
+                raise
+
+    @contextlib.contextmanager
+    def _admitted(self, op: str) -> Iterator[None]:
+        """Counts the generate calls in flight; one past ``server.max_generate_calls`` is refused."""
+        if op != "generate":
+            yield
+            return
+        with self._counting:
+            limit = self.config.server.max_generate_calls
+            if self._generate_calls >= limit:
+                raise ServerBusy(f"the server holds {limit} generate calls (server.max_generate_calls); "
+                                 f"retry in {ServerBusy.retry_after:g} s")
+            self._generate_calls += 1
+        try:
+            yield
+        finally:
+            with self._counting:
+                self._generate_calls -= 1
+
+    def _run(self, op: str, request: Message, cancel: Cancellation | None) -> Result:
+        arrived = time.perf_counter()
+        with self.gate.enter(op):
+            self._check_open()
             start = time.perf_counter()
             if self.config.colocate:
-                self._colocate(op, request)
+                with self._colocating:
+                    self._colocate(op, request)
             try:
-                result: Result = getattr(self, f"_op_{op}")(request)
+                result: Result = self._op_generate(request, cancel) if op == "generate" \
+                    else getattr(self, f"_op_{op}")(request)
             except Exception as exc:
                 # Close what the failed call left open, here, on the thread that opened it: torch's
                 # checkpoint keeps its saved-tensor hooks in a suspended generator that the traceback
@@ -123,11 +184,29 @@ class ArcticServer:
                 traceback.clear_frames(exc.__traceback__)
                 raise
             result.metrics.update(call_metrics(result.metrics, time.perf_counter() - start))
+            result.metrics["waited_seconds"] = start - arrived  # behind calls that may not run beside it
             return result
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RequestError("the server has been shut down")
+
+    def load(self) -> dict[str, Any]:
+        """Calls running and waiting, and the sampler's own load when it reports one (samples
+        running and waiting, KV cache use): ``/health`` and ``/metrics``."""
+        own = self.sampler.load() if callable(getattr(self.sampler, "load", None)) else {}
+        return {"calls": self.gate.state(), "generate_calls": self._generate_calls, "sampler": own}
+
     # ----------------------------------------------------------------- operations
-    def _op_generate(self, req: GenerateRequest) -> GenerateResult:
-        batch = self.sampler.generate(req.prompts, req.params)
+    def _op_generate(self, req: GenerateRequest, cancel: Cancellation | None = None) -> GenerateResult:
+        if isinstance(self.sampler, ConcurrentSampling):
+            pending = self.sampler.submit(req.prompts, req.params)
+            if cancel is not None:
+                cancel.on_cancel(pending.cancel)
+            batch = pending.wait()
+        else:
+            with self._sampling:
+                batch = self.sampler.generate(req.prompts, req.params)
         tokens = int(batch.response_lens.sum())
         return GenerateResult(batch=batch,
                               metrics={"responses": float(batch.num_responses), "generated_tokens": float(tokens)})
@@ -231,6 +310,7 @@ class ArcticServer:
         for engine in self._engines(None):
             engine.shutdown()
         self._closed = True
+        self._threads.shutdown(wait=False)
         return Result()
 
     # ----------------------------------------------------------------- helpers
@@ -305,6 +385,14 @@ class ArcticServer:
     def _status(self) -> StatusResult:
         return StatusResult(policy_version=self.policy_version, step=self.step_count,
                             info={"config": self.config.model_dump()})
+
+
+def _check_request(op: str, request: Message) -> None:
+    if op not in OPS:
+        raise RequestError(f"unknown operation {op!r}; operations: {sorted(OPS)}")
+    expected = OPS[op][0]
+    if not isinstance(request, expected):
+        raise RequestError(f"operation {op!r} takes a {expected.__name__}, got {type(request).__name__}")
 
 
 def backend_metrics(product: object, method: str, metrics: object) -> dict[str, float]:

@@ -5,6 +5,9 @@ per call), so one event loop can keep hundreds of calls in flight. Errors the se
 back as the same :mod:`arctic_core.errors` classes with the server's message, so client code
 handles a bad loss name the same way in process and over HTTP. Refusals with no Arctic class
 (auth, size limit, a server bug, an unreachable server) raise :class:`RemoteError`.
+
+A server that holds all the generate calls it takes answers 429 with ``Retry-After``: the call
+waits that long and is sent again, until its ``timeout`` (then :class:`ServerBusy`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from arctic_core.errors import ConfigError, RemoteError, remote_error
 from arctic_core.protocol import Message, Result
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
-MAX_IN_FLIGHT = 64  # async calls sent at once; the server runs one at a time anyway
+MAX_IN_FLIGHT = 256  # async calls sent at once per client (the server batches generate calls together)
 _OFFLOAD_BYTES = 1 << 20  # results this big are decoded in a thread to keep the event loop free
 
 
@@ -30,8 +33,8 @@ class HttpTransport:
     """Talks to ``base_url`` (e.g. ``http://127.0.0.1:8000``); ``token`` defaults to ``$ARCTIC_RL_TOKEN``.
 
     ``timeout`` bounds each call in seconds once sent, including the time it waits on the server
-    behind other clients' calls (the server runs one call at a time); None waits as long as a call
-    takes. The server belongs to whoever started it, so
+    behind calls that cannot run beside it, and the retries of a call the server was too busy to
+    take; None waits as long as a call takes. The server belongs to whoever started it, so
     closing a client does not shut it down (``owns_server`` is False).
     """
 
@@ -58,21 +61,35 @@ class HttpTransport:
         body = wire.encode_request(op, request)
         if self._client is None:
             self._client = httpx.Client(base_url=self.base_url, timeout=self._timeout)
-        try:
-            response = self._client.post(f"/v1/{op}", content=body, headers=self._headers)
-        except httpx.HTTPError as exc:
-            raise _unreachable(self.base_url, op, exc) from exc
-        return _result(op, response)
+        deadline = self._deadline()
+        while True:
+            try:
+                response = self._client.post(f"/v1/{op}", content=body, headers=self._headers)
+            except httpx.HTTPError as exc:
+                raise _unreachable(self.base_url, op, exc) from exc
+            wait = _busy_wait(response, deadline)
+            if wait is None:
+                return _result(op, response)
+            time.sleep(wait)
 
     async def acall(self, op: str, request: Message) -> Result:
         body = await _maybe_offload(wire.encode_request, op, request, big=getattr(request, "batch", None) is not None)
         client, slots = self._async_client()
-        async with slots:
-            try:
-                response = await client.post(f"/v1/{op}", content=body, headers=self._headers)
-            except httpx.HTTPError as exc:
-                raise _unreachable(self.base_url, op, exc) from exc
-        return await _maybe_offload(_result, op, response, big=len(response.content) >= _OFFLOAD_BYTES)
+        deadline = self._deadline()
+        while True:
+            async with slots:
+                try:
+                    response = await client.post(f"/v1/{op}", content=body, headers=self._headers)
+                except httpx.HTTPError as exc:
+                    raise _unreachable(self.base_url, op, exc) from exc
+            wait = _busy_wait(response, deadline)
+            if wait is None:
+                return await _maybe_offload(_result, op, response, big=len(response.content) >= _OFFLOAD_BYTES)
+            await asyncio.sleep(wait)
+
+    def _deadline(self) -> float | None:
+        """When a call stops retrying a busy server (its timeout from now)."""
+        return None if self._timeout.read is None else time.monotonic() + self._timeout.read
 
     def _async_client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         """The loop's client and the semaphore that bounds its calls in flight.
@@ -146,6 +163,20 @@ def check_token(token: str, source: str) -> None:
     if not (token.isascii() and token.isprintable() and token == token.strip()):
         raise ConfigError(f"the bearer token ({source}) must be printable ASCII with no space at either end: "
                           "an HTTP header carries it as is")
+
+
+def _busy_wait(response: httpx.Response, deadline: float | None) -> float | None:
+    """Seconds to wait before sending a call again that the server was too busy to take (429), or
+    None: the answer stands (any other answer, or the retries would pass ``deadline``)."""
+    if response.status_code != 429:
+        return None
+    try:
+        wait = max(0.05, float(response.headers.get("Retry-After", "1")))
+    except ValueError:
+        wait = 1.0
+    if deadline is not None and time.monotonic() + wait > deadline:
+        return None
+    return wait
 
 
 def _result(op: str, response: httpx.Response) -> Result:

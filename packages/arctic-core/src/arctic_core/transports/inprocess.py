@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from arctic_core.protocol import Message, Result
 from arctic_core.serving.server import ArcticServer
 
@@ -16,8 +14,9 @@ class InProcessTransport:
         return self.server.handle(op, request)
 
     async def acall(self, op: str, request: Message) -> Result:
-        # A worker thread keeps the event loop free while the engines compute.
-        return await asyncio.to_thread(self.server.handle, op, request)
+        # The server's threads keep the event loop free while the engines compute (as many as it
+        # takes generate calls, which wait for their samples there).
+        return await self.server.ahandle(op, request)
 
     def close(self) -> None:
         """Nothing to release: the server's lifetime is the caller's (see ``shutdown``)."""

@@ -7,13 +7,16 @@ results cross as wire-format bytes (safetensors + JSON), exactly as over HTTP: R
 bytes, no Python object of ours is pickled. Errors come back as JSON and are raised as the same
 :mod:`arctic_core.errors` classes as in process.
 
-The actor runs one call at a time (Ray's default for a synchronous actor), so calls on one model
-are serialised; ``acall`` awaits the call's ObjectRef, so one event loop keeps many in flight.
+The actor is an async actor: its calls run side by side as the server allows (generate calls
+together in the sampler's batch, training calls one at a time, lifecycle calls alone; see
+``arctic_core.serving.server``), up to ``server.max_generate_calls`` generate calls and a few more.
+``acall`` awaits the call's ObjectRef, so one event loop keeps many in flight.
 A server actor that dies answers every later call with a :class:`WorkerError` that says so.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -35,9 +38,10 @@ class ServerActor:
 
         self.server = ArcticServer(ArcticConfig.model_validate_json(config_json))
 
-    def call(self, op: str, body: bytes) -> bytes | dict[str, Any]:
+    async def call(self, op: str, body: bytes) -> bytes | dict[str, Any]:
         try:
-            return wire.encode(self.server.handle(op, wire.decode_request(op, body)))
+            request = await asyncio.to_thread(wire.decode_request, op, body)
+            return await asyncio.to_thread(wire.encode, await self.server.ahandle(op, request))
         except Exception as exc:  # bad input, or an engine failure: answer it, keep serving
             status, error, message = error_answer(op, exc)
             if status == 500:
@@ -62,7 +66,9 @@ class RayTransport:
             if wanted > cluster.get(resource, 0.0):  # Ray would wait for it forever
                 raise WorkerError(f"the Arctic server actor asks for {wanted:g} {resource}(s) and this Ray cluster "
                                   f"has {cluster.get(resource, 0.0):g}")
-        options = {"name": name, "num_gpus": num_gpus, "num_cpus": num_cpus}
+        # Enough concurrency for every generate call the server takes: the next one is answered busy.
+        options = {"name": name, "num_gpus": num_gpus, "num_cpus": num_cpus,
+                   "max_concurrency": config.server.max_generate_calls + 16}
         actor = ray.remote(ServerActor).options(**options).remote(config.model_dump_json())
         transport = cls(actor, name, owns_server=True)
         transport.call("status", Empty())  # wait until the engines are built; raise if they fail

@@ -17,15 +17,24 @@ host (prefill passes of whole prompts too: pass k+1 is queued before pass k's sa
 The host learns of a stop token one step late; that step's token of the finished sequence is
 dropped. Finished sequences (stop token or ``max_tokens``) give their blocks back for the next
 groups.
+
+The loop runs in a thread of its own and serves every caller at once: a request submitted from
+any thread (``submit``, or ``generate`` which waits for it) joins the running batch at the next
+step, each request with its own settings and seed (``requests.py``). A weight update, sleep or
+wake takes the engine between two steps; samples in flight go on with the new weights, each token
+stamped with the policy version that drew it. A cancelled request leaves at the next step and
+gives its blocks back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,12 +45,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from arctic_core.config import SamplingParams, StrictModel
-from arctic_core.errors import engine_asleep
+from arctic_core.errors import RequestError, engine_asleep
 from arctic_core.hf import check_prompts, stop_tokens
 from arctic_core.host_copy import HostCopy
 from arctic_fca.engine.blocks import BlockPool
 from arctic_fca.engine.kv_cache import PagedKVCache
 from arctic_fca.engine.model_runner import ModelRunner
+from arctic_fca.engine.requests import GenerationRequest, RequestCancelled, token_seed
 from arctic_fca.engine.sampling import RowParams, sample, seen_tokens
 from arctic_fca.engine.scheduler import Admission, Scheduler
 from arctic_fca.engine.sequence import GenerationOutput, PromptGroup, Sequence
@@ -113,6 +123,9 @@ class EngineStats:
 
 
 class EmbeddedEngine:
+    """The engine's loop runs in a thread of its own: ``submit`` (or ``generate``) from any thread
+    puts a request's prompts in line, and they join the running batch at the next step."""
+
     def __init__(self, model: PreTrainedModel, options: EngineOptions | None = None, *, seed: int = 0,
                  tuning: Tuning = DEFAULT_TUNING) -> None:
         self.options = options or EngineOptions()
@@ -126,6 +139,20 @@ class EmbeddedEngine:
         self.calls = 0
         self.policy_version = 0
         self.stats = EngineStats()
+        # Work in flight, touched only by the loop's thread (under ``_step_lock``).
+        self._waiting: deque[PromptGroup] = deque()  # not admitted yet (preempted samples first in line)
+        self._prefilling: deque[PromptGroup] = deque()  # admitted, prompt not yet computed to its end
+        self._running: list[Sequence] = []
+        self._queued: QueuedPrefill | None = None  # a prefill pass whose samples the host has not read yet
+        # Between threads: new requests, and calls that need the engine between two steps.
+        self._signal = threading.Condition()
+        self._inbox: deque[GenerationRequest] = deque()
+        self._live: set[GenerationRequest] = set()  # submitted, not finished
+        self._pausing = 0  # threads waiting for the step lock (a weight update, sleep, wake)
+        self._cancelling = False
+        self._closed = False
+        self._step_lock = threading.Lock()  # held by the loop while it runs steps
+        self._loop: threading.Thread | None = None
 
     @property
     def model(self) -> PreTrainedModel:
@@ -146,51 +173,109 @@ class EmbeddedEngine:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def update_weights(self, weights, version: int) -> None:
-        self.pool.clear_index()  # cached prefixes hold K/V of the old weights (first: a load may fail halfway)
-        self.runner.load_weights(weights)
-        self.policy_version = version
+        """New weights between two steps. Samples in flight go on with them: each token carries
+        the version that drew it; their K/V so far stay (computed by the old weights)."""
+        with self._between_steps():
+            self.scheduler.new_weights()  # cached prefixes hold K/V of the old weights (first: a load may fail halfway)
+            self.runner.load_weights(weights)
+            self.policy_version = version
 
     def sleep(self) -> None:
-        """Free the KV cache and move the weights to the host (device memory for the trainer)."""
-        self.runner.sleep()
-        self.pool.clear_index()
-        self.planner.reset()
+        """Free the KV cache and move the weights to the host (device memory for the trainer).
+        Requests in flight fail: the engine cannot go on without its cache."""
+        with self._between_steps():
+            self._fail_all(engine_asleep("sampler"))
+            self.runner.sleep()
+            self.pool.clear_index()
+            self.planner.reset()
 
     def wake(self) -> None:
-        self.runner.wake()
+        with self._between_steps():
+            self.runner.wake()
+
+    def close(self) -> None:
+        """Stop the loop's thread; requests in flight fail."""
+        with self._signal:
+            self._closed = True
+            self._signal.notify_all()
+        if self._loop is not None:
+            self._loop.join()
+        with self._step_lock:
+            self._fail_all(RequestError("the sampling engine was shut down"))
 
     @property
     def asleep(self) -> bool:
         return not self.cache.allocated
 
-    # ---- generation --------------------------------------------------------------------------
+    def load(self) -> dict[str, int]:
+        """What runs now: samples decoding, samples waiting to start (in line or being prefilled),
+        requests not finished, KV blocks held and the cache's blocks."""
+        waiting = sum(g.samples for g in self._waiting) + sum(len(r.prompts) * r.params.n for r in list(self._inbox))
+        return {"running": len(self._running), "waiting": waiting + sum(g.samples for g in self._prefilling),
+                "requests": len(self._live), "preempted": self.stats.preempted,
+                "kv_used_blocks": self.scheduler.used_blocks, "kv_blocks": self.pool.capacity}
 
-    @torch.no_grad()
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """Hold the engine between two of its steps: the loop gives way at its next step."""
+        with self._signal:
+            self._pausing += 1
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            with self._signal:
+                self._pausing -= 1
+                self._signal.notify_all()
+
+    # ---- requests ----------------------------------------------------------------------------
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-        """``n`` samples per prompt, in prompt-major order (prompt 0's samples first)."""
+        """``n`` samples per prompt, in prompt-major order (prompt 0's samples first); blocks until done."""
+        bar = tqdm(total=len(prompts) * params.n, unit="sample", desc="generate", leave=False,
+                   disable=not (self.options.progress if self.options.progress is not None else sys.stderr.isatty()))
+        try:
+            request = self.submit(prompts, params, on_sample=lambda: bar.update(1))
+            try:
+                return request.wait()
+            except BaseException:
+                self.cancel(request)  # an interrupted caller leaves no work behind
+                raise
+        finally:
+            bar.close()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams,
+               on_sample: Callable[[], None] | None = None) -> GenerationRequest:
+        """Put a request in line (checked first: a request that could never run is refused here);
+        ``wait()`` on the answer for its outputs."""
         if self.asleep:
             raise engine_asleep("sampler")
         check_prompts(prompts, self.model.config.vocab_size, params, self.max_model_len)
         self.scheduler.check(prompts, params)
         self._warn_of_waves(prompts, params)
-        stops = stop_tokens(self.model, params)
-        seed = params.seed if params.seed is not None else self.seed + self.calls
-        self.calls += 1
-        generator = torch.Generator(device=self.runner.device).manual_seed(seed)
-        waiting = deque(PromptGroup(i, list(p), params.n) for i, p in enumerate(prompts))
-        bar = tqdm(total=len(prompts) * params.n, unit="sample", desc="generate", leave=False,
-                   disable=not (self.options.progress if self.options.progress is not None else sys.stderr.isatty()))
-        try:
-            finished = self._run(waiting, params, generator, stops, bar)
-        except BaseException:
-            # Nothing survives a failed call: every block goes back, and the engine serves the next call.
-            self.scheduler.reset()
-            self.planner.reset()
-            raise
-        finally:
-            bar.close()
-        return [GenerationOutput(i, s.tokens[len(p):], s.logprobs, self.policy_version)
-                for i, p in enumerate(prompts) for s in sorted(finished[i], key=lambda s: s.order)]
+        with self._signal:
+            if self._closed:
+                raise RequestError("the sampling engine was shut down")
+            seed = params.seed if params.seed is not None else self.seed + self.calls
+            self.calls += 1
+            request = GenerationRequest([list(p) for p in prompts], params, seed, stop_tokens(self.model, params),
+                                        on_sample)
+            self._inbox.append(request)
+            self._live.add(request)
+            if self._loop is None:
+                self._loop = threading.Thread(target=self._serve, name="arctic-engine", daemon=True)
+                self._loop.start()
+            self._signal.notify_all()
+        return request
+
+    def cancel(self, request: GenerationRequest) -> None:
+        """Stop a request: its samples leave the batch at the next step and give their blocks back."""
+        with self._signal:
+            if request.done:
+                return
+            request.cancelled = True
+            self._cancelling = True
+            self._signal.notify_all()
 
     def _warn_of_waves(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Say (once per engine, then in ``stats``) when a call's groups must run in waves: each wave
@@ -204,51 +289,107 @@ class EmbeddedEngine:
                         "each decoding to its end", len(prompts), why)
         self.stats.calls_in_waves += 1
 
-    def _run(self, waiting: deque[PromptGroup], params: SamplingParams, generator: torch.Generator, stops: set[int],
-             bar: tqdm) -> dict[int, list[Sequence]]:
-        running: list[Sequence] = []
-        prefilling: deque[PromptGroup] = deque()  # admitted, prompt not yet computed to its end
-        queued: QueuedPrefill | None = None  # a prefill pass whose samples the host has not read yet
-        finished: dict[int, list[Sequence]] = {}
+    # ---- the loop ----------------------------------------------------------------------------
 
-        def finish(seq: Sequence) -> None:
+    def _serve(self) -> None:
+        """The loop's thread: while there is work, take new requests in and run a round of steps."""
+        while True:
+            with self._signal:
+                # A thread waiting to hold the engine between steps goes first.
+                while self._pausing or not (self._inbox or self._cancelling or self._has_work() or self._closed):
+                    self._signal.wait()
+                if self._closed:
+                    return
+                new, self._inbox = list(self._inbox), deque()
+                cancelling, self._cancelling = self._cancelling, False
+            with self._step_lock, torch.no_grad():
+                for request in new:
+                    self._waiting.extend(PromptGroup(i, p, request.params.n, request)
+                                         for i, p in enumerate(request.prompts))
+                if cancelling:
+                    self._drop_cancelled()
+                if not self._has_work():
+                    continue
+                try:
+                    if self.asleep:
+                        raise engine_asleep("sampler")
+                    self._round()
+                except BaseException as exc:  # every request in flight learns why
+                    log.debug("generation failed", exc_info=True)
+                    self._fail_all(exc)
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._prefilling or self._running or self._queued)
+
+    def _interrupted(self) -> bool:
+        """Whether the loop should leave its run of decode steps: a new request to admit, one to
+        cancel, or a thread waiting to hold the engine."""
+        return bool(self._inbox or self._cancelling or self._pausing)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        seq.request.finish(seq)
+        if seq.request.done:
+            self._live.discard(seq.request)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Nothing survives a failed step: every block goes back, every request in flight fails, and
+        the engine serves the next ones."""
+        for request in list(self._live):
+            if request not in self._inbox:
+                request.fail(error)
+                self._live.discard(request)
+        self._waiting, self._prefilling, self._running, self._queued = deque(), deque(), [], None
+        self.scheduler.reset()
+        self.planner.reset()
+
+    def _drop_cancelled(self) -> None:
+        """Cancelled requests leave: their waiting groups, and their running samples (blocks back).
+        A group being prefilled finishes its pass first (its blocks are in the prefix index)."""
+        self._waiting = deque(g for g in self._waiting if not g.request.cancelled)
+        for seq in [s for s in self._running if s.request.cancelled]:
             self.scheduler.finish(seq)
-            finished.setdefault(seq.prompt_index, []).append(seq)
-            bar.update(1)
+        self._running = [s for s in self._running if not s.request.cancelled]
+        busy = {g.request for g in self._prefilling} | {g.request for g in (self._queued.completed if self._queued
+                                                                            else [])}
+        for request in [r for r in self._live if r.cancelled and r not in busy]:
+            request.fail(RequestCancelled("the request was cancelled"))
+            self._live.discard(request)
+        self._cancelling = any(r.cancelled for r in self._live)
 
-        while waiting or running or prefilling or queued:
-            forking = sum(g.samples for g in queued.completed) if queued else 0
-            admitted = self.scheduler.admit(waiting, len(running) + sum(g.samples for g in prefilling) + forking,
-                                            params)
-            prefilling += admitted
-            self.stats.prefix_hit_tokens += sum(g.cached for g in admitted)
-            begin = time.perf_counter()
-            if running and (self.options.chunked_prefill or not (prefilling or queued)):
-                running = self._make_room(running, waiting)  # the step about to run decodes them
-            if prefilling or queued:
-                # Whole prompts: pass k+1 is queued before the host reads pass k's samples, so the
-                # device goes from one pass to the next while the host forks them. Chunked passes
-                # are read at once: the next one gives their samples a token.
-                before = queued
-                queued = self._queue_prefill(prefilling, running, params, generator) if prefilling else None
-                if before is not None:
-                    running += self._take_samples(before, params, stops)
-                ahead = prefilling and self.options.overlap_steps and not self.options.chunked_prefill
-                if queued is not None and not ahead:
-                    running += self._take_samples(queued, params, stops)
-                    queued = None
-                self.stats.prefill_seconds += time.perf_counter() - begin
-            elif running:
-                # Through samples that finish, unless a waiting group could take the place they free.
-                running = self._decode(running, params, generator, stops, finish, go_on=lambda count: not waiting
-                                       or count + waiting[0].samples > self.scheduler.max_num_seqs)
-                self.stats.decode_seconds += time.perf_counter() - begin
-            for seq in [s for s in running if s.done]:
-                finish(seq)
-            running = [s for s in running if not s.done]
-        return finished
+    def _round(self) -> None:
+        """Admit what fits, then one prefill pass or a run of decode steps."""
+        queued = self._queued
+        forking = sum(g.samples for g in queued.completed) if queued else 0
+        admitted = self.scheduler.admit(self._waiting, len(self._running) + forking
+                                        + sum(g.samples for g in self._prefilling))
+        self._prefilling += admitted
+        self.stats.prefix_hit_tokens += sum(g.cached for g in admitted)
+        begin = time.perf_counter()
+        if self._running and (self.options.chunked_prefill or not (self._prefilling or queued)):
+            self._running = self._make_room(self._running)  # the step about to run decodes them
+        if self._prefilling or queued:
+            # Whole prompts: pass k+1 is queued before the host reads pass k's samples, so the
+            # device goes from one pass to the next while the host forks them. Chunked passes
+            # are read at once: the next one gives their samples a token.
+            self._queued = self._queue_prefill(self._prefilling, self._running) if self._prefilling else None
+            if queued is not None:
+                self._running += self._take_samples(queued)
+            ahead = self._prefilling and self.options.overlap_steps and not self.options.chunked_prefill
+            if self._queued is not None and not ahead:
+                self._running += self._take_samples(self._queued)
+                self._queued = None
+            self.stats.prefill_seconds += time.perf_counter() - begin
+        elif self._running:
+            # Through samples that finish, unless a waiting group could take the place they free.
+            self._running = self._decode(self._running, go_on=lambda count: not self._waiting
+                                         or count + self._waiting[0].samples > self.scheduler.max_num_seqs)
+            self.stats.decode_seconds += time.perf_counter() - begin
+        for seq in [s for s in self._running if s.done]:
+            self._finish(seq)
+        self._running = [s for s in self._running if not s.done]
 
-    def _make_room(self, running: list[Sequence], waiting: deque[PromptGroup]) -> list[Sequence]:
+    def _make_room(self, running: list[Sequence]) -> list[Sequence]:
         """The running sequences that keep going, with blocks for their next step: when they cannot
         all have blocks for a block's worth of steps, the newest are preempted and wait first in
         line to be recomputed (said once per engine in the log, then counted in ``stats``)."""
@@ -259,12 +400,11 @@ class EmbeddedEngine:
                             "when blocks free up (raise gpu_memory_utilization or kv_cache_tokens)", len(resumed))
             self.stats.preempted += len(resumed)
             self.stats.generated_tokens -= len(resumed)  # each one's last token is drawn again
-            waiting.extendleft(reversed(resumed))
+            self._waiting.extendleft(reversed(resumed))
         self.scheduler.grow(kept, 1)  # cannot fail: preempt left them room for a block's worth of steps
         return kept
 
-    def _queue_prefill(self, prefilling: deque[PromptGroup], running: list[Sequence], params: SamplingParams,
-                       generator: torch.Generator) -> QueuedPrefill:
+    def _queue_prefill(self, prefilling: deque[PromptGroup], running: list[Sequence]) -> QueuedPrefill:
         """One prefill step (with a token for every running sequence when chunked) and its sampling,
         queued on the device."""
         chunked = self.options.chunked_prefill
@@ -280,12 +420,12 @@ class EmbeddedEngine:
             return QueuedPrefill(decoding, completed, None)
         samples = np.repeat(np.arange(len(completed)), [g.samples for g in completed])  # each prompt's row per sample
         logits = torch.cat((logits[: len(decoding)], logits[len(decoding):][self.runner.on_device(samples)]))
-        rows = [s.tokens for s in decoding] + [g.prompt for g in completed for _ in range(g.samples)]
-        tokens, logprobs = sample(logits, row_settings(params, rows, logits.shape[-1], self.runner.device), generator,
+        rows = [Row.of(s) for s in decoding] + [Row.first(g, j) for g in completed for j in range(g.samples)]
+        tokens, logprobs = sample(logits, row_settings(rows, logits.shape[-1], self.runner.device),
                                   triton=self.runner.triton)
-        return QueuedPrefill(decoding, completed, TokensInFlight(tokens, logprobs))
+        return QueuedPrefill(decoding, completed, TokensInFlight(tokens, logprobs, self.policy_version))
 
-    def _take_samples(self, queued: QueuedPrefill, params: SamplingParams, stops: set[int]) -> list[Sequence]:
+    def _take_samples(self, queued: QueuedPrefill) -> list[Sequence]:
         """A queued prefill step's tokens read: appended to the sequences it decoded, and each prompt it
         completed forked into its samples (returned)."""
         if queued.samples is None:
@@ -293,25 +433,25 @@ class EmbeddedEngine:
         tokens, logprobs = queued.samples.read()
         tokens = [int(t) for t in tokens]
         decoding = queued.decoding
-        self._append(decoding, tokens[: len(decoding)], logprobs[: len(decoding)], stops)
+        self._append(decoding, tokens[: len(decoding)], logprobs[: len(decoding)], queued.samples.version)
         sequences, first = [], len(decoding)
         for group in queued.completed:
             picked = slice(first, first + group.samples)
-            sequences += self.scheduler.fork(group, params, tokens[picked], logprobs[picked], stops)
+            sequences += self.scheduler.fork(group, tokens[picked], logprobs[picked], queued.samples.version)
             first += group.samples
         self.stats.generated_tokens += len(sequences)
         return sequences
 
-    def _decode(self, running: list[Sequence], params: SamplingParams, generator: torch.Generator, stops: set[int],
-                finish: Callable[[Sequence], None], go_on: Callable[[int], bool]) -> list[Sequence]:
+    def _decode(self, running: list[Sequence], go_on: Callable[[int], bool]) -> list[Sequence]:
         """Decode steps back to back; the sequences still running when they stop (each one that
-        finished is passed to ``finish``). Each step is planned while the device runs the one before;
+        finished is finished here). Each step is planned while the device runs the one before;
         its input tokens stay on the device (with ``overlap_steps`` off the host reads each step's
         tokens before queueing the next). A sequence that finishes leaves the batch of the next step
-        while ``go_on(sequences left)``, else ends the call (the caller admits waiting prompts): the
+        while ``go_on(sequences left)``, else ends the run (the caller admits waiting prompts): the
         device goes on without waiting for the host to plan a new batch from scratch (in RL
-        rollouts, where samples end at every length, that was a gap in most steps). A step queued
-        before the host read the finish still computes the finished row; its token is dropped."""
+        rollouts, where samples end at every length, that was a gap in most steps). A new request,
+        a cancelled one or a weight update ends the run too. A step queued before the host read the
+        finish still computes the finished row; its token is dropped."""
         overlap = self.options.overlap_steps
         batch, in_flight, row_params, leaving = running, deque(), None, []
         self.stats.most_running = max(self.stats.most_running, len(batch))
@@ -320,11 +460,12 @@ class EmbeddedEngine:
         while True:
             logits = self.runner.decode(ids, step)
             if row_params is None:  # fixed for the batch; a smaller batch takes its rows
-                row_params = row_settings(params, [s.tokens for s in batch], logits.shape[-1], self.runner.device)
-            tokens, logprobs = sample(logits[: len(batch)], row_params, generator, triton=self.runner.triton)
+                row_params = row_settings([Row.of(s) for s in batch], logits.shape[-1], self.runner.device)
+            tokens, logprobs = sample(logits[: len(batch)], row_params, triton=self.runner.triton)
             if row_params.seen is not None:  # the repetition penalty's tokens so far, kept current on the device
                 row_params.seen.scatter_(1, tokens[:, None], True)
-            in_flight.append((batch, TokensInFlight(tokens, logprobs)))
+            row_params = row_params.next_token()
+            in_flight.append((batch, TokensInFlight(tokens, logprobs, self.policy_version)))
             self.stats.decode_steps += 1
             self.stats.fca_steps += step.plan is not None
             # The next step for the same batch, unless one reaches its length limit, or the cache
@@ -336,17 +477,19 @@ class EmbeddedEngine:
             # Read the older step while the newer one runs.
             ended = False
             while len(in_flight) > (1 if overlap else 0):
-                ended |= self._read(in_flight.popleft(), stops)
+                ended |= self._read(in_flight.popleft())
             for seq in leaving:  # left the batch before the step just read, which gave their last token
-                finish(seq)
+                self._finish(seq)
             leaving = []
-            if planned and not ended:
+            interrupted = self._interrupted()
+            if planned and not ended and not interrupted:
                 ids = tokens if overlap else np.array([s.tokens[-1] for s in batch])
                 continue
             going_on = [not s.done and len(s.tokens) + len(in_flight) < s.max_len for s in batch]
             stay = [row for row, on in enumerate(going_on) if on]
             smaller = [batch[row] for row in stay]
-            if not (smaller and go_on(len(smaller)) and self.scheduler.grow(smaller, len(in_flight) + 1)):
+            if interrupted or not (smaller and go_on(len(smaller))
+                                   and self.scheduler.grow(smaller, len(in_flight) + 1)):
                 break  # the steps still queued are read below
             leaving = [s for s, on in zip(batch, going_on, strict=True) if not on]
             step = self.planner.plan(smaller, ahead=len(in_flight))
@@ -354,24 +497,24 @@ class EmbeddedEngine:
             ids = tokens[rows] if in_flight else np.array([s.tokens[-1] for s in smaller])
             row_params, batch = row_params.rows(rows), smaller
         while in_flight:
-            self._read(in_flight.popleft(), stops)
+            self._read(in_flight.popleft())
         for seq in leaving + [s for s in batch if s.done]:
-            finish(seq)
+            self._finish(seq)
         self.stats.decode_prepare_seconds = self.planner.prepare_seconds
         return [s for s in batch if not s.done]
 
-    def _read(self, step: tuple[list[Sequence], TokensInFlight], stops: set[int]) -> bool:
+    def _read(self, step: tuple[list[Sequence], TokensInFlight]) -> bool:
         """A queued step's tokens onto the sequences it ran; whether any sequence finished."""
         batch, samples = step
-        return self._append(batch, *samples.read(), stops)
+        return self._append(batch, *samples.read(), samples.version)
 
-    def _append(self, running: list[Sequence], tokens: list[float], logprobs: list[float], stops: set[int]) -> bool:
+    def _append(self, running: list[Sequence], tokens: list[float], logprobs: list[float], version: int) -> bool:
         """One step's tokens onto the unfinished sequences; whether any sequence finished."""
         finished = False
         for seq, token, logprob in zip(running, tokens, logprobs, strict=True):
             if seq.done:
                 continue
-            seq.append(int(token), logprob, stops)
+            seq.append(int(token), logprob, version)
             self.stats.generated_tokens += 1
             finished |= seq.done
         return finished
@@ -389,25 +532,58 @@ class QueuedPrefill:
 
 class TokensInFlight:
     """A step's sampled tokens and log-probs on their way to the host: the copy is queued behind the
-    step, and ``read`` waits for it alone (not for the steps queued after it)."""
+    step, and ``read`` waits for it alone (not for the steps queued after it). ``version``: the
+    policy that drew them."""
 
-    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor, version: int) -> None:
         self.copy = HostCopy(torch.stack((tokens.to(logprobs.dtype), logprobs)))  # token ids are exact in fp32
+        self.version = version
 
     def read(self) -> tuple[list[float], list[float]]:
         tokens, logprobs = self.copy.tolist()
         return tokens, logprobs
 
 
-def row_settings(params: SamplingParams, rows: list[list[int]], vocab: int, device: torch.device) -> RowParams:
-    """Per-row settings for ``rows`` (each row's tokens so far, which the repetition penalty
-    reads; it applies to greedy rows too, as in transformers)."""
-    count = len(rows)
-    seen = seen_tokens(rows, vocab, device) if params.repetition_penalty != 1.0 else None
-    return RowParams(temperature=torch.full((count,), params.temperature, device=device),
-                     top_k=torch.full((count,), params.top_k, device=device, dtype=torch.long),
-                     top_p=torch.full((count,), params.top_p, device=device),
-                     any_top_k=params.top_k > 0 and not params.greedy,
-                     any_top_p=params.top_p < 1 and not params.greedy,
-                     min_p=0.0 if params.greedy else params.min_p,
-                     repetition_penalty=params.repetition_penalty, seen=seen)
+@dataclass(frozen=True)
+class Row:
+    """One row of a sampling step: its request's settings, its tokens so far (the repetition
+    penalty reads them) and the seed of the token it draws."""
+
+    params: SamplingParams
+    tokens: list[int]
+    seed: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> Row:
+        """A running sample's next token."""
+        return cls(seq.request.params, seq.tokens, token_seed(seq.key, len(seq.tokens)))
+
+    @classmethod
+    def first(cls, group: PromptGroup, sample: int) -> Row:
+        """The first token of sample ``sample`` of a prompt (a preempted sample: its next one)."""
+        key = group.resumes.key if group.resumes else group.request.sample_key(group.prompt_index, sample)
+        return cls(group.params, group.prompt, token_seed(key, len(group.prompt)))
+
+
+def row_settings(rows: list[Row], vocab: int, device: torch.device) -> RowParams:
+    """Per-row settings (each row's request's), on the device. Min-p and the repetition penalty are
+    one number for all rows when the rows agree (the kernels' fast path), else one per row."""
+    params = [r.params for r in rows]
+
+    def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, device=device, dtype=dtype)
+
+    def shared_or_column(values: list[float]) -> float | torch.Tensor:
+        return values[0] if len(set(values)) == 1 else column(values)
+
+    min_p = [0.0 if p.greedy else p.min_p for p in params]
+    penalty = [p.repetition_penalty for p in params]
+    penalised = any(x != 1.0 for x in penalty)
+    return RowParams(temperature=column([p.temperature for p in params]),
+                     top_k=column([p.top_k for p in params], torch.long),
+                     top_p=column([p.top_p for p in params]),
+                     any_top_k=any(p.top_k > 0 and not p.greedy for p in params),
+                     any_top_p=any(p.top_p < 1 and not p.greedy for p in params),
+                     min_p=shared_or_column(min_p), repetition_penalty=shared_or_column(penalty),
+                     seen=seen_tokens([r.tokens for r in rows], vocab, device) if penalised else None,
+                     seeds=column([r.seed for r in rows], torch.long))

@@ -14,6 +14,10 @@ Two ways to lend blocks (``admission``):
 
 Admitted prompts are computed first in, first out, ``max_prefill_tokens`` per step: a prompt whose
 blocks another admitted prompt shares is therefore never computed before them.
+
+Groups come from every caller's requests, each with its own settings (``group.params``). The
+prefix index holds only blocks computed with the current weights (``epoch``): a sample that ran
+across a weight update keeps its blocks to the end but never offers them to later prompts.
 """
 
 from __future__ import annotations
@@ -39,10 +43,21 @@ class Scheduler:
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.pool = BlockPool(cache.num_blocks)
         self.reserved = 0  # free blocks promised to the samples of admitted groups not yet forked
+        self.epoch = 0  # which weights the cache's K/V are computed with (a weight update moves it)
 
     def reset(self) -> None:
-        """Every block back (after a failed call: calls are serialised, so all were that call's)."""
+        """Every block back (after a failed step: every request in flight fails with it)."""
         self.pool, self.reserved = BlockPool(self.pool.num_blocks), 0
+
+    def new_weights(self) -> None:
+        """Cached prefixes hold K/V of the old weights: forget them, and index no block computed before."""
+        self.pool.clear_index()
+        self.epoch += 1
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks held by admitted groups and running samples (idle cached ones are free)."""
+        return self.pool.capacity - self.pool.num_free
 
     def check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Refuse a request that could never be admitted, naming the prompt and the setting to raise."""
@@ -79,13 +94,13 @@ class Scheduler:
         """A group's blocks, nothing found cached, every sample drawing ``new_tokens``."""
         return math.ceil(prompt_len / self.block_size) + samples * self.own_blocks(prompt_len, new_tokens)
 
-    def fork_blocks(self, group: PromptGroup, params: SamplingParams) -> int:
+    def fork_blocks(self, group: PromptGroup) -> int:
         """Blocks each sample of ``group`` takes at its fork: for all its tokens, or (on demand) for
         its first decode step's."""
-        left = group.new_tokens(params)
+        left = group.new_tokens()
         return self.own_blocks(len(group.prompt), left if self.admission == "worst_case" else min(left, 2))
 
-    def admit(self, waiting: deque[PromptGroup], num_running: int, params: SamplingParams) -> list[PromptGroup]:
+    def admit(self, waiting: deque[PromptGroup], num_running: int) -> list[PromptGroup]:
         """Take groups off ``waiting`` while their samples and blocks fit (``num_running``: samples
         running or being prefilled)."""
         admitted: list[PromptGroup] = []
@@ -98,10 +113,11 @@ class Scheduler:
                 group.digests = block_hashes(group.prompt, bs, group.resumes.digests if group.resumes else ())
             hashes = group.digests
             shared = self._cached_prefix(hashes, len(group.prompt))
-            needed = self._blocks_to_admit(group, len(shared), num_running, params) + self.pool.idle(shared)
+            needed = self._blocks_to_admit(group, len(shared), num_running) + self.pool.idle(shared)
             if needed > self.pool.num_free - self.reserved:  # idle blocks found cached count as free until shared
                 break
-            self.reserved += group.samples * self.fork_blocks(group, params)
+            self.reserved += group.samples * self.fork_blocks(group)
+            group.epoch = self.epoch
             self.pool.share(shared)
             fresh = self.pool.allocate(math.ceil(len(group.prompt) / bs) - len(shared))
             for digest, block in zip(hashes[len(shared):], fresh, strict=False):
@@ -125,18 +141,17 @@ class Scheduler:
             shared.pop()
         return shared
 
-    def _blocks_to_admit(self, group: PromptGroup, cached_blocks: int, num_running: int,
-                         params: SamplingParams) -> int:
+    def _blocks_to_admit(self, group: PromptGroup, cached_blocks: int, num_running: int) -> int:
         """Free blocks the group needs to be admitted. On demand: its prompt's and its samples' first
         with a block of headroom each (never more than its worst case: a group alone always runs), and
         a block of headroom for every sample running. That headroom is never waived: a small group (a
         preempted sample resuming) let in without it would soon preempt again, the same few samples
         recomputed over and over while the cache is tight."""
-        worst = self.worst_case_blocks(len(group.prompt), group.samples, group.new_tokens(params)) - cached_blocks
+        worst = self.worst_case_blocks(len(group.prompt), group.samples, group.new_tokens()) - cached_blocks
         if self.admission == "worst_case":
             return worst
         prompt_blocks = math.ceil(len(group.prompt) / self.block_size) - cached_blocks
-        first = prompt_blocks + group.samples * self.fork_blocks(group, params)
+        first = prompt_blocks + group.samples * self.fork_blocks(group)
         return min(worst, first + group.samples) + num_running
 
     def missing_blocks(self, sequence: Sequence, steps: int) -> int:
@@ -164,7 +179,8 @@ class Scheduler:
             missing.pop()
             self.finish(sequence)  # its blocks stay findable: the resumed sample may find them again
             sequence.preempt()
-            groups.insert(0, PromptGroup(sequence.prompt_index, list(sequence.tokens), 1, resumes=sequence))
+            groups.insert(0, PromptGroup(sequence.prompt_index, list(sequence.tokens), 1, sequence.request,
+                                         resumes=sequence))
         return kept, groups
 
     def next_prefill(self, prefilling: deque[PromptGroup], split: bool) -> list[PrefillPiece]:
@@ -185,24 +201,26 @@ class Scheduler:
                 prefilling.popleft()
         return pieces
 
-    def fork(self, group: PromptGroup, params: SamplingParams, first_tokens: list[int], first_logprobs: list[float],
-             stops: set[int]) -> list[Sequence]:
-        """The samples share the prompt's full blocks; each gets its own copy of a partly filled last block."""
+    def fork(self, group: PromptGroup, first_tokens: list[int], first_logprobs: list[float],
+             version: int) -> list[Sequence]:
+        """The samples share the prompt's full blocks; each gets its own copy of a partly filled last
+        block. Their first tokens were drawn by policy ``version``."""
         bs = self.block_size
         full = group.blocks[: len(group.prompt) // bs]
         partial = group.blocks[len(full):]
-        own_count = self.fork_blocks(group, params)
+        own_count = self.fork_blocks(group)
         sequences, copies = [], []
         self.reserved -= len(first_tokens) * own_count
-        for token, logprob in zip(first_tokens, first_logprobs, strict=True):
+        for sample, (token, logprob) in enumerate(zip(first_tokens, first_logprobs, strict=True)):
             own = self.pool.allocate(own_count)
             self.pool.share(full)
             if partial and own:
                 copies.append(own[0])
-            sequence = group.resumes or Sequence(group.prompt_index, list(group.prompt),
-                                                 len(group.prompt) + params.max_tokens, [])
-            sequence.blocks, sequence.digests = full + own, group.digests
-            sequence.append(token, logprob, stops)
+            sequence = group.resumes or Sequence(
+                group.prompt_index, list(group.prompt), len(group.prompt) + group.params.max_tokens, [],
+                group.request, group.request.sample_key(group.prompt_index, sample), version_at_fork=version)
+            sequence.blocks, sequence.digests, sequence.epoch = full + own, group.digests, group.epoch
+            sequence.append(token, logprob, version)
             sequences.append(sequence)
         # One copy for all samples (a launch per layer, not per layer and sample).
         self.cache.copy_blocks(partial * len(copies), copies)
@@ -211,9 +229,12 @@ class Scheduler:
 
     def finish(self, sequence: Sequence) -> None:
         """Its blocks back; those its tokens fill stay findable by a later prompt that begins alike
-        (the next turn of a conversation), except past the last token, whose K/V were never written."""
-        written = sequence.tokens[: len(sequence.tokens) - 1]
-        sequence.digests = block_hashes(written, self.block_size, sequence.digests)  # past its prompt's
-        for block, digest in zip(sequence.blocks, sequence.digests, strict=False):
-            self.pool.register(block, digest)
+        (the next turn of a conversation), except past the last token, whose K/V were never written,
+        and except when the weights changed since its K/V were computed."""
+        if sequence.epoch == self.epoch:
+            written = sequence.tokens[: len(sequence.tokens) - 1]
+            sequence.digests = block_hashes(written, self.block_size, sequence.digests)  # past its prompt's
+            for block, digest in zip(sequence.blocks, sequence.digests, strict=False):
+                self.pool.register(block, digest)
         self.pool.release(sequence.blocks)
+        sequence.blocks = []

@@ -1,25 +1,34 @@
 """What the engine tracks per request: a prompt group waiting or being prefilled, a running sample,
 and a finished sample as the engine returns it. A preempted sample waits as a group of one whose
-prompt is its tokens so far: its prefill recomputes its K/V and draws its next token."""
+prompt is its tokens so far: its prefill recomputes its K/V and draws its next token.
+
+Every group and sample belongs to a request (``requests.GenerationRequest``): its settings, stop
+tokens and seed; requests of many callers run in one batch."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from arctic_core.config import SamplingParams
+
+if TYPE_CHECKING:
+    from arctic_fca.engine.requests import GenerationRequest
 
 _sequence_ids = itertools.count()
 
 
 @dataclass
 class GenerationOutput:
-    """One finished sample: its prompt's index in the call, the new tokens and their log-probs."""
+    """One finished sample: its prompt's index in the call, the new tokens and their log-probs, the
+    oldest policy version among its tokens and each token's own."""
 
     prompt_index: int
     tokens: list[int]
     logprobs: list[float]
     policy_version: int
+    token_versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -29,15 +38,21 @@ class PromptGroup:
     prompt_index: int
     prompt: list[int]
     samples: int  # the request's n, or 1 for a preempted sample
+    request: GenerationRequest
     resumes: Sequence | None = None  # the preempted sample this group continues
+    epoch: int = 0  # the engine's weights when it was admitted (its K/V are theirs)
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks, while it is prefilled
     cached: int = 0  # prompt tokens whose K/V another prompt already holds
     prefilled: int = 0  # prompt tokens whose K/V are in the cache (cached ones included)
     digests: list[int] | None = None  # chained hashes of the prompt's full blocks, once computed
 
-    def new_tokens(self, params: SamplingParams) -> int:
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    def new_tokens(self) -> int:
         """Tokens each sample may still draw."""
-        return self.resumes.max_len - len(self.prompt) if self.resumes else params.max_tokens
+        return self.resumes.max_len - len(self.prompt) if self.resumes else self.params.max_tokens
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,12 @@ class Sequence:
     tokens: list[int]
     max_len: int
     blocks: list[int]
+    request: GenerationRequest
+    key: int  # its random numbers' key (requests.sample_key)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the policy version that drew each new token
+    epoch: int = 0  # the weights its K/V were computed with, if all of them were (else older)
+    version_at_fork: int = 0
     digests: list[int] = field(default_factory=list)  # chained hashes of its first full blocks, as far as known
     done: bool = False
     seq_id: int = field(default_factory=lambda: next(_sequence_ids))  # new when resumed: its blocks are new
@@ -72,12 +92,14 @@ class Sequence:
     def preempt(self) -> None:
         """Its blocks are gone: the last token (whose K/V were never written) is drawn again after
         the recompute."""
-        del self.tokens[-1], self.logprobs[-1]
+        del self.tokens[-1], self.logprobs[-1], self.versions[-1]
         self.blocks = []
         self.seq_id = next(_sequence_ids)
 
-    def append(self, token: int, logprob: float, stops: set[int]) -> None:
-        """A new token; the sequence is done after a stop token or at its length limit."""
+    def append(self, token: int, logprob: float, version: int) -> None:
+        """A new token drawn by policy ``version``; the sequence is done after one of its request's
+        stop tokens or at its length limit."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
-        self.done = token in stops or len(self.tokens) >= self.max_len
+        self.versions.append(version)
+        self.done = token in self.request.stops or len(self.tokens) >= self.max_len

@@ -7,7 +7,8 @@ every entry equal to the k-th largest):
 - top-k: the k-th largest logit;
 - top-p, on the top-k set: an entry stays while the mass of the entries strictly above it is under
   ``p`` of the set's (a tie stays or goes as a whole, where a sort would cut it anywhere);
-- min-p: ``max + T log(min_p)`` (probability at least ``min_p`` times the likeliest's).
+- min-p: ``max + T log(min_p)`` (probability at least ``min_p`` times the likeliest's; ``min_p``
+  one for all rows, or each row's own).
 
 The top-k and top-p floors are searched over the logits' order-preserving integer keys (a float's
 bits with the negatives' flipped): 16-bit keys for bf16 and fp16 logits, 32-bit for fp32. One
@@ -105,7 +106,9 @@ def _largest_key_reaching(base, n, chunk_tops, lo, hi, target, top, scale, MASS:
 @triton.jit
 def _row_floors(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, chunk_tops_ptr, key_floor_ptr,
                 value_floor_ptr, vocab, num_chunks, log_min_p, BITS: tl.constexpr, LOWEST: tl.constexpr,
-                HIGHEST: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                HIGHEST: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ROW_MIN_P: tl.constexpr):
+    """One row's floors. ``log_min_p``: log(min_p) (-inf: off), one float for all rows, or with
+    ROW_MIN_P a pointer to each row's (fp32 ``[rows]``)."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
     chunk_tops = chunk_tops_ptr + row.to(tl.int64) * num_chunks
@@ -151,8 +154,12 @@ def _row_floors(logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, c
         below_key = order_keys(below.to(logits_ptr.dtype.element_ty), BITS) - 2
         floor = _largest_key_reaching(base, vocab, chunk_tops, tl.maximum(floor, below_key), top_key + 1,
                                       top_p * mass, top, scale, True, True, BITS, BLOCK, CHUNK)
+    if ROW_MIN_P:
+        row_log_min_p = tl.load(log_min_p + row)
+    else:
+        row_log_min_p = log_min_p
     tl.store(key_floor_ptr + row, floor)
-    tl.store(value_floor_ptr + row, tl.where(sampled, top * scale + log_min_p, float("-inf")))
+    tl.store(value_floor_ptr + row, tl.where(sampled, top * scale + row_log_min_p, float("-inf")))
 
 
 @dataclass(frozen=True)
@@ -176,20 +183,30 @@ class Floors:
 
 
 def row_floors(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               min_p: float) -> Floors:
+               min_p: float | torch.Tensor) -> Floors:
     """The floors of ``logits [rows, vocab]`` (bf16, fp16 or fp32, last dim contiguous) for
-    ``temperature [rows]`` (0: greedy, no filter), ``top_k [rows]`` (0 or >= vocab: off) and
-    ``top_p [rows]`` (1: off)."""
+    ``temperature [rows]`` (0: greedy, no filter), ``top_k [rows]`` (0 or >= vocab: off),
+    ``top_p [rows]`` (1: off) and ``min_p`` (0: off), one float for all rows or a float tensor
+    ``[rows]`` on the logits' device (each row's own)."""
     rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, CHUNK)
     floors = Floors(torch.empty(rows, dtype=torch.int32, device=logits.device),
                     torch.empty(rows, dtype=torch.float32, device=logits.device),
                     torch.empty(rows, num_chunks, dtype=logits.dtype, device=logits.device), CHUNK)
-    log_min_p = math.log(min_p) if min_p > 0 else float("-inf")
+    row_min_p = torch.is_tensor(min_p)
+    if row_min_p:
+        if min_p.shape != (rows,) or min_p.device != logits.device:
+            raise ValueError(f"per-row min_p: a tensor [{rows}] on {logits.device}, not "
+                             f"{tuple(min_p.shape)} on {min_p.device}")
+        # log 0 = -inf: no floor for that row, as a float min_p <= 0. In double, then fp32, as a
+        # float min_p's log reaches the kernel: a row's floor is the one that min_p for all rows gives it.
+        log_min_p = min_p.double().clamp(min=0).log().float().contiguous()
+    else:
+        log_min_p = math.log(min_p) if min_p > 0 else float("-inf")
     bits = logits.element_size() * 8
     block, warps = (WIDE_BLOCK, WIDE_WARPS) if rows <= device_sms(logits.device) else (BLOCK, 8)
     _row_floors[(rows,)](logits, logits.stride(0), temperature.float().contiguous(), top_k.to(torch.int32).contiguous(),
                          top_p.float().contiguous(), floors.chunk_tops, floors.key, floors.value, vocab, num_chunks,
                          log_min_p, BITS=bits, LOWEST=-(2 ** (bits - 1)), HIGHEST=2 ** (bits - 1) - 1, BLOCK=block,
-                         CHUNK=CHUNK, num_warps=warps)
+                         CHUNK=CHUNK, ROW_MIN_P=row_min_p, num_warps=warps)
     return floors

@@ -8,10 +8,21 @@ vocabulary's chunks of ``RACE_CHUNK`` entries, each weighted by its mass (the su
 ``exp(logit / T)``), then among the entries of the winning chunk. ``P(chunk) P(entry | chunk)`` is
 the entry's probability, so the draw is exact, and the pass over the whole vocabulary costs one
 exp per entry (the exp-sum of the log-sum-exp, which the sampled token's log-prob needs anyway)
-rather than a random number and a log. The noise comes from Triton's counter-based Philox
-generator keyed by a seed drawn from the caller's ``torch.Generator`` on the device (no host sync;
-a seeded call repeats itself). Greedy rows (temperature 0) take the argmax of the raw logits (the
-first of ties, as ``torch.argmax``) and their log-prob under the raw distribution.
+rather than a random number and a log. Greedy rows (temperature 0) take the argmax of the raw
+logits (the first of ties, as ``torch.argmax``) and their log-prob under the raw distribution.
+
+The noise comes from Triton's counter-based Philox generator (``tl.rand4x``: a 64-bit key, one
+counter per four uniforms). A row spends ``cdiv(vocab, BLOCK) x BLOCK / RACE_CHUNK / 4`` counters
+on the first level (chunk ``c``'s uniform is at counter ``c / 4``, whichever slice reads it) and
+``RACE_CHUNK / 4`` on the second, either
+
+- keyed by one seed drawn from the caller's ``torch.Generator`` on the device, the rows' counters
+  laid end to end (every row's first level, then every row's second level), or
+- keyed by each row's own seed (an int64 ``[rows]`` tensor, any value), its counters from 0 (first
+  level, then the second): a row's token then depends on its logits, temperature, floors and seed
+  alone, never on the rows beside it or its place among them.
+
+Either way there is no host sync and a call with the same generator state or seeds repeats itself.
 
 Masses are summed relative to a block's max: entries more than ~87 below it (a probability under
 1e-38 of the top one) flush to 0 there and cannot win.
@@ -38,16 +49,16 @@ RACE_CHUNK = 128  # entries per chunk of the first level of the race
 def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr, value_floor_ptr, chunk_tops_ptr,
                 max_ptr, sum_ptr, key_ptr, index_ptr, vocab, slices, num_chunks, SLICE: tl.constexpr,
                 BLOCK: tl.constexpr, RACE_CHUNK: tl.constexpr, FILTERED: tl.constexpr, BITS: tl.constexpr,
-                CHUNK: tl.constexpr):
+                CHUNK: tl.constexpr, ROW_SEEDS: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0  # greedy rows race on the logits alone
     scale = tl.where(greedy, 1.0, 1.0 / temperature)
-    seed = tl.load(seed_ptr)
     base = logits_ptr + row.to(tl.int64) * stride_row
     end = tl.minimum(vocab, (part + 1) * SLICE)
-    # The row's Philox counters: one per four chunks, the last block's chunks past the vocabulary included.
-    counters = row * tl.cdiv(vocab, BLOCK) * (BLOCK // RACE_CHUNK // 4)
+    # The row's first-level Philox counters: one per four chunks, the last block's chunks past the
+    # vocabulary included; from 0 under the row's own seed, else after the rows before it.
+    seed, counters = _row_philox(seed_ptr, row, row * tl.cdiv(vocab, BLOCK) * (BLOCK // RACE_CHUNK // 4), ROW_SEEDS)
     key_floor, value_floor = _load_row_floors(key_floor_ptr, value_floor_ptr, row, FILTERED)
     running_max, running_sum = float("-inf"), 0.0
     best_key, best_index = float("-inf"), 0
@@ -68,6 +79,19 @@ def _slice_race(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr
     tl.store(sum_ptr + out, running_sum)
     tl.store(key_ptr + out, best_key)
     tl.store(index_ptr + out, best_index)
+
+
+@triton.jit
+def _row_philox(seed_ptr, row, shared_counter, ROW_SEEDS: tl.constexpr):
+    """The row's Philox seed (int64) and its first counter: with ROW_SEEDS its own seed
+    (``seed_ptr[row]``) and 0, else the call's one seed (``seed_ptr[0]``) and ``shared_counter``."""
+    if ROW_SEEDS:
+        seed = tl.load(seed_ptr + row)
+        counter = shared_counter * 0  # the row's own counter space
+    else:
+        seed = tl.load(seed_ptr)
+        counter = shared_counter
+    return seed, counter
 
 
 @triton.jit
@@ -131,9 +155,11 @@ def _uniforms(seed, first_counter, COUNT: tl.constexpr):
 @triton.jit
 def _combine_slices(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor_ptr, value_floor_ptr, max_ptr,
                     sum_ptr, key_ptr, index_ptr, token_ptr, logprob_ptr, vocab, slices, first_counter,
-                    SLICES_P2: tl.constexpr, RACE_CHUNK: tl.constexpr, FILTERED: tl.constexpr, BITS: tl.constexpr):
+                    SLICES_P2: tl.constexpr, RACE_CHUNK: tl.constexpr, FILTERED: tl.constexpr, BITS: tl.constexpr,
+                    ROW_SEEDS: tl.constexpr):
     """A row's slices into its log-sum-exp and winner (a chunk, or for greedy rows the token), then
-    the token: the race among the winning chunk's entries, on Philox counters of its own."""
+    the token: the race among the winning chunk's entries, on Philox counters of its own (from
+    ``first_counter``, past the first level's: every row's, or with ROW_SEEDS the row's own)."""
     row = tl.program_id(0)
     parts = tl.arange(0, SLICES_P2)
     ok = parts < slices
@@ -153,22 +179,37 @@ def _combine_slices(logits_ptr, stride_row, temperature_ptr, seed_ptr, key_floor
         cols = winner * RACE_CHUNK + tl.arange(0, RACE_CHUNK)
         x = _scaled(base, cols, cols < vocab, scale, key_floor, value_floor, FILTERED, BITS)
         weight = tl.exp(x - tl.max(x, 0))
-        counters = first_counter + row * (RACE_CHUNK // 4)
-        token = winner * RACE_CHUNK + tl.argmax(weight / -tl.log(_uniforms(tl.load(seed_ptr), counters, RACE_CHUNK)), 0)
+        seed, counters = _row_philox(seed_ptr, row, row * (RACE_CHUNK // 4), ROW_SEEDS)
+        counters += first_counter
+        token = winner * RACE_CHUNK + tl.argmax(weight / -tl.log(_uniforms(seed, counters, RACE_CHUNK)), 0)
     x = tl.load(base + token).to(tl.float32) * scale
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(logprob_ptr + row, x - log_total)
 
 
-def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator,
+def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor,
+                            generator_or_seeds: torch.Generator | torch.Tensor,
                             floors: Floors | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``[rows]`` (int64) and their log-probs ``[rows]`` (fp32) of ``logits [rows, vocab]``
     (last dim contiguous), ``temperature [rows]`` (0: greedy); with ``floors``
     (``triton_filters.row_floors``) among the entries top-k, top-p and min-p keep, the log-probs
-    under that filtered distribution."""
+    under that filtered distribution.
+
+    ``generator_or_seeds``: a ``torch.Generator`` on the logits' device (one seed drawn from it
+    for the whole call), or an integer tensor ``[rows]`` there, each row's own seed (any int64): row
+    ``r``'s token then depends on row ``r``'s logits, temperature, floors and seed alone, the same
+    alone or at any place in any batch."""
     rows, vocab = logits.shape
     device = logits.device
-    seed = torch.randint(0, 2**31 - 1, (1,), device=device, generator=generator, dtype=torch.int64)
+    row_seeds = torch.is_tensor(generator_or_seeds)
+    if row_seeds:
+        seeds = generator_or_seeds
+        if seeds.shape != (rows,) or seeds.device != device or seeds.is_floating_point() or seeds.is_complex():
+            raise ValueError(f"per-row seeds: an integer tensor [{rows}] on {device}, not "
+                             f"{seeds.dtype} {tuple(seeds.shape)} on {seeds.device}")
+        seed = seeds.to(torch.int64).contiguous()
+    else:
+        seed = torch.randint(0, 2**31 - 1, (1,), device=device, generator=generator_or_seeds, dtype=torch.int64)
     slices = triton.cdiv(vocab, SLICE)
     partial = torch.empty(3, rows, slices, dtype=torch.float32, device=device)
     index = torch.empty(rows, slices, dtype=torch.int32, device=device)
@@ -183,11 +224,11 @@ def sample_with_temperature(logits: torch.Tensor, temperature: torch.Tensor, gen
     _slice_race[(rows, slices)](logits, logits.stride(0), temperature, seed, floors.key, floors.value,
                                 floors.chunk_tops, partial[0], partial[1], partial[2], index, vocab, slices,
                                 floors.chunk_tops.shape[1], SLICE=SLICE, BLOCK=BLOCK, RACE_CHUNK=RACE_CHUNK,
-                                FILTERED=filtered, BITS=bits, CHUNK=floors.chunk, num_warps=8)
-    # The second level's counters follow every row's first-level ones.
-    first_counter = rows * triton.cdiv(vocab, BLOCK) * (BLOCK // RACE_CHUNK // 4)
+                                FILTERED=filtered, BITS=bits, CHUNK=floors.chunk, ROW_SEEDS=row_seeds, num_warps=8)
+    # The second level's counters follow the first level's: every row's (one seed), or the row's own.
+    first_counter = (1 if row_seeds else rows) * triton.cdiv(vocab, BLOCK) * (BLOCK // RACE_CHUNK // 4)
     _combine_slices[(rows,)](logits, logits.stride(0), temperature, seed, floors.key, floors.value, partial[0],
                              partial[1], partial[2], index, tokens, logprobs, vocab, slices, first_counter,
                              SLICES_P2=max(2, triton.next_power_of_2(slices)), RACE_CHUNK=RACE_CHUNK,
-                             FILTERED=filtered, BITS=bits, num_warps=4)
+                             FILTERED=filtered, BITS=bits, ROW_SEEDS=row_seeds, num_warps=4)
     return tokens, logprobs
