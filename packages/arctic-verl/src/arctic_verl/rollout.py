@@ -43,5 +43,6 @@ class ArcticLLMClient(LLMServerClient):
         oldest, newest = (int(v[row]) - self.step_offset for v in batch.version_range()) \
             if batch.policy_version is not None else (0, 0)
         # A weight sync while the sample ran: its later tokens are the newer policy's.
+        steps = {"global_steps": oldest, "min_global_steps": oldest, "max_global_steps": newest}
         return TokenOutput(token_ids=batch.response(row), log_probs=log_probs, stop_reason="completed",
-                           extra_fields={"global_steps": oldest, "min_global_steps": oldest, "max_global_steps": newest})
+                           extra_fields=steps)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 import transfer_queue as tq
-from omegaconf import open_dict
 from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 from verl.experimental.reward_loop import RewardLoopManager
