@@ -78,10 +78,10 @@ def arm_generate_after_step(server: ArcticServer) -> None:
         stepped = True
         return result
 
-    def generate(request):
+    def generate(request, cancel=None):
         if stepped:
             die()
-        return generate_op(request)
+        return generate_op(request, cancel)
 
     server._op_step, server._op_generate = step, generate
 
