@@ -147,7 +147,8 @@ class EmbeddedEngine:
         # Between threads: new requests, and calls that need the engine between two steps.
         self._signal = threading.Condition()
         self._inbox: deque[GenerationRequest] = deque()
-        self._live: set[GenerationRequest] = set()  # submitted, not finished
+        self._live: set[GenerationRequest] = set()  # submitted, not finished (changed under ``_signal``)
+        self._load = {"running": 0, "waiting": 0}  # samples, as the loop left them after its last round
         self._pausing = 0  # threads waiting for the step lock (a weight update, sleep, wake)
         self._cancelling = False
         self._closed = False
@@ -210,9 +211,11 @@ class EmbeddedEngine:
     def load(self) -> dict[str, int]:
         """What runs now: samples decoding, samples waiting to start (in line or being prefilled),
         requests not finished, KV blocks held and the cache's blocks."""
-        waiting = sum(g.samples for g in self._waiting) + sum(len(r.prompts) * r.params.n for r in list(self._inbox))
-        return {"running": len(self._running), "waiting": waiting + sum(g.samples for g in self._prefilling),
-                "requests": len(self._live), "preempted": self.stats.preempted,
+        with self._signal:  # the loop's own lists change under its feet: its last round's counts
+            arriving = sum(len(r.prompts) * r.params.n for r in self._inbox)
+            requests = len(self._live)
+        return {"running": self._load["running"], "waiting": self._load["waiting"] + arriving,
+                "requests": requests, "preempted": self.stats.preempted,
                 "kv_used_blocks": self.scheduler.used_blocks, "kv_blocks": self.pool.capacity}
 
     @contextlib.contextmanager
@@ -308,15 +311,20 @@ class EmbeddedEngine:
                                          for i, p in enumerate(request.prompts))
                 if cancelling:
                     self._drop_cancelled()
-                if not self._has_work():
-                    continue
-                try:
-                    if self.asleep:
-                        raise engine_asleep("sampler")
-                    self._round()
-                except BaseException as exc:  # every request in flight learns why
-                    log.debug("generation failed", exc_info=True)
-                    self._fail_all(exc)
+                if self._has_work():
+                    try:
+                        if self.asleep:
+                            raise engine_asleep("sampler")
+                        self._round()
+                    except BaseException as exc:  # every request in flight learns why
+                        log.debug("generation failed", exc_info=True)
+                        self._fail_all(exc)
+                self._count_load()
+
+    def _count_load(self) -> None:
+        """The samples running and waiting, for ``load`` (read from other threads)."""
+        waiting = sum(g.samples for g in self._waiting) + sum(g.samples for g in self._prefilling)
+        self._load = {"running": len(self._running), "waiting": waiting}
 
     def _has_work(self) -> bool:
         return bool(self._waiting or self._prefilling or self._running or self._queued)
@@ -330,16 +338,19 @@ class EmbeddedEngine:
         self.scheduler.finish(seq)
         seq.request.finish(seq)
         if seq.request.done:
-            self._live.discard(seq.request)
+            with self._signal:
+                self._live.discard(seq.request)
 
     def _fail_all(self, error: BaseException) -> None:
         """Nothing survives a failed step: every block goes back, every request in flight fails, and
         the engine serves the next ones."""
-        for request in list(self._live):
-            if request not in self._inbox:
-                request.fail(error)
-                self._live.discard(request)
+        with self._signal:
+            failed = [r for r in self._live if r not in self._inbox]
+            self._live.difference_update(failed)
+        for request in failed:
+            request.fail(error)
         self._waiting, self._prefilling, self._running, self._queued = deque(), deque(), [], None
+        self._count_load()
         self.scheduler.reset()
         self.planner.reset()
 
@@ -352,10 +363,12 @@ class EmbeddedEngine:
         self._running = [s for s in self._running if not s.request.cancelled]
         busy = {g.request for g in self._prefilling} | {g.request for g in (self._queued.completed if self._queued
                                                                             else [])}
-        for request in [r for r in self._live if r.cancelled and r not in busy]:
+        with self._signal:
+            gone = [r for r in self._live if r.cancelled and r not in busy]
+            self._live.difference_update(gone)
+            self._cancelling = any(r.cancelled for r in self._live)
+        for request in gone:
             request.fail(RequestCancelled("the request was cancelled"))
-            self._live.discard(request)
-        self._cancelling = any(r.cancelled for r in self._live)
 
     def _round(self) -> None:
         """Admit what fits, then one prefill pass or a run of decode steps."""
