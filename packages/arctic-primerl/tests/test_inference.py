@@ -34,14 +34,14 @@ def front(policy, tmp_path_factory):
     with serving(tmp_path_factory.mktemp("front"), policy, token=TOKEN, seq_len=64) as (service, url):
         calls = []
         server = service.client.transport.server  # the embedded Arctic server both sides call
-        handle = server.handle
+        run = server._run  # where the blocking and the async calls meet
 
-        def recording_handle(op, request):
+        def recording_run(op, request, cancel):
             if op == "generate":
                 calls.append(request)
-            return handle(op, request)
+            return run(op, request, cancel)
 
-        server.handle = recording_handle
+        server._run = recording_run
         with httpx.Client(base_url=url, timeout=120, headers=AUTH) as http:
             yield service, http, calls
 
@@ -203,8 +203,9 @@ def test_chat_requests_default_to_the_models_generation_config(policy, tmp_path)
          "eos_token_id": [tokenizer.eos_token_id, 7]}))
     with serving(tmp_path, folder, seq_len=64) as (service, url):
         server, calls = service.client.transport.server, []
-        handle = server.handle
-        server.handle = lambda op, request: (calls.append(request) if op == "generate" else None) or handle(op, request)
+        run = server._run  # where the blocking and the async calls meet
+        server._run = lambda op, request, cancel: (calls.append(request) if op == "generate" else None) \
+            or run(op, request, cancel)
         messages = {"model": str(folder), "messages": [{"role": "user", "content": "repeat 3"}], "max_tokens": 4}
         with httpx.Client(base_url=url, timeout=120) as http:
             assert http.post("/v1/chat/completions", json=messages).status_code == 200
