@@ -162,6 +162,24 @@ def test_a_checkpoint_waits_for_the_calls_in_flight_and_calls_after_it_wait_for_
     assert saved.metrics["waited_seconds"] > 0.0
 
 
+def test_calls_for_one_prompt_while_it_waits_share_its_prefill_and_draw_as_alone(server):
+    # A GRPO group sent as separate calls (seeded, as TRL and verl's workers do).
+    engine = server.sampler.engine
+    prompt = list(range(3, 43))  # 40 tokens: two full blocks and a part
+    params = [SamplingParams(n=1 + i % 2, temperature=1.0, max_tokens=6, ignore_eos=True, seed=7 + i)
+              for i in range(6)]
+    before = engine.stats.prefill_tokens
+    with engine._between_steps():  # the loop waits: every call arrives before its next step
+        requests = [engine.submit([prompt], p) for p in params]
+    answers = [[o.tokens for o in r.wait(timeout=60)] for r in requests]
+    assert engine.stats.prefill_tokens - before == len(prompt)  # computed once for the 9 samples
+    assert [len(a) for a in answers] == [p.n for p in params]
+    assert len({tuple(t) for a in answers for t in a}) > 1  # each call its own random numbers
+    assert any(a[0] != a[1] for a in answers if len(a) == 2)  # and each sample of a call its own
+    for p, got in zip(params, answers, strict=True):
+        assert [o.tokens for o in engine.generate([prompt], p)] == got  # as the call alone draws them
+
+
 def test_a_cancelled_request_leaves_the_batch_and_gives_its_blocks_back(server):
     engine = server.sampler.engine
     request = engine.submit([[5, 6, 7, 8]], SamplingParams(n=4, max_tokens=500, ignore_eos=True))

@@ -73,14 +73,14 @@ def test_a_group_prefills_its_prompt_once_and_shared_prefixes_are_reused(tokeniz
 
 
 def test_identical_prompts_in_one_call_share_their_blocks(tokenizer):
-    # Whole blocks only (32 tokens): the second copy finds the whole prompt cached and recomputes
-    # its last block, whose logits start its samples, into a block of its own.
+    # Whole blocks only (32 tokens): the copies join the first one's group, so the prompt is
+    # computed once for the six samples (no copy recomputes its last block).
     engine, reference = make_engine(tokenizer)
     prompt = random_prompts((32,), len(tokenizer), seed=1)[0]
     outputs = engine.generate([prompt, prompt, prompt], SamplingParams(n=2, temperature=0, max_tokens=6,
                                                                        ignore_eos=True))
     assert all(o.tokens == hf_greedy(reference, prompt, 6) for o in outputs) and len(outputs) == 6
-    assert engine.stats.prefix_hit_tokens == 2 * 16 and engine.stats.prefill_tokens == 32 + 2 * 16
+    assert engine.stats.prefix_hit_tokens == 0 and engine.stats.prefill_tokens == 32
     assert engine.pool.num_free == engine.pool.capacity
 
 

@@ -306,9 +306,7 @@ class EmbeddedEngine:
                 new, self._inbox = list(self._inbox), deque()
                 cancelling, self._cancelling = self._cancelling, False
             with self._step_lock, torch.no_grad():
-                for request in new:
-                    self._waiting.extend(PromptGroup(i, p, request.params.n, request)
-                                         for i, p in enumerate(request.prompts))
+                self._line_up(new)
                 if cancelling:
                     self._drop_cancelled()
                 if self._has_work():
@@ -325,6 +323,20 @@ class EmbeddedEngine:
         """The samples running and waiting, for ``load`` (read from other threads)."""
         waiting = sum(g.samples for g in self._waiting) + sum(g.samples for g in self._prefilling)
         self._load = {"running": len(self._running), "waiting": waiting}
+
+    def _line_up(self, requests: list[GenerationRequest]) -> None:
+        """New requests' prompts in line; one that a waiting group already asks for with the same
+        settings joins that group (its prompt computed once for all), within ``max_num_seqs``."""
+        waiting = {(tuple(g.prompt), g.request.settings): g for g in self._waiting if g.resumes is None}
+        for request in requests:
+            for index, prompt in enumerate(request.prompts):
+                group = waiting.get((tuple(prompt), request.settings))
+                if group is not None and group.samples + request.params.n <= self.scheduler.max_num_seqs:
+                    group.join(request, index)
+                    continue
+                group = PromptGroup(index, prompt, request.params.n, request)
+                self._waiting.append(group)
+                waiting[(tuple(prompt), request.settings)] = group
 
     def _has_work(self) -> bool:
         return bool(self._waiting or self._prefilling or self._running or self._queued)
@@ -357,12 +369,16 @@ class EmbeddedEngine:
     def _drop_cancelled(self) -> None:
         """Cancelled requests leave: their waiting groups, and their running samples (blocks back).
         A group being prefilled finishes its pass first (its blocks are in the prefix index)."""
+        for group in self._waiting:
+            kept = [m for m in group.members if not m[0].cancelled]
+            if kept and len(kept) < len(group.members):
+                group.keep(kept)
         self._waiting = deque(g for g in self._waiting if not g.request.cancelled)
         for seq in [s for s in self._running if s.request.cancelled]:
             self.scheduler.finish(seq)
         self._running = [s for s in self._running if not s.request.cancelled]
-        busy = {g.request for g in self._prefilling} | {g.request for g in (self._queued.completed if self._queued
-                                                                            else [])}
+        admitted = list(self._prefilling) + (self._queued.completed if self._queued else [])
+        busy = {m[0] for g in admitted for m in g.members}
         with self._signal:
             gone = [r for r in self._live if r.cancelled and r not in busy]
             self._live.difference_update(gone)
@@ -574,8 +590,10 @@ class Row:
     @classmethod
     def first(cls, group: PromptGroup, sample: int) -> Row:
         """The first token of sample ``sample`` of a prompt (a preempted sample: its next one)."""
-        key = group.resumes.key if group.resumes else group.request.sample_key(group.prompt_index, sample)
-        return cls(group.params, group.prompt, token_seed(key, len(group.prompt)))
+        if group.resumes is not None:
+            return cls(group.params, group.prompt, token_seed(group.resumes.key, len(group.prompt)))
+        request, prompt_index, place = group.owner(sample)
+        return cls(request.params, group.prompt, token_seed(request.sample_key(prompt_index, place), len(group.prompt)))
 
 
 def row_settings(rows: list[Row], vocab: int, device: torch.device) -> RowParams:

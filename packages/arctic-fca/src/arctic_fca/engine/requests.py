@@ -52,6 +52,8 @@ class GenerationRequest:
     def __init__(self, prompts: list[list[int]], params: SamplingParams, seed: int, stops: set[int],
                  on_sample: Callable[[], None] | None = None) -> None:
         self.prompts, self.params, self.seed, self.stops = prompts, params, seed, stops
+        # What a prompt group shares: calls of equal settings but for their seed and n join one group.
+        self.settings = params.model_dump_json(exclude={"seed", "n"})
         self.on_sample = on_sample  # called as each sample finishes (a progress bar)
         self.finished: dict[int, list[Sequence]] = {}
         self.left = len(prompts) * params.n

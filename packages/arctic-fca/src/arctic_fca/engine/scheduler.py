@@ -216,9 +216,12 @@ class Scheduler:
             self.pool.share(full)
             if partial and own:
                 copies.append(own[0])
-            sequence = group.resumes or Sequence(
-                group.prompt_index, list(group.prompt), len(group.prompt) + group.params.max_tokens, [],
-                group.request, group.request.sample_key(group.prompt_index, sample), version_at_fork=version)
+            if group.resumes is None:
+                request, prompt_index, place = group.owner(sample)
+                sequence = Sequence(prompt_index, list(group.prompt), len(group.prompt) + request.params.max_tokens,
+                                    [], request, request.sample_key(prompt_index, place), version_at_fork=version)
+            else:
+                sequence = group.resumes
             sequence.blocks, sequence.digests, sequence.epoch = full + own, group.digests, group.epoch
             sequence.append(token, logprob, version)
             sequences.append(sequence)

@@ -33,14 +33,40 @@ class GenerationOutput:
 
 @dataclass
 class PromptGroup:
-    """A prompt and its samples-to-be, until its prefill forks them."""
+    """A prompt and its samples-to-be, until its prefill forks them. Calls that ask for the same
+    prompt with the same settings while it waits join it (``join``): the prompt is computed once
+    for all their samples (a GRPO group sent as ``n`` calls of one sample is one group)."""
 
     prompt_index: int
     prompt: list[int]
-    samples: int  # the request's n, or 1 for a preempted sample
+    samples: int  # the request's n (every member's together), or 1 for a preempted sample
     request: GenerationRequest
     resumes: Sequence | None = None  # the preempted sample this group continues
     epoch: int = 0  # the engine's weights when it was admitted (its K/V are theirs)
+    # (request, its prompt's index, samples) of each call the group serves, the first one's first
+    members: list[tuple[GenerationRequest, int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.members = self.members or [(self.request, self.prompt_index, self.samples)]
+
+    def join(self, request: GenerationRequest, prompt_index: int) -> None:
+        self.members.append((request, prompt_index, request.params.n))
+        self.samples += request.params.n
+
+    def keep(self, members: list[tuple[GenerationRequest, int, int]]) -> None:
+        """Serve only ``members`` (the others were cancelled); at least one."""
+        self.members = members
+        self.request, self.prompt_index = members[0][:2]
+        self.samples = sum(m[2] for m in members)
+
+    def owner(self, sample: int) -> tuple[GenerationRequest, int, int]:
+        """Whose the group's ``sample``-th sample is: (request, its prompt's index, its place among
+        that request's samples of the prompt)."""
+        for request, prompt_index, count in self.members:
+            if sample < count:
+                return request, prompt_index, sample
+            sample -= count
+        raise IndexError(f"the group has {self.samples} samples")
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks, while it is prefilled
     cached: int = 0  # prompt tokens whose K/V another prompt already holds
     prefilled: int = 0  # prompt tokens whose K/V are in the cache (cached ones included)
