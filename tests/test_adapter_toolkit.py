@@ -141,14 +141,21 @@ def test_grouped_sampling_opens_one_client_per_event_loop_and_pickles_without_it
     sampler = GroupedSampler(connect, quiet_s=0.05, max_wait_s=1.0)
     params = SamplingParams(n=1, max_tokens=3, seed=1)
 
-    async def two_samples():
+    async def two_samples_of(sampler, params):
         return await asyncio.gather(sampler.sample([5, 6, 7], params), sampler.sample([5, 6, 7], params))
+
+    async def two_samples():
+        return await two_samples_of(sampler, params)
 
     first = asyncio.run(two_samples())
     assert len(opened) == 1 and first[0][0] is first[1][0] and {first[0][1], first[1][1]} == {0, 1}  # one call
     again = asyncio.run(two_samples())
     assert len(opened) == 2 and opened[0] is not opened[1]
     assert again[0][0].num_responses == 2
+    # A quiet time of 0: each request sent as it comes, its own call (the server joins them).
+    direct = asyncio.run(two_samples_of(GroupedSampler(connect, quiet_s=0.0, max_wait_s=1.0), params))
+    assert direct[0][0] is not direct[1][0] and [d[1] for d in direct] == [0, 0]
+    assert [d[0].num_responses for d in direct] == [1, 1]
     copy = pickle.loads(pickle.dumps(GroupedSampler(BackendAddress(url="http://127.0.0.1:1").async_client, 0.1, 1.0)))
     assert copy._client is None and copy.connect.__self__.url == "http://127.0.0.1:1"
     client.shutdown()

@@ -49,8 +49,12 @@ class GroupedSampler:
         return (await self._client.generate(prompts, params)).batch
 
     async def sample(self, prompt: list[int], params: SamplingParams) -> Sample:
-        """One sample of ``prompt``, sent with the other requests of its prompt group."""
-        return await self.grouper().submit(prompt, params)
+        """One sample of ``prompt``, sent with the other requests of its prompt group; with a quiet
+        time of 0, sent as it comes (the server's sampler joins calls for one prompt itself)."""
+        grouper = self.grouper()
+        if self.quiet_s == 0:
+            return await self._send([prompt], params), 0
+        return await grouper.submit(prompt, params)
 
     async def sample_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Sample]:
         """A sample of each of ``prompts``, sent now (each distinct prompt once)."""

@@ -30,7 +30,9 @@ class BackendSettings(StrictModel):
     """Seconds one backend call may take (HTTP only)."""
     group_quiet_ms: float = Field(200.0, ge=0)
     """The rollout client gathers the framework's per-sample requests into prompt groups until none
-    has come for this long (agent loops send a batch's requests one after another)..."""
+    has come for this long (agent loops send a batch's requests one after another); 0 sends each
+    request as it comes (the server runs them side by side, and its sampler prefills a prompt once
+    for the calls that ask for it while it waits)..."""
     group_max_wait_ms: float = Field(5000.0, ge=0)
     """... or until this long after the first request of the gathering."""
 
