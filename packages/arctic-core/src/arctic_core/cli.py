@@ -136,7 +136,8 @@ def serve(
     address: Annotated[str | None, typer.Option(help="Ray cluster to join with --ray (default: start a local "
                                                      "one).")] = None,
 ) -> None:
-    """Serve every client call over HTTP (FastAPI + uvicorn); calls on the model are serialised."""
+    """Serve every client call over HTTP (FastAPI + uvicorn): generate calls side by side in the sampler's
+    batch and beside training calls, which run one at a time."""
     from arctic_core.config import ArcticConfig  # torch and the engines wait until the config is sound
 
     token = token or None  # an empty ARCTIC_RL_TOKEN means none
