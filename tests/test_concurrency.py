@@ -240,6 +240,26 @@ def test_a_full_server_answers_429_and_the_client_retries_until_a_call_ends(serv
         live.stop()
 
 
+def test_an_engine_no_one_holds_is_freed_once_its_loop_is_idle(tiny_policy):
+    import gc
+    import weakref
+
+    from arctic_core.hf import load_causal_lm
+    from arctic_fca.engine import EmbeddedEngine, EngineOptions
+    from arctic_fca.engine import engine as engine_module
+
+    model = load_causal_lm(ArcticConfig.from_dict({"model": {"path": str(tiny_policy), "device": "cpu"}}).model)
+    engine = EmbeddedEngine(model, EngineOptions(kv_cache_tokens=1024))
+    assert len(engine.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=3))) == 2
+    alive = weakref.ref(engine)
+    del engine
+    deadline = time.monotonic() + engine_module.IDLE_EXIT_S + 10
+    while alive() is not None:  # its loop's thread ends when idle, and the cache goes with the engine
+        assert time.monotonic() < deadline, "the idle engine is still held"
+        time.sleep(0.1)
+        gc.collect()
+
+
 # ----------------------------------------------------------------- the gate alone
 def occupancy(gate: CallGate, ops: list[str], hold: float = 0.05) -> list[tuple[str, float, float]]:
     """Run ``ops`` on threads through ``gate`` (each holds it ``hold`` s): (op, start, end) of each."""

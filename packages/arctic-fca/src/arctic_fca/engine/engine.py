@@ -60,6 +60,7 @@ from arctic_fca.fca.layout import check_block_size
 from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 
 log = logging.getLogger(__name__)
+IDLE_EXIT_S = 2.0  # the loop's thread ends after this long without work
 
 
 class EngineOptions(StrictModel):
@@ -199,8 +200,9 @@ class EmbeddedEngine:
         with self._signal:
             self._closed = True
             self._signal.notify_all()
-        if self._loop is not None:
-            self._loop.join()
+            loop = self._loop
+        if loop is not None:
+            loop.join()
         with self._step_lock:
             self._fail_all(RequestError("the sampling engine was shut down"))
 
@@ -265,7 +267,7 @@ class EmbeddedEngine:
                                         on_sample)
             self._inbox.append(request)
             self._live.add(request)
-            if self._loop is None:
+            if self._loop is None:  # none yet, or it ended when idle
                 self._loop = threading.Thread(target=self._serve, name="arctic-engine", daemon=True)
                 self._loop.start()
             self._signal.notify_all()
@@ -295,13 +297,18 @@ class EmbeddedEngine:
     # ---- the loop ----------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        """The loop's thread: while there is work, take new requests in and run a round of steps."""
+        """The loop's thread: while there is work, take new requests in and run a round of steps.
+        Idle for ``IDLE_EXIT_S``, the thread ends (the next request starts another): an engine no
+        one holds any more is then freed with its cache."""
         while True:
             with self._signal:
                 # A thread waiting to hold the engine between steps goes first.
                 while self._pausing or not (self._inbox or self._cancelling or self._has_work() or self._closed):
-                    self._signal.wait()
+                    if not self._signal.wait(IDLE_EXIT_S) and not (self._inbox or self._has_work()):
+                        self._loop = None
+                        return
                 if self._closed:
+                    self._loop = None
                     return
                 new, self._inbox = list(self._inbox), deque()
                 cancelling, self._cancelling = self._cancelling, False
