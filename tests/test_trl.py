@@ -823,7 +823,10 @@ def test_a_nan_loss_is_logged_as_the_trainers_filter_says(policy, tmp_path, nan_
     losses since the last log; without the filter the logged loss is NaN."""
     args = grpo_args(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
                      logging_nan_inf_filter=nan_filter)
-    trainer = GRPOTrainer(model=policy, reward_funcs=variety_reward, args=args, train_dataset=DATASET)
+    def by_place(completion_ids, **kwargs) -> list[float]:  # unequal within every group, whatever was sampled
+        return [float(i % 3) for i in range(len(completion_ids))]
+
+    trainer = GRPOTrainer(model=policy, reward_funcs=by_place, args=args, train_dataset=DATASET)
     losses, fwd_bwd = [], trainer.arctic.fwd_bwd
 
     def second_is_nan(*call, **kwargs):

@@ -185,6 +185,7 @@ async def _unless_disconnected(request: Request, server: ArcticServer, op: str, 
         gone.cancel()
     if not call.done():
         cancel.cancel()
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())  # its end is no one's to read
         raise ClientDisconnect()
     return call.result()
 

@@ -26,6 +26,9 @@ from arctic_core.protocol import Message, Result
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
 MAX_IN_FLIGHT = 256  # async calls sent at once per client (the server batches generate calls together)
+# An idle connection is dropped before a server would close it (uvicorn: after 5 s): a call sent on
+# one the server is closing at that moment fails with no answer (a ReadError).
+KEEPALIVE_EXPIRY_S = 2.0
 _OFFLOAD_BYTES = 1 << 20  # results this big are decoded in a thread to keep the event loop free
 
 
@@ -60,7 +63,8 @@ class HttpTransport:
     def call(self, op: str, request: Message) -> Result:
         body = wire.encode_request(op, request)
         if self._client is None:
-            self._client = httpx.Client(base_url=self.base_url, timeout=self._timeout)
+            self._client = httpx.Client(base_url=self.base_url, timeout=self._timeout,
+                                        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
         deadline = self._deadline()
         while True:
             try:
@@ -101,7 +105,8 @@ class HttpTransport:
         """
         loop = asyncio.get_running_loop()
         if self._aclient is None or self._aloop is not loop:
-            limits = httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT)
+            limits = httpx.Limits(max_connections=MAX_IN_FLIGHT, max_keepalive_connections=MAX_IN_FLIGHT,
+                                  keepalive_expiry=KEEPALIVE_EXPIRY_S)
             self._aclient = httpx.AsyncClient(base_url=self.base_url, timeout=self._timeout, limits=limits)
             self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
             self._aloop = loop
