@@ -217,9 +217,9 @@ class Scheduler:
             if partial and own:
                 copies.append(own[0])
             if group.resumes is None:
-                request, prompt_index, place = group.owner(sample)
+                request, prompt_index, _ = group.owner(sample)
                 sequence = Sequence(prompt_index, list(group.prompt), len(group.prompt) + request.params.max_tokens,
-                                    [], request, request.sample_key(prompt_index, place), version_at_fork=version)
+                                    [], request, group.sample_key(sample), version_at_fork=version)
             else:
                 sequence = group.resumes
             sequence.blocks, sequence.digests, sequence.epoch = full + own, group.digests, group.epoch

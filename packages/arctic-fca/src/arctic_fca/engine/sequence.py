@@ -67,6 +67,13 @@ class PromptGroup:
                 return request, prompt_index, sample
             sample -= count
         raise IndexError(f"the group has {self.samples} samples")
+
+    def sample_key(self, sample: int) -> int:
+        """The random numbers' key of the group's ``sample``-th sample (a preempted one keeps its own)."""
+        if self.resumes is not None:
+            return self.resumes.key
+        request, prompt_index, place = self.owner(sample)
+        return request.sample_key(prompt_index, place)
     blocks: list[int] = field(default_factory=list)  # the prompt's blocks, while it is prefilled
     cached: int = 0  # prompt tokens whose K/V another prompt already holds
     prefilled: int = 0  # prompt tokens whose K/V are in the cache (cached ones included)
