@@ -28,11 +28,13 @@ gives its blocks back.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,6 +63,15 @@ from arctic_fca.fca.tuning import DEFAULT_TUNING, Tuning
 
 log = logging.getLogger(__name__)
 IDLE_EXIT_S = 2.0  # the loop's thread ends after this long without work
+_ENGINES: weakref.WeakSet[EmbeddedEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_loops() -> None:
+    """Every engine's loop stopped before the interpreter shuts down: a loop thread still alive
+    then can abort the process (exit status 134)."""
+    for engine in list(_ENGINES):
+        engine.close()
 
 
 class EngineOptions(StrictModel):
@@ -155,6 +166,7 @@ class EmbeddedEngine:
         self._closed = False
         self._step_lock = threading.Lock()  # held by the loop while it runs steps
         self._loop: threading.Thread | None = None
+        _ENGINES.add(self)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -597,10 +609,8 @@ class Row:
     @classmethod
     def first(cls, group: PromptGroup, sample: int) -> Row:
         """The first token of sample ``sample`` of a prompt (a preempted sample: its next one)."""
-        if group.resumes is not None:
-            return cls(group.params, group.prompt, token_seed(group.resumes.key, len(group.prompt)))
-        request, prompt_index, place = group.owner(sample)
-        return cls(request.params, group.prompt, token_seed(request.sample_key(prompt_index, place), len(group.prompt)))
+        request = group.owner(sample)[0]
+        return cls(request.params, group.prompt, token_seed(group.sample_key(sample), len(group.prompt)))
 
 
 def row_settings(rows: list[Row], vocab: int, device: torch.device) -> RowParams:
