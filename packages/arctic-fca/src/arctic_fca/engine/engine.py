@@ -362,8 +362,8 @@ class EmbeddedEngine:
 
     def _interrupted(self) -> bool:
         """Whether the loop should leave its run of decode steps: a new request to admit, one to
-        cancel, or a thread waiting to hold the engine."""
-        return bool(self._inbox or self._cancelling or self._pausing)
+        cancel, a thread waiting to hold the engine, or the engine closing."""
+        return bool(self._inbox or self._cancelling or self._pausing or self._closed)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
