@@ -1,16 +1,24 @@
-"""The vllm sampling backend's gate: a missing or unsupported vLLM, or bad options, are refused by
-name before any engine starts. (Generation through vLLM needs the GPU machine.)"""
+"""The vllm sampling backend: a missing or unsupported vLLM, or bad options, are refused by name
+before any engine starts; against a stand-in for vLLM's AsyncLLM (``fake_async_vllm``), calls from
+many threads share its steps, a cancelled call leaves its batch, and weights swapped mid-call are
+reported per token. (Generation through vLLM itself needs the GPU machine.)"""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
-from arctic_core.config import ModelConfig, SamplerConfig
-from arctic_core.errors import ConfigError, RequestError
+import fake_async_vllm
+
+from arctic_core.config import ModelConfig, SamplerConfig, SamplingParams
+from arctic_core.errors import ConfigError, RequestCancelled, RequestError
+from arctic_core.plugins.interfaces import ConcurrentSampling
 from arctic_core.plugins.registry import default_registry
 from arctic_fca.vllm.plugin import BASE_ENV
 
@@ -37,68 +45,47 @@ def test_bad_options_are_named():
         build({"gpu_memory_utilization": 2})
 
 
-class RecordingLLM:
-    """Stands in for ``vllm.LLM``: records what the sampler asks for and answers like vLLM 0.24
-    (one output per prompt, n samples, a {token: Logprob} dict per generated token)."""
-
-    def __init__(self, **kwargs) -> None:
-        self.kwargs, self.requests, self.rpcs = kwargs, [], []
-        model_config = types.SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 1000)
-        self.llm_engine = types.SimpleNamespace(model_config=model_config)
-
-    def collective_rpc(self, method, args=()):
-        self.rpcs.append(method)
-        return [None]
-
-    def generate(self, prompts, sampling, use_tqdm=False):
-        self.requests.append(sampling)
-        def sample(prompt, index):
-            tokens = [prompt["prompt_token_ids"][0] + index + step for step in range(sampling.max_tokens)]
-            return types.SimpleNamespace(index=index, token_ids=tokens,
-                                         logprobs=[{t: types.SimpleNamespace(logprob=-0.5 * (i + 1))}
-                                                   for i, t in enumerate(tokens)])
-        return [types.SimpleNamespace(outputs=[sample(p, i) for i in reversed(range(sampling.n))]) for p in prompts]
-
-
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    module = types.SimpleNamespace(__version__="0.24.0", LLM=RecordingLLM,
-                                   SamplingParams=lambda **kwargs: types.SimpleNamespace(**kwargs))
-    monkeypatch.setitem(sys.modules, "vllm", module)
+    module = fake_async_vllm.install(monkeypatch)
     monkeypatch.setenv(BASE_ENV, "restored after the test")
     return module
 
 
+@pytest.fixture
+def sampler(fake_vllm):
+    sampler = build()
+    yield sampler
+    sampler.shutdown()
+
+
 def test_fca_is_vllms_custom_backend_unless_switched_off(fake_vllm):
-    llm = build().llm
-    assert llm.kwargs["attention_config"] == {"backend": "CUSTOM"}
-    assert llm.rpcs == ["arctic_fca_attach_host_tables"]  # the builders get the host's block tables
+    sampler = build()
+    assert sampler.engine.args.attention_config == {"backend": "CUSTOM"}
+    assert sampler.engine.rpcs == ["arctic_fca_attach_host_tables"]  # the builders get the host's block tables
     assert os.environ[BASE_ENV] == "FLASH_ATTN"  # what the plugin registers in vLLM's processes
+    assert not sampler.engine.args.disable_log_stats  # load() reads the scheduler's stats
     build({"fca_base": "TRITON_ATTN"})
     assert os.environ[BASE_ENV] == "TRITON_ATTN"
-    assert "attention_config" not in build({"fca": False}).llm.kwargs and build({"fca": False}).llm.rpcs == []
-    chosen = build({"engine_args": {"attention_config": {"backend": "FLASHINFER"}}}).llm.kwargs
-    assert chosen["attention_config"] == {"backend": "FLASHINFER"}  # the user's explicit choice wins
+    plain = build({"fca": False})
+    assert not hasattr(plain.engine.args, "attention_config") and plain.engine.rpcs == []
+    chosen = build({"engine_args": {"attention_config": {"backend": "FLASHINFER"}}}).engine.args
+    assert chosen.attention_config == {"backend": "FLASHINFER"}  # the user's explicit choice wins
 
 
-def test_greedy_samples_are_one_request_repeated_and_sampling_asks_for_n(fake_vllm):
-    from arctic_core.config import SamplingParams
-
-    sampler = build()
+def test_greedy_samples_are_one_request_repeated_and_sampling_asks_for_n(sampler):
     greedy = sampler.generate([[10, 11], [20]], SamplingParams(n=3, temperature=0.0, max_tokens=2))
-    assert sampler.llm.requests[-1].n == 1  # vLLM refuses n > 1 for greedy decoding
-    assert [greedy.response(i) for i in range(6)] == [[10, 11]] * 3 + [[20, 21]] * 3
+    assert sampler.engine.requests[-1].n == 1  # vLLM refuses n > 1 for greedy decoding
+    assert [greedy.response(i) for i in range(6)] == [[0, 1]] * 6
     assert greedy.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
     sampled = sampler.generate([[10]], SamplingParams(n=3, temperature=1.0, max_tokens=2))
-    assert sampler.llm.requests[-1].n == 3 and sampler.llm.requests[-1].logprobs == 0
-    assert [sampled.response(i) for i in range(3)] == [[10, 11], [11, 12], [12, 13]]  # by sample index
-    assert sampled.sampling_logprobs[0, :2].tolist() == [-0.5, -1.0]
+    assert sampler.engine.requests[-1].n == 3 and sampler.engine.requests[-1].logprobs == 0
+    assert [sampled.response(i) for i in range(3)] == [[0, 1], [10, 11], [20, 21]]  # by sample index
+    assert sampled.sampling_logprobs[0, :2].tolist() == [-0.25, -0.5]
+    assert sampled.policy_version.tolist() == [0, 0, 0]
 
 
-def test_prompts_vllm_cannot_take_are_refused_by_name_before_vllm_sees_them(fake_vllm):
-    from arctic_core.config import SamplingParams
-
-    sampler = build()
+def test_prompts_vllm_cannot_take_are_refused_by_name_before_vllm_sees_them(sampler):
     with pytest.raises(RequestError, match=r"prompts\[1\] contain token id 1000 >= vocab size 1000"):
         sampler.generate([[5], [7, 1000]], SamplingParams(max_tokens=4))
     with pytest.raises(RequestError, match=r"prompts\[0\] \(60 tokens\) \+ max_tokens=8 exceeds max_model_len=64"):
@@ -109,8 +96,75 @@ def test_prompts_vllm_cannot_take_are_refused_by_name_before_vllm_sees_them(fake
         sampler.generate([[5]], SamplingParams(max_tokens=4, stop_token_ids=[1000]))
     with pytest.raises(RequestError, match=r"prompts\[0\] contain a negative token id -3"):
         sampler.generate([[5, -3]], SamplingParams(max_tokens=4))
-    assert sampler.llm.requests == []  # nothing reached the engine
+    assert sampler.engine.requests == []  # nothing reached the engine
     assert sampler.generate([[5] * 60], SamplingParams(max_tokens=4)).num_responses == 1
+
+
+def test_calls_from_many_threads_share_vllms_steps(sampler):
+    assert isinstance(sampler, ConcurrentSampling)  # the server sends it generate calls side by side
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8)
+    with ThreadPoolExecutor(32) as pool:
+        batches = list(pool.map(lambda prompt: sampler.generate([[prompt]], params), range(1, 33)))
+    for batch in batches:
+        assert [batch.response(i) for i in range(2)] == [list(range(8)), list(range(10, 18))]
+    assert sampler.engine.steps < 4 * 8, "32 calls of 8 tokens one after another take 256 steps"
+    assert sampler.load()["requests"] == 0
+
+
+def test_a_cancelled_call_leaves_vllms_batch_and_the_others_go_on(sampler):
+    long = sampler.submit([[1], [2]], SamplingParams(n=2, max_tokens=60))
+    short = sampler.submit([[3]], SamplingParams(n=1, max_tokens=20))
+    wait_for(lambda: sampler.load()["running"] >= 5 and sampler.load()["kv_used_blocks"] >= 5)
+    assert sampler.load()["requests"] == 2
+    long.cancel()
+    with pytest.raises(RequestCancelled):
+        long.wait(timeout=5)
+    wait_for(lambda: len(sampler.engine.aborted) == 2)  # both of its prompts' requests
+    assert short.wait(timeout=5).response(0) == list(range(20))
+    assert sampler.engine.running == {} and sampler.load()["requests"] == 0
+
+
+def test_weights_swapped_mid_call_stamp_each_token_with_the_version_that_drew_it(sampler):
+    pending = [sampler.submit([[1], [2]], SamplingParams(n=3, max_tokens=40)) for _ in range(4)]
+    for version in (1, 2):
+        wait_for(lambda: sampler.engine.steps >= 12 * version)
+        sampler.update_weights([("version", torch.tensor(version))], version)
+    spanning = 0
+    for batch in (p.wait(timeout=10) for p in pending):
+        for row in range(batch.num_responses):
+            tokens = torch.tensor(batch.response(row))
+            versions = batch.token_policy_version[row, : len(tokens)]
+            assert torch.equal(versions, tokens // 1000), "a token reported with weights that did not draw it"
+            assert batch.policy_version[row] == versions.min()
+            spanning += int(versions.min() < versions.max())
+    assert spanning == 24  # every sample was drawn by more than one version
+    assert sampler.engine.resets == [True, True]  # cached KV of the old weights dropped, in-flight recomputed
+    assert sampler.policy_version == 2
+
+
+def test_fca_stats_are_summed_over_the_workers(sampler, fake_vllm):
+    assert sampler.fca_stats() == {"decode": 5, "mixed": 1}
+    assert build({"fca": False}).fca_stats() == {}
+
+
+def test_sleep_refuses_calls_until_wake_and_shutdown_cancels_calls_in_flight(sampler):
+    sampler.sleep()
+    with pytest.raises(RequestError, match=r"the sampler is asleep; call wake\(\['sampler'\]\) first"):
+        sampler.submit([[1]], SamplingParams(max_tokens=4))
+    sampler.wake()
+    assert sampler.engine.rpcs[-2:] == ["sleep(1)", "wake_up"]
+    pending = sampler.submit([[1]], SamplingParams(max_tokens=60))
+    wait_for(lambda: sampler.load()["running"] == 1)
+    sampler.shutdown()
+    with pytest.raises(RequestCancelled):
+        pending.wait(timeout=5)
+
+
+def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
 
 
 def test_the_plugin_names_an_unknown_base_backend(monkeypatch):
@@ -127,8 +181,3 @@ def test_an_unknown_fca_base_option_is_refused_by_name():
         build({"fca_base": "FLASHINFER"})
 
 
-def test_fca_stats_are_summed_over_the_workers(fake_vllm):
-    sampler = build()
-    sampler.llm.collective_rpc = lambda method: [{"decode": 2, "reuse": 1}, {"decode": 3, "mixed": 1}]
-    assert sampler.fca_stats() == {"decode": 5, "reuse": 1, "mixed": 1}
-    assert build({"fca": False}).fca_stats() == {}

@@ -1,7 +1,9 @@
 """The ``vllm`` sampling backend: vLLM 0.24 with FCA as its decode attention.
 
 - ``sampler``: :class:`~arctic_fca.vllm.sampler.VllmSampler`, the Arctic sampling backend ``vllm``
-  (``vllm.LLM`` in process, weight updates by CUDA IPC, FCA unless ``fca: false``).
+  (vLLM's ``AsyncLLM`` in process, every caller's requests in one batch, weight updates by CUDA
+  IPC between two steps, FCA unless ``fca: false``).
+- ``event_loop``: the asyncio loop, in a thread of its own, that ``AsyncLLM`` lives on.
 - ``worker``: the extension mixed into vLLM's GPU worker (weights received, FCA statistics).
 - ``plugin``: vLLM's ``vllm.general_plugins`` entry point; registers FCA as the CUSTOM backend.
 - ``attention``: that backend, vLLM's FlashAttention or Triton backend with FCA decode
