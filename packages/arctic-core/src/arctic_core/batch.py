@@ -36,6 +36,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from arctic_core.errors import BatchError
@@ -58,20 +59,38 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 
 def _pad_rows(rows: Sequence[Sequence[int]], what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad integer rows into ``[n, max_len]`` plus their lengths."""
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    width = int(lens.max()) if len(rows) else 0
-    out = torch.zeros(len(rows), width, dtype=torch.long)
+    """Right-pad integer rows into ``[n, max_len]`` plus their lengths. Through numpy: a sampler's
+    answer is one such batch per call, and numpy reads a list of ints about 4x faster than torch."""
+    lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    out = np.zeros((len(rows), int(lens.max()) if len(rows) else 0), dtype=np.int64)
     for i, row in enumerate(rows):
         if len(row):
-            try:
-                values = torch.as_tensor(row)
-            except (TypeError, ValueError, RuntimeError) as exc:
-                raise BatchError(f"{what}[{i}] must be a sequence of integer token ids: {exc}") from exc
-            if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-                raise BatchError(f"{what}[{i}] must be a sequence of integer token ids, got {values.dtype} values")
-            out[i, : len(row)] = values
-    return out, lens
+            out[i, : len(row)] = _integer_row(row, what, i)
+    return torch.from_numpy(out), torch.from_numpy(lens)
+
+
+def _integer_row(row: Sequence[int], what: str, i: int) -> np.ndarray | torch.Tensor:
+    try:
+        values = np.asarray(row)
+        if values.dtype.kind == "i" or (values.dtype.kind == "u" and values.dtype.itemsize < 8):
+            return values
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        pass  # torch says what is wrong with it
+    try:
+        tensor = torch.as_tensor(row)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise BatchError(f"{what}[{i}] must be a sequence of integer token ids: {exc}") from exc
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise BatchError(f"{what}[{i}] must be a sequence of integer token ids, got {tensor.dtype} values")
+    return tensor.cpu()
+
+
+def _number_rows(rows: Sequence[Sequence[float]], width: int, dtype: type) -> torch.Tensor:
+    """Rows of numbers, right-padded with zeros into ``[len(rows), width]``."""
+    out = np.zeros((len(rows), width), dtype=dtype)
+    for i, values in enumerate(rows):
+        out[i, : len(values)] = np.asarray(values, dtype=dtype)
+    return torch.from_numpy(out)
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -144,19 +163,18 @@ class RolloutBatch:
         """A sampler's result: ``from_lists`` plus each response's sampling log-probs (one per token)
         and the policy version it was generated with (one for all, or one per response); with
         ``token_policy_version`` (one per token), each response's ``policy_version`` is its oldest."""
-        batch = cls.from_lists(prompts, responses, prompt_index)
-        sampled = torch.zeros(tuple(batch.response_ids.shape))
-        for row, values in enumerate(sampling_logprobs):
-            sampled[row, : len(values)] = torch.tensor(values)
-        versions = torch.as_tensor(policy_version, dtype=torch.long).expand(batch.num_responses).clone()
-        per_token = None
-        if token_policy_version is not None:
-            per_token = versions[:, None].repeat(1, batch.response_ids.shape[1])
-            for row, values in enumerate(token_policy_version):
-                if len(values):
-                    per_token[row, : len(values)] = torch.tensor(values)
-                    versions[row] = min(values)
-        return batch.replace(sampling_logprobs=sampled, policy_version=versions, token_policy_version=per_token)
+        width = max((len(r) for r in responses), default=0)
+        given = torch.as_tensor(policy_version, dtype=torch.long).expand(len(responses)).clone()
+        versions, per_token = given, None
+        if token_policy_version is not None:  # padding keeps the version given for the response
+            lens = torch.tensor([len(v) for v in token_policy_version], dtype=torch.long)
+            per_token = torch.where(torch.arange(width) < lens[:, None],
+                                    _number_rows(token_policy_version, width, np.int64), given[:, None])
+            versions = torch.tensor([min(v) if len(v) else int(given[row])
+                                     for row, v in enumerate(token_policy_version)], dtype=torch.long)
+        return cls.from_lists(prompts, responses, prompt_index,
+                              sampling_logprobs=_number_rows(sampling_logprobs, width, np.float32),
+                              policy_version=versions, token_policy_version=per_token)
 
     @classmethod
     def from_padded(
