@@ -11,6 +11,7 @@ import copy
 import json
 import shutil
 import re
+import threading
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer
 from arctic_core.batch import RolloutBatch
 from arctic_core.demo.grpo import chat_prompt_ids
 from arctic_core.demo.task import CountingTask
+from arctic_primerl.inference import FrontMetrics, FrontState
 from runs import FIXTURES, serving
 
 RECORDED = json.loads((FIXTURES / "generate_request.json").read_text())
@@ -162,6 +164,63 @@ def metric(http, name: str, **labels: str) -> float:
     text = http.get("/metrics").text
     return next(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                 if sample.name == name and sample.labels == labels)
+
+
+def load_metrics(text: str) -> dict[str, tuple[str, float]]:
+    """The vLLM load metrics of a /metrics text as PRIME-RL's orchestrator parses them: by family
+    name, its type and the value of engine "0"'s sample (a counter's ``_total`` one)."""
+    return {family.name: (family.type, sample.value) for family in text_string_to_metric_families(text)
+            for sample in family.samples if family.name.startswith("vllm:") and sample.labels == {"engine": "0"}
+            and not sample.name.endswith("_created")}
+
+
+def test_metrics_report_the_samplers_load_while_it_samples(front, policy, monkeypatch):
+    """/metrics reads the sampler's load from the server at each scrape: the samples decoding and
+    the KV cache's blocks they hold while a group samples, none once it has finished."""
+    service, http, _ = front
+    engine = service.client.transport.server.sampler.engine
+    decoding, release = threading.Event(), threading.Event()
+    count_load = engine._count_load
+
+    def count_and_hold() -> None:
+        """The engine's loop, once it counts samples decoding, waits until the test has scraped."""
+        count_load()
+        if engine._load["running"] and not release.is_set():
+            decoding.set()
+            release.wait(60)
+
+    monkeypatch.setattr(engine, "_count_load", count_and_hold)
+    request = body(policy, 2, max_tokens=8, ignore_eos=True, stop_token_ids=[])
+
+    async def scrape_while_sampling():
+        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=120, headers=AUTH) as client:
+            group = [asyncio.ensure_future(client.post("/inference/v1/generate", json=request)) for _ in range(2)]
+            try:
+                assert await asyncio.to_thread(decoding.wait, 60)
+                during, load = load_metrics((await client.get("/metrics")).text), engine.load()
+            finally:
+                release.set()
+            return during, load, await asyncio.gather(*group)
+
+    during, load, answers = asyncio.run(scrape_while_sampling())
+    assert all(a.status_code == 200 for a in answers)
+    # The group's two samples decode (one call, n=2) and hold KV blocks; the types are vLLM's.
+    assert load["running"] == 2 and load["kv_used_blocks"] > 0
+    assert during == {"vllm:num_requests_running": ("gauge", 2), "vllm:num_requests_waiting": ("gauge", 0),
+                      "vllm:kv_cache_usage_perc": ("gauge", load["kv_used_blocks"] / load["kv_blocks"]),
+                      "vllm:num_preemptions": ("counter", engine.stats.preempted)}
+    after = load_metrics(http.get("/metrics").text)
+    assert [after[name][1] for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                        "vllm:kv_cache_usage_perc")] == [0, 0, 0]
+
+
+def test_metrics_fall_back_to_the_fronts_own_counts_without_a_sampler_load():
+    """A server that reports no sampler load (older, or a sampler that counts nothing): the
+    requests this front holds, and no KV use or preemption."""
+    metrics = FrontMetrics(FrontState(lambda: 0, running=3, waiting=1))
+    assert load_metrics(metrics.render({}).decode()) == {
+        "vllm:num_requests_running": ("gauge", 3), "vllm:num_requests_waiting": ("gauge", 1),
+        "vllm:kv_cache_usage_perc": ("gauge", 0), "vllm:num_preemptions": ("counter", 0)}
 
 
 def test_health_models_and_chat_for_evaluations(front, policy):

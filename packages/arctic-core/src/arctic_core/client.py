@@ -152,6 +152,11 @@ class _Calls:
         return self._call("wake", _request(EnginesRequest, engines=engines))
 
     def status(self) -> Any:
+        """Policy version and step -> ``StatusResult``; ``info["config"]`` is the server's config and
+        ``info["load"]`` (from servers that report it) what runs now: ``calls`` running and waiting,
+        ``generate_calls`` in flight, and the ``sampler``'s own load when it counts one (samples
+        ``running``, ``waiting``, ``preempted`` so far, ``kv_used_blocks`` of ``kv_blocks``). Never
+        waits behind other calls."""
         return self._call("status", Empty())
 
     def shutdown(self) -> Any:

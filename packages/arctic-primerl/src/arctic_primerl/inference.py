@@ -13,16 +13,18 @@ PRIME-RL's importance ratio expects (vLLM's ``processed_logprobs``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +36,11 @@ from arctic_core.config import SamplingParams
 from arctic_core.errors import ArcticError, error_answer
 from arctic_core.hf import generation_config
 from arctic_core.serving.http import ApiError, bearer_check, error_response
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 2.0
+"""How long a ``/metrics`` scrape waits for the server's load (PRIME-RL gives a scrape 5 s)."""
 
 # vLLM sampling keys whose values Arctic cannot honour, with the value that means "off".
 UNSERVED_SAMPLING = {"n": 1, "stop": None, "min_tokens": 0, "presence_penalty": 0.0,
@@ -72,7 +79,8 @@ def chat_defaults(model: str) -> dict[str, Any]:
 
 @dataclass
 class FrontState:
-    """The pause gate, the trained step, and the counts ``/metrics`` reports."""
+    """The pause gate, the trained step, and the requests this front holds (``/metrics`` reports
+    them where the server reports no sampler load)."""
 
     trained_step: Callable[[], int]
     running: int = 0
@@ -81,23 +89,43 @@ class FrontState:
 
 
 class FrontMetrics:
-    """``/metrics``: the vLLM gauges PRIME-RL's orchestrator reads for its concurrency control, in a
-    registry of the app's own. Arctic's sampler manages its KV cache itself (it queues what does not
-    fit, or preempts and recomputes its newest samples), so the orchestrator is not asked to throttle:
-    the cache is not reported as pressure, nor preemptions."""
+    """``/metrics``: what vLLM reports of its load, under vLLM's names and types (label ``engine``),
+    in a registry of the app's own. PRIME-RL's orchestrator polls it (every 5 s) for its dashboards
+    and its concurrency control, which trims the rollouts in flight when the KV cache fills and cuts
+    them on preemptions or a lasting queue: so the numbers are the sampler's own (samples running,
+    waiting, preempted, KV blocks used), read from the server's load at each scrape. A server that
+    reports none (an older one, a sampler that counts nothing) leaves this front's own counts."""
 
     def __init__(self, state: FrontState) -> None:
+        self.state = state
+        self.sampler: dict[str, int] = {}  # the sampler's load of this scrape, set by ``render``
         self.registry = CollectorRegistry()
-        gauges = (("vllm:num_requests_running", "Requests being sampled.", lambda: state.running),
-                  ("vllm:num_requests_waiting", "Requests held while the server is paused.", lambda: state.waiting),
-                  ("vllm:kv_cache_usage_perc", "Not reported (the sampler manages its cache itself).", lambda: 0.0))
-        for name, documentation, read in gauges:
-            Gauge(name, documentation, ["engine"], registry=self.registry).labels("0").set_function(read)
-        Counter("vllm:num_preemptions", "Not reported (the sampler recomputes what it preempts).", ["engine"],
-                registry=self.registry).labels("0")
+        self.registry.register(self)  # ``collect`` below: values computed at each scrape
         self.served = Counter("arctic:requests_served", "Generate and chat requests answered.", registry=self.registry)
 
-    def render(self) -> bytes:
+    def collect(self) -> Iterator[Metric]:
+        sampler, state = self.sampler, self.state
+        # Requests held while paused wait too, as vLLM's own (new requests queue in its scheduler).
+        running, waiting = (sampler["running"], sampler["waiting"] + state.waiting) if sampler \
+            else (state.running, state.waiting)
+        used = sampler["kv_used_blocks"] / max(sampler["kv_blocks"], 1) if sampler else 0.0
+        for name, about, value in (
+            ("vllm:num_requests_running", "Samples the sampler decodes now.", running),
+            ("vllm:num_requests_waiting", "Samples waiting to start (in line, being prefilled, or held while "
+                                          "paused).", waiting),
+            ("vllm:kv_cache_usage_perc", "Share of the KV cache's blocks in use (0 to 1).", used)):
+            gauge = GaugeMetricFamily(name, about, labels=["engine"])
+            gauge.add_metric(["0"], value)
+            yield gauge
+        # A counter, as vLLM's: PRIME-RL reads its increase between two polls (the ``_total`` sample).
+        preempted = CounterMetricFamily("vllm:num_preemptions", "Samples preempted so far (their KV blocks "
+                                        "taken back, to be recomputed).", labels=["engine"])
+        preempted.add_metric(["0"], sampler.get("preempted", 0))
+        yield preempted
+
+    def render(self, sampler: dict[str, int]) -> bytes:
+        """The metrics with ``sampler``, the sampler's load (``{}``: none reported)."""
+        self.sampler = sampler
         return generate_latest(self.registry)
 
 
@@ -166,6 +194,22 @@ class Front:
         self.state.unpaused.set()
         self.metrics = FrontMetrics(self.state)
         self.sampler = GroupedSampler(connect, settings.group_quiet_s, settings.group_max_wait_s)
+        self._connect = connect
+        self._status_client: AsyncArcticClient | None = None
+
+    async def sampler_load(self) -> dict[str, int]:
+        """The sampler's load as the server's ``status`` reports it ({} when it reports none or does
+        not answer in time). A client of its own: over HTTP, the sampling client's calls in flight
+        are bounded, and a scrape must not wait for a slot behind generate calls; ``status`` itself
+        never waits behind other calls on the server."""
+        if self._status_client is None:
+            self._status_client = self._connect()
+        try:
+            status = await asyncio.wait_for(self._status_client.status(), LOAD_TIMEOUT_S)
+        except (ArcticError, TimeoutError):
+            log.debug("the Arctic server's load could not be read", exc_info=True)
+            return {}
+        return status.info.get("load", {}).get("sampler") or {}
 
     def check_model(self, name: str) -> None:
         if name != self.settings.model_name:
@@ -315,7 +359,7 @@ def _add_orchestrator_routes(app: FastAPI, front: Front, authorised: list) -> No
 
     @app.get("/metrics", dependencies=authorised)
     async def metrics() -> Response:
-        return Response(front.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(front.metrics.render(await front.sampler_load()), media_type=CONTENT_TYPE_LATEST)
 
 
 def _chat_logprobs(tokenizer: Any, tokens: list[int], logprobs: list[float]) -> dict[str, Any]:
