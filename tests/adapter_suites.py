@@ -1,9 +1,11 @@
 """What the framework adapters' test suites check the same way, each in its framework's environment
 (the repository's ``tests/`` folder is on every suite's path): data in the frameworks' GSM8K
-layout, the guides' learning commands, and a run whose server goes away mid-run."""
+layout, the guides' learning commands, a run whose server goes away mid-run, and a run whose
+generate calls share the sampler's steps."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,8 +13,11 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from fault_server import start_for
 from recipes.common import skyrl_row
@@ -84,3 +89,42 @@ def check_run_ends_on_lost_server(policy: Path, adapter: str, run: Callable[[str
     assert last.endswith(rerun)
     assert output.count(f"{adapter}: error:") == 1
     return result
+
+
+@contextlib.contextmanager
+def serving(policy: Path) -> Iterator[str]:
+    """An ``arctic-rl serve`` of ``policy`` (``tests/fault_server.py``, never killing itself) for a
+    framework's run on its URL; the test reads the server's ``/metrics`` after the run."""
+    server, url = start_for(policy, "never")
+    try:
+        yield url
+    finally:
+        server.kill()
+        server.wait()
+
+
+def check_calls_share_steps(url: str, calls: int, samples_per_call: int = 1) -> dict[str, float]:
+    """The server at ``url`` answered ``calls`` generate calls of ``samples_per_call`` samples each
+    (a framework's agent loop asks for a sample per call, or per prompt group once the adapter's
+    rollout client has gathered them), and its sampler decoded them in shared steps; returns the
+    figures (printed too).
+
+    A sample whose response has L tokens needs L - 1 decode steps (its first token comes from the
+    prompt's prefill), and a call as many as its longest sample, at least its mean: run one at a time,
+    as a server serialising its generate calls runs them, the calls would need at least generated
+    tokens / samples per call - calls decode steps. Calls in flight together join the running batch
+    at its next step and share each step (the engine's continuous batching across calls): the sampler
+    must have run fewer than half as many."""
+    families = list(text_string_to_metric_families(httpx.get(f"{url}/metrics").text))
+
+    def value(name: str, **labels: str) -> float:
+        return next((s.value for f in families for s in f.samples if s.name == name and s.labels == labels), 0.0)
+
+    figures = {"calls": value("arctic_calls_total", op="generate", outcome="ok"),
+               "generated_tokens": value("arctic_tokens_total", op="generate"),
+               "decode_steps": value("arctic_sampler_decode_steps_total")}
+    figures["one_at_a_time"] = figures["generated_tokens"] / samples_per_call - figures["calls"]
+    print("generate calls and the sampler's decode steps:", figures)
+    assert figures["calls"] == calls, figures  # every call answered (none failed, none split)
+    assert 0 < figures["decode_steps"] < figures["one_at_a_time"] / 2, figures
+    return figures

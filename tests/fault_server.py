@@ -1,6 +1,7 @@
 """An ``arctic-rl serve``-like HTTP server process that kills itself (SIGKILL) at a chosen point:
 in the middle of its second ``save_checkpoint`` (tests/test_faults.py), or mid-run of a framework
-(the adapters' tests of a server that goes away).
+(the adapters' tests of a server that goes away); or never (the adapters' tests that read its
+``/metrics`` after a framework's run).
 
 usage: python fault_server.py CONFIG_JSON KILL_POINT   (prints the server's URL on one line)
 
@@ -8,7 +9,8 @@ Kill points:
 - ``trainer-files``: the trainer has written one file of its checkpoint into the staging folder;
 - ``between-renames``: the previous checkpoint has been moved aside, the new one not yet moved in;
 - ``generate-after-step``: a ``generate`` arrives after an optimizer ``step`` (the second training
-  step's sampling), before it is answered.
+  step's sampling), before it is answered;
+- ``never``: it serves until it is stopped.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def arm(server: ArcticServer, point: str) -> None:
         os.replace = replace
     elif point == "generate-after-step":
         arm_generate_after_step(server)
-    else:
+    elif point != "never":
         raise SystemExit(f"unknown kill point {point!r}")
 
 

@@ -522,7 +522,7 @@ def counts(url: str, headers: dict | None = None) -> dict[tuple[str, str], float
 
 
 def test_metrics_count_calls_per_operation_and_outcome(shared):
-    _, live = shared
+    server, live = shared
     before = counts(live.url)
     with ArcticClient.http(live.url) as client:
         client.generate(PROMPTS, n=1, max_tokens=2)
@@ -538,6 +538,8 @@ def test_metrics_count_calls_per_operation_and_outcome(shared):
     for name in ("arctic_call_seconds_count", "arctic_tokens_total", "arctic_policy_version",
                  "process_resident_memory_bytes"):
         assert name in text, name
+    # The embedded sampler's decode steps so far (the adapters' tests read them after a framework's run).
+    assert f"arctic_sampler_decode_steps_total {float(server.sampler.engine.stats.decode_steps)}" in text
 
 
 def test_openapi_lists_every_operation(shared):

@@ -32,8 +32,9 @@ def verl_config(*overrides: str) -> DictConfig:
 
 
 def main_ppo_args(model: Path, train: Path, val: Path, out: Path, *, steps: int, batch: int = 2, n: int = 4,
-                  response_length: int = 16, extra: tuple[str, ...] = ()) -> list[str]:
-    """``python -m verl.trainer.main_ppo`` with the Arctic switch, GRPO, and sizes for a CPU."""
+                  response_length: int = 16, workers: int = 2, extra: tuple[str, ...] = ()) -> list[str]:
+    """``python -m verl.trainer.main_ppo`` with the Arctic switch, GRPO, and sizes for a CPU (``workers``
+    agent-loop workers: verl's default of 8 starts as many processes, slow on a 2-core machine)."""
     return [
         sys.executable, "-m", "verl.trainer.main_ppo",
         "trainer.v1.trainer_mode=arctic",
@@ -43,7 +44,7 @@ def main_ppo_args(model: Path, train: Path, val: Path, out: Path, *, steps: int,
         "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={model}",
         f"actor_rollout_ref.rollout.n={n}", "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.agent.num_workers=2",  # several workers share the server
+        f"actor_rollout_ref.rollout.agent.num_workers={workers}",  # several workers share the server
         f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",

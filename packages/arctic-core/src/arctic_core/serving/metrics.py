@@ -6,6 +6,8 @@ process (tests, a sidecar) never mix their counts. The per-call numbers come fro
 ``Result.metrics``, the same numbers every response carries. The sampler's load is also given
 under vLLM's gauge names (``vllm:num_requests_running`` ...), which PRIME-RL's orchestrator and
 dashboards built for vLLM read; like vLLM, they count samples (a request of ``n`` samples is ``n``).
+A sampler that counts its decode steps (the embedded engine) gives them too: beside the generate
+calls counted here, they show whether the calls of many callers share the sampler's steps.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class CallMetrics:
                            f"{prefix}num_requests_waiting": sampler["waiting"],
                            f"{prefix}num_preemptions_total": sampler["preempted"],
                            f"{prefix}kv_cache_usage_perc": used}
+            if "decode_steps" in sampler:  # the embedded engine counts them; vLLM's sampler does not
+                values["arctic_sampler_decode_steps_total"] = sampler["decode_steps"]
         for name, value in values.items():
             self.load[name].set(value)
         return generate_latest(self.registry)
@@ -73,4 +77,6 @@ _LOAD_GAUGES = {
         ("num_requests_waiting", "Samples waiting to start (in line or being prefilled)."),
         ("num_preemptions_total", "Samples preempted so far (their blocks taken back, to be recomputed)."),
         ("kv_cache_usage_perc", "Share of the KV cache's blocks in use (0 to 1)."))},
+    "arctic_sampler_decode_steps_total": "Decode steps the sampler ran so far (generate calls in flight together "
+                                         "share them).",
 }

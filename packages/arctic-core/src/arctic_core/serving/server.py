@@ -170,7 +170,7 @@ class ArcticServer:
         with self.gate.enter(op):
             self._check_open()
             start = time.perf_counter()
-            if self.config.colocate:
+            if self.config.colocate and op in _ENGINES_NEEDED:  # status wakes no engine: it never waits here
                 with self._colocating:
                     self._colocate(op, request)
             try:
@@ -304,7 +304,12 @@ class ArcticServer:
         return Result()
 
     def _op_status(self, req: Empty) -> StatusResult:
-        return self._status()
+        # The load too: a client's only way to read it (an adapter's vLLM-style /metrics polls it),
+        # and status never waits behind other calls. A key of ``info``, not a field, so that clients
+        # older than it still read the result.
+        status = self._status()
+        status.info["load"] = self.load()
+        return status
 
     def _op_shutdown(self, req: Empty) -> Result:
         for engine in self._engines(None):

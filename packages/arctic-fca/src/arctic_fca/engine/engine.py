@@ -224,12 +224,15 @@ class EmbeddedEngine:
 
     def load(self) -> dict[str, int]:
         """What runs now: samples decoding, samples waiting to start (in line or being prefilled),
-        requests not finished, KV blocks held and the cache's blocks."""
+        requests not finished, KV blocks held and the cache's blocks; and, counted since the start,
+        samples preempted and decode steps run. The decode steps beside the server's count of generate
+        calls show from outside the process (``/metrics``) whether calls share steps: calls run one at
+        a time need each its own longest response's steps, calls batched together need them once."""
         with self._signal:  # the loop's own lists change under its feet: its last round's counts
             arriving = sum(len(r.prompts) * r.params.n for r in self._inbox)
             requests = len(self._live)
         return {"running": self._load["running"], "waiting": self._load["waiting"] + arriving,
-                "requests": requests, "preempted": self.stats.preempted,
+                "requests": requests, "preempted": self.stats.preempted, "decode_steps": self.stats.decode_steps,
                 "kv_used_blocks": self.scheduler.used_blocks, "kv_blocks": self.pool.capacity}
 
     @contextlib.contextmanager
