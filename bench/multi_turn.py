@@ -7,6 +7,8 @@ one call per sample against one call for the whole group.
     python3 bench/multi_turn.py --workload grpo-calls          # 8 prompts x 8 samples: 64 calls of n=1 vs one of n=8
     python3 bench/multi_turn.py --transport http               # through `arctic-rl serve` on 127.0.0.1
     python3 bench/multi_turn.py --baseline vllm [--fca]        # the same requests on vLLM 0.24's AsyncLLM
+    python3 bench/multi_turn.py --sampler vllm [--fca]         # Arctic's server with its vllm sampling backend
+    python3 bench/multi_turn.py --sync-every 2                 # the trainer's weights synced every 2 s meanwhile
     uv run python bench/multi_turn.py --smoke                  # tiny model on the CPU: both workloads, both transports
 
 ``agent``: each episode starts from a prompt of --prompt-len random tokens; each turn is one
@@ -25,8 +27,10 @@ token count, and each answer is checked: one response per prompt and sample, eac
 The model: a shape of ``bench/shapes.py`` (random bf16 weights, made once under /tmp) or a model
 folder. One untimed pass of the workload, shorter, comes first (kernels compiled, graphs captured).
 ``--baseline vllm`` runs the same requests (prompt ids, turns, tool tokens, lengths) on vLLM instead
-of Arctic, one system per process, as ``bench/vllm_fca.py`` does. The last line printed is a JSON
-object.
+of Arctic, one system per process, as ``bench/vllm_fca.py`` does; ``--sampler vllm`` runs them on
+Arctic's server with vLLM as its sampling backend. ``--sync-every S`` syncs the trainer's weights into
+the sampler every S seconds while the workload runs (samples then span policy versions: counted).
+The last line printed is a JSON object.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ ENGINE_COUNTERS = ("decode_steps", "fca_steps", "prefill_steps", "prefill_tokens
                    "prefill_seconds", "decode_seconds")
 # A few seconds on two CPU cores per transport, server start aside.
 SMOKE = dict(workload="agent", episodes=4, turns=3, tool_tokens=5, tool_latency=0.01, prompts=2, samples=4,
-             prompt_len=24, max_tokens=6, serial=False, baseline=None, fca=False)
+             prompt_len=24, max_tokens=6, serial=False, baseline=None, fca=False, sampler="embedded", sync_every=None)
 
 
 # ----------------------------------------------------------------- the systems
@@ -70,12 +74,16 @@ class Arctic:
     def __init__(self, client: AsyncArcticClient) -> None:
         self.client = client
         server = getattr(client.transport, "server", None)  # in process only: HTTP exposes no engine counters
-        self.engine = getattr(getattr(server, "sampler", None), "engine", None)
+        engine = getattr(getattr(server, "sampler", None), "engine", None)
+        self.engine = engine if hasattr(engine, "stats") else None  # the embedded engine's step counts
+        self.spanning = 0  # samples drawn by more than one policy version
 
     async def generate(self, prompts: list[list[int]], n: int, max_tokens: int) -> list[list[int]]:
         batch = (await self.client.generate(prompts, SamplingParams(n=n, max_tokens=max_tokens,
                                                                     ignore_eos=True))).batch
         assert batch.prompt_index.tolist() == [p for p in range(len(prompts)) for _ in range(n)], "not prompt-major"
+        low, high = batch.version_range()
+        self.spanning += int((high > low).sum())
         return [batch.response(i) for i in range(batch.num_responses)]
 
 
@@ -281,22 +289,43 @@ def model_folder(name: str) -> str:
     return folder
 
 
-def arctic_config(folder: str, cpu: bool) -> dict:
+def arctic_config(folder: str, cpu: bool, args=None) -> dict:
+    sampler = {"options": {"progress": False}}
+    if args is not None and args.sampler == "vllm":
+        sampler = {"backend": "vllm", "options": {"fca": args.fca, "gpu_memory_utilization": 0.6,
+                                                   "max_model_len": longest_context(args)}}
     return {"model": {"path": folder, "dtype": "float32" if cpu else "bfloat16", "device": "cpu" if cpu else "cuda"},
             "trainer": {"backend": "torch"},  # generate needs no trainer; the server builds one, the lightest
-            "sampler": {"options": {"progress": False}}, "seed": 0}
+            "sampler": sampler, "seed": 0}
+
+
+async def synced_meanwhile(backend: Arctic | Vllm, work, every: float | None):
+    """``work``'s value, with the trainer's weights synced into the sampler every ``every`` seconds
+    until it ends; and the number of syncs."""
+    if not every:
+        return await work, 0
+    task, syncs = asyncio.ensure_future(work), 0
+    while not task.done():
+        await asyncio.wait([task], timeout=every)
+        if not task.done():
+            await backend.client.sync_weights()
+            syncs += 1
+    return task.result(), syncs
 
 
 async def run(args) -> dict:
     folder = model_folder(args.model)
     vocab = AutoConfig.from_pretrained(folder).vocab_size
     workload = WORKLOADS[args.workload]
-    async with started(args, folder, arctic_config(folder, cpu=False)) as backend:
+    async with started(args, folder, arctic_config(folder, cpu=False, args=args)) as backend:
         short = argparse.Namespace(**{**vars(args), "max_tokens": min(16, args.max_tokens),
                                       "turns": min(2, args.turns)})
         await workload(backend, short, vocab, seed=1)  # untimed: kernels compiled, graphs captured
-        result = await workload(backend, args, vocab, seed=0)
-    system = "arctic" if args.baseline is None else "vllm" + ("+fca" if args.fca else "")
+        result, syncs = await synced_meanwhile(backend, workload(backend, args, vocab, seed=0), args.sync_every)
+        if args.sync_every:
+            result |= {"syncs": syncs, "samples_spanning_versions": backend.spanning}
+    fca = "+fca" if args.fca else ""
+    system = f"vllm{fca}" if args.baseline else "arctic" + (f"/vllm{fca}" if args.sampler == "vllm" else "")
     settings = {k: v for k, v in vars(args).items() if k not in ("smoke", "baseline", "fca")}
     return {"system": system, "device": torch.cuda.get_device_name(), **settings, "result": result}
 
@@ -310,6 +339,9 @@ async def smoke_transport(args, folder: str) -> dict:
             out["agent_serial" if serial else "agent"] = await agent(
                 backend, argparse.Namespace(**{**vars(args), "serial": serial}), vocab, seed=int(serial))
         out["grpo-calls"] = await grpo_calls(backend, args, vocab, seed=0)
+        if args.transport == "in-process":  # weights synced while episodes run
+            out["agent_synced"], syncs = await synced_meanwhile(backend, agent(backend, args, vocab, seed=2), 0.02)
+            assert syncs > 0, "no sync while the episodes ran"
     if args.transport == "in-process":  # every call decoded: the engine's counts are there
         assert all(out[k]["engine"]["decode_steps"] > 0 for k in ("agent", "agent_serial"))
     return out
@@ -338,18 +370,23 @@ def main() -> None:
                         help=f"a shape ({', '.join(MODELS)}: random bf16 weights) or a model folder")
     parser.add_argument("--transport", choices=["in-process", "http"], default="in-process")
     parser.add_argument("--baseline", choices=["vllm"], help="the same requests on vLLM 0.24's AsyncLLM instead")
-    parser.add_argument("--fca", action="store_true", help="with --baseline vllm: FCA as vLLM's attention")
+    parser.add_argument("--sampler", choices=["embedded", "vllm"], default="embedded",
+                        help="Arctic's sampling backend")
+    parser.add_argument("--fca", action="store_true", help="with vLLM (--baseline or --sampler): FCA as its attention")
+    parser.add_argument("--sync-every", type=float, help="Arctic: sync the trainer's weights every so many seconds")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU, both workloads and transports")
     args = parser.parse_args()
-    if args.fca and args.baseline != "vllm":
-        parser.error("--fca takes effect with --baseline vllm only")
+    if args.fca and "vllm" not in (args.baseline, args.sampler):
+        parser.error("--fca takes effect with vLLM only (--baseline vllm or --sampler vllm)")
+    if args.baseline and (args.sync_every or args.sampler != "embedded"):
+        parser.error("--sync-every and --sampler are Arctic's: not with --baseline")
     if args.smoke:
         print(json.dumps(smoke()))
         return
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --smoke for the CPU check")
     print(json.dumps(asyncio.run(run(args))))
-    if args.baseline:
+    if "vllm" in (args.baseline, args.sampler):
         os._exit(0)  # vLLM's engine-core process can hang at interpreter exit
 
 
