@@ -127,7 +127,7 @@ def test_a_cancelled_call_leaves_vllms_batch_and_the_others_go_on(sampler):
 def test_weights_swapped_mid_call_stamp_each_token_with_the_version_that_drew_it(sampler):
     pending = [sampler.submit([[1], [2]], SamplingParams(n=3, max_tokens=40)) for _ in range(4)]
     for version in (1, 2):
-        wait_for(lambda: sampler.engine.steps >= 12 * version)
+        wait_for(lambda steps=12 * version: sampler.engine.steps >= steps)
         sampler.update_weights([("version", torch.tensor(version))], version)
     spanning = 0
     for batch in (p.wait(timeout=10) for p in pending):
