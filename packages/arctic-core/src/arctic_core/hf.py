@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from arctic_core.batch import RolloutBatch
 from arctic_core.config import ModelConfig, SamplingParams
 from arctic_core.errors import ConfigError, RequestError
+from arctic_core.quiet import verbose
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,12 +33,27 @@ def resolve_device(name: str) -> torch.device:
 def load_causal_lm(config: ModelConfig) -> PreTrainedModel:
     """Load a causal LM from a local folder onto the configured device and dtype (SDPA attention)."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            config.path, dtype=DTYPES[config.dtype], attn_implementation="sdpa"
-        )
+        with _no_loading_bar():
+            model = AutoModelForCausalLM.from_pretrained(
+                config.path, dtype=DTYPES[config.dtype], attn_implementation="sdpa"
+            )
     except (OSError, ValueError, SafetensorError, RuntimeError) as exc:  # missing, damaged, or not this config's shapes
         raise ConfigError(f"cannot load model from {config.path!r}: {exc}") from exc
     return model.to(resolve_device(config.device))
+
+
+@contextlib.contextmanager
+def _no_loading_bar() -> Iterator[None]:
+    """No "Loading weights" bar for each engine that loads the model (a server loads it several
+    times, a library user's too), unless verbose."""
+    if verbose() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 @torch.no_grad()
