@@ -110,6 +110,7 @@ class Vllm:
             os.environ[BASE_ENV] = "FLASH_ATTN"  # read in vLLM's processes
             attention = {"attention_config": {"backend": "CUSTOM"}}
         self.fca = fca
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process has used CUDA
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=folder, dtype="bfloat16", seed=0, skip_tokenizer_init=True, enable_prefix_caching=True,
             gpu_memory_utilization=0.85, max_model_len=max_model_len, worker_extension_cls=WORKER_EXTENSION,

@@ -97,6 +97,9 @@ class VllmSampler:
 
     async def _start(self, args: Any) -> Any:
         """vLLM's engine, made on the loop that will serve it (its sockets and output handler live there)."""
+        # Its engine process is started by spawn: a fork of a process that has used CUDA (a trainer
+        # on the GPU beside it) cannot use CUDA.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         return self.vllm.AsyncLLMEngine.from_engine_args(args, stat_loggers=[lambda config, index: _LoadRecorder(self)])
 
     def _attention(self) -> dict[str, Any]:
