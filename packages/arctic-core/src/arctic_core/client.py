@@ -111,8 +111,11 @@ class _Calls:
         temperature: float = 1.0,
         scale: float = 1.0,
         max_response_len: int | None = None,
+        max_staleness: int | None = None,
     ) -> Any:
-        """Forward + backward of the loss terms; gradients accumulate until :meth:`step`."""
+        """Forward + backward of the loss terms; gradients accumulate until :meth:`step`.
+        ``max_staleness``: tokens drawn more than this many weight syncs ago are left out of the loss
+        (the result's metrics say how many, and the staleness of those kept)."""
         return self._call(
             "fwd_bwd",
             _request(
@@ -122,6 +125,7 @@ class _Calls:
                 temperature=temperature,
                 scale=scale,
                 max_response_len=max_response_len,
+                max_staleness=max_staleness,
             ),
         )
 

@@ -57,6 +57,10 @@ class FwdBwdRequest(Message):
     max_response_len: Annotated[int, Field(gt=0)] | None = Field(
         None, description="Constant of Dr.GRPO normalisation; defaults to the batch's response width."
     )
+    max_staleness: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="Tokens drawn more than this many weight syncs before the server's policy version are "
+        "left out of the loss (arctic_core.staleness); None: every token counts."
+    )
 
 
 class Empty(Message):

@@ -34,6 +34,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from arctic_core.config import ArcticConfig
+from arctic_core.staleness import drop_stale
 from arctic_core.errors import ArcticError, RequestError, ServerBusy, engine_asleep
 from arctic_core.hf import check_batch_fits, copy_tokenizer_files
 from arctic_core.plugins.interfaces import (
@@ -223,24 +224,27 @@ class ArcticServer:
 
     def _op_fwd_bwd(self, req: FwdBwdRequest) -> Result:
         objective = build_objective(self.registry, req.loss, req.temperature)
-        ctx = LossContext.of(req.batch, req.max_response_len)
+        batch, staleness = req.batch, {}
+        if req.max_staleness is not None:  # tokens of too old a policy leave the loss
+            batch, staleness = drop_stale(req.batch, self.policy_version, req.max_staleness)
+        ctx = LossContext.of(batch, req.max_response_len)
         # Bad input is refused here, before any gradient is touched: once the trainer computes,
         # any failure (a loss term refusing a later micro-batch, one rank of several) may have
         # added part of the gradient, and every gradient since the last step is dropped.
-        objective.check(req.batch, ctx)
+        objective.check(batch, ctx)
         if "trainer" in self.asleep:
             raise engine_asleep("trainer")
-        check_batch_fits(req.batch, self.model_config)
+        check_batch_fits(batch, self.model_config)
         with self._gradients_dropped_on_failure(refusals_change_nothing=False):
             metrics = backend_metrics(self.trainer, "forward_backward",
-                                      self.trainer.forward_backward(req.batch, objective, ctx, req.scale))
+                                      self.trainer.forward_backward(batch, objective, ctx, req.scale))
         # A batch of responses whose tokens are all masked out still ran a backward (a zero gradient):
         # the next step() applies it as every framework's loop does (AdamW's momentum and weight decay
         # move the weights, the schedule advances). A batch of no response ran nothing.
-        self.gradients_pending |= req.batch.num_responses > 0
-        metrics["tokens"] = float(req.batch.total_tokens())
-        metrics["packed_tokens"] = float(req.batch.packed_tokens())  # tokens / packed_tokens: the dedup ratio
-        return Result(metrics=metrics)
+        self.gradients_pending |= batch.num_responses > 0
+        metrics["tokens"] = float(batch.total_tokens())
+        metrics["packed_tokens"] = float(batch.packed_tokens())  # tokens / packed_tokens: the dedup ratio
+        return Result(metrics={**metrics, **staleness})
 
     def _op_step(self, req: StepRequest) -> Result:
         if not self.gradients_pending:
