@@ -73,6 +73,8 @@ def demo(
     seed: Annotated[int, typer.Option(min=0, max=MAX_SEED, help="Seed of the model, the task and sampling.")] = 0,
     warmup_steps: Annotated[int, typer.Option(min=0, help="Short SFT on task demonstrations before GRPO "
                                                           "(0 skips it).")] = 30,
+    ahead: Annotated[int, typer.Option("--async", min=0, max=8, help="Rollouts run this many steps ahead of "
+                                       "training (asynchronous RL; 0: synchronous).")] = 0,
 ) -> None:
     """GRPO on a tiny Qwen3 built in code, on the CPU, through the in-process client.
 
@@ -82,7 +84,7 @@ def demo(
 
         _quiet_model_loading()
         with folder_errors(out):
-            summary = run_demo(out, DemoSettings(steps=steps, seed=seed, warmup_steps=warmup_steps))
+            summary = run_demo(out, DemoSettings(steps=steps, seed=seed, warmup_steps=warmup_steps, ahead=ahead))
     typer.echo(f"reward curve: {out / 'reward_curve.png'}; TensorBoard: {out / 'tensorboard'}", err=True)
     typer.echo(json.dumps(summary))
 

@@ -1,7 +1,9 @@
 """The demo's GRPO loop: the "framework" side, talking to the backend only through the client.
 
 Rewards and group-normalised advantages are computed here on the CPU, as an RL framework would;
-generation, log-probs, loss, backward, optimizer step and weight sync run behind the client.
+generation, log-probs, loss, backward, optimizer step and weight sync run behind the client. With
+``ahead`` > 0 (``arctic-rl demo --async K``) rollouts run K steps ahead of training
+(:func:`arctic_core.run_ahead.run_ahead`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +28,7 @@ from arctic_core.demo.task import CountingTask, Problem, is_well_formed
 from arctic_core.demo.tiny_model import save_tiny_policy
 from arctic_core.errors import ConfigError
 from arctic_core.checkpoint_files import HF_EXPORT
+from arctic_core.run_ahead import run_ahead
 
 
 @dataclass
@@ -39,6 +43,7 @@ class DemoSettings:
     kl_coef: float = 1e-3
     temperature: float = 1.0
     ops: tuple[str, ...] = ("repeat", "up", "down")
+    ahead: int = 0  # rollouts run this many steps ahead of training (0: synchronous)
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
@@ -55,6 +60,14 @@ def group_advantages(rewards: torch.Tensor, batch: RolloutBatch) -> torch.Tensor
     return adv
 
 
+@dataclass
+class Rollout:
+    batch: RolloutBatch
+    texts: list[str]
+    rewards: torch.Tensor
+    gen_metrics: dict[str, float]
+
+
 class GRPODemo:
     def __init__(self, out: Path, settings: DemoSettings) -> None:
         self.out, self.s = out, settings
@@ -65,6 +78,8 @@ class GRPODemo:
         self.eos = self.tokenizer.eos_token_id
         self.metrics = MetricsLogger(out / "tensorboard")
         self.client: ArcticClient | None = None
+        self._drawn: list[list[Problem]] = []  # each step's problems, in step order
+        self._drawing = threading.Lock()
 
     def _client(self, policy: Path, lr: float, reference: bool) -> ArcticClient:
         return ArcticClient.in_process(
@@ -102,8 +117,12 @@ class GRPODemo:
         self.client = self._client(policy, self.s.lr, reference=True)
 
     def grpo_step(self, step: int) -> dict[str, float]:
+        return self.train(step, self.rollout(step))
+
+    def rollout(self, step: int) -> Rollout:
+        """Step ``step``'s samples and rewards (in a thread of its own when rollouts run ahead)."""
         assert self.client is not None, "warm_up() builds the GRPO client"
-        problems = self.task.sample(self.rng, self.s.prompts_per_step)
+        problems = self._problems(step)
         params = SamplingParams(
             n=self.s.samples_per_prompt, temperature=self.s.temperature, max_tokens=2 * self.task.length + 4,
             stop_token_ids=[self.eos], seed=self.s.seed * 100_003 + step,
@@ -113,18 +132,38 @@ class GRPODemo:
         texts = [self.tokenizer.decode(batch.response(i), skip_special_tokens=True) for i in range(batch.num_responses)]
         rewards = torch.tensor([self.task.reward(problems[int(p)], t)
                                 for p, t in zip(batch.prompt_index, texts, strict=True)])
+        return Rollout(batch, texts, rewards, gen.metrics)
+
+    def _problems(self, step: int) -> list[Problem]:
+        """Each step's problems, drawn in step order from the run's generator whatever order the
+        rollouts in flight ask in."""
+        with self._drawing:
+            while len(self._drawn) <= step:
+                self._drawn.append(self.task.sample(self.rng, self.s.prompts_per_step))
+            return self._drawn[step]
+
+    def train(self, step: int, rollout: Rollout) -> dict[str, float]:
+        """One update on ``rollout``: the old log-probs are the trainer's now; samples drawn by an
+        older policy (rollouts ahead) are weighed by the trainer's over the sampler's probabilities
+        (truncated importance sampling), and none older than ``ahead`` syncs is trained on."""
+        assert self.client is not None, "warm_up() builds the GRPO client"
+        batch, rewards, texts = rollout.batch, rollout.rewards, rollout.texts
         old = self.client.log_probs(batch, temperature=self.s.temperature).outputs["logprobs"]
         ref = self.client.log_probs(batch, model="reference", temperature=self.s.temperature).outputs["logprobs"]
         batch = batch.replace(old_logprobs=old, ref_logprobs=ref, rewards=rewards,
                               advantages=group_advantages(rewards, batch))
-        loss = [{"name": "ppo", "clip_low": 0.2, "clip_high": 0.28}, {"name": "kl", "weight": self.s.kl_coef}]
-        train = self.client.fwd_bwd(batch, loss, temperature=self.s.temperature).metrics
+        ppo = {"name": "ppo", "clip_low": 0.2, "clip_high": 0.28}
+        if self.s.ahead:
+            ppo["sampler_correction"] = {"mode": "token-truncate", "high": 2.0}
+        loss = [ppo, {"name": "kl", "weight": self.s.kl_coef}]
+        train = self.client.fwd_bwd(batch, loss, temperature=self.s.temperature,
+                                    max_staleness=self.s.ahead if self.s.ahead else None).metrics
         opt = self.client.step().metrics
         self.client.sync_weights()
         return {
             "reward": float(rewards.mean()),
             "format_rate": sum(is_well_formed(t, self.task.length) for t in texts) / len(texts),
-            "generate_tok_per_s": gen.metrics["generated_tokens"] / max(gen.metrics["seconds"], 1e-9),
+            "generate_tok_per_s": rollout.gen_metrics["generated_tokens"] / max(rollout.gen_metrics["seconds"], 1e-9),
             "sampler_vs_trainer_logprob_gap": float((batch.sampling_logprobs - old).abs().max()),
             **{f"train/{k}": v for k, v in train.items()},
             **{f"opt/{k}": v for k, v in opt.items()},
@@ -134,9 +173,9 @@ class GRPODemo:
         start = time.perf_counter()
         self.warm_up()
         rewards: list[float] = []
-        bar = tqdm(range(self.s.steps), desc="GRPO", unit="step", dynamic_ncols=True)
-        for step in bar:
-            metrics = self.grpo_step(step)
+        bar = tqdm(total=self.s.steps, desc="GRPO", unit="step", dynamic_ncols=True)
+        for step, metrics in enumerate(run_ahead(self.s.steps, self.rollout, self.train, self.s.ahead)):
+            bar.update()
             rewards.append(metrics["reward"])
             self.metrics.log("grpo", metrics, step)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", gen_tok_s=f"{metrics['generate_tok_per_s']:.0f}")
