@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,17 @@ def test_another_vllm_release_is_refused_by_name(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.33.0"))
     with pytest.raises(ConfigError, match=r"supports vLLM 0\.24\.x; this environment has 0\.33\.0"):
         build()
+
+
+def test_an_engine_that_fails_to_start_leaves_no_loop_thread(fake_vllm, monkeypatch):
+    def fails(args, stat_loggers):
+        raise RuntimeError("Engine core initialization failed")
+
+    monkeypatch.setattr(fake_vllm.AsyncLLMEngine, "from_engine_args", fails)
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="Engine core initialization failed"):
+        build()
+    assert "arctic-vllm" not in {t.name for t in threading.enumerate()} - before
 
 
 def test_bad_options_are_named():
@@ -103,11 +115,17 @@ def test_prompts_vllm_cannot_take_are_refused_by_name_before_vllm_sees_them(samp
 def test_calls_from_many_threads_share_vllms_steps(sampler):
     assert isinstance(sampler, ConcurrentSampling)  # the server sends it generate calls side by side
     params = SamplingParams(n=2, temperature=1.0, max_tokens=8)
+    together = threading.Barrier(32)  # sent at once, however slowly the threads start
+
+    def call(prompt: int):
+        together.wait(timeout=10)
+        return sampler.generate([[prompt]], params)
+
     with ThreadPoolExecutor(32) as pool:
-        batches = list(pool.map(lambda prompt: sampler.generate([[prompt]], params), range(1, 33)))
+        batches = list(pool.map(call, range(1, 33)))
     for batch in batches:
         assert [batch.response(i) for i in range(2)] == [list(range(8)), list(range(10, 18))]
-    assert sampler.engine.steps < 4 * 8, "32 calls of 8 tokens one after another take 256 steps"
+    assert sampler.engine.steps < 8 * 8, "32 calls of 8 tokens one after another take 256 steps"
     assert sampler.load()["requests"] == 0
 
 

@@ -81,7 +81,11 @@ class VllmSampler:
         self._scheduler: Any = None  # vLLM's latest SchedulerStats: running, waiting, KV use
         self._preempted = 0
         self.loop = LoopThread("arctic-vllm")
-        self.engine = self.loop.run(self._start(self._engine_args(model, seed)))
+        try:
+            self.engine = self.loop.run(self._start(self._engine_args(model, seed)))
+        except BaseException:
+            self.loop.close()  # no thread left behind by an engine that did not start
+            raise
         # FCA builders given the host's block tables, per worker (they exist once the engine is up)
         self.fca_host_views = self._rpc("arctic_fca_attach_host_tables") if self.options.fca else None
 
