@@ -399,29 +399,34 @@ def test_hundreds_of_concurrent_generate_calls_lose_and_duplicate_nothing(shared
     async def main():
         client = AsyncArcticClient.http(live.url, timeout=60)
         health_seconds: list[float] = []
+        in_flight: list[int] = []  # generate calls running when each probe was answered
 
         async def probe():  # the event loop keeps answering while calls queue behind the model
             async with httpx.AsyncClient(base_url=live.url) as http:
                 for _ in range(3):
                     await asyncio.sleep(0.2)
                     start = time.perf_counter()
-                    assert (await http.get("/health", timeout=10)).status_code == 200
+                    answer = await http.get("/health", timeout=10)
+                    assert answer.status_code == 200
                     health_seconds.append(time.perf_counter() - start)
+                    in_flight.append(answer.json()["calls"]["generate"])
 
         try:
             calls_ = [client.generate([load_prompt(i)], n=1, max_tokens=1, seed=i) for i in range(calls)]
             results, _ = await asyncio.gather(asyncio.gather(*calls_), probe())
-            return results, health_seconds
+            return results, health_seconds, in_flight
         finally:
             await client.aclose()
 
     start = time.perf_counter()
-    results, health_seconds = asyncio.run(main())
+    results, health_seconds, in_flight = asyncio.run(main())
     assert time.perf_counter() - start < 100
     assert len(results) == calls
     assert [r.batch.prompt(0) for r in results] == [load_prompt(i) for i in range(calls)]  # none lost, none swapped
     assert all(r.batch.num_responses == 1 and int(r.batch.response_lens[0]) == 1 for r in results)
-    assert max(health_seconds) < 2.0, health_seconds
+    # Answered in the middle of the calls, not after them (a loop blocked behind the model would
+    # answer once they are done); the bound only catches a loop that stalls for long.
+    assert max(in_flight) > 0 and max(health_seconds) < 10.0, (in_flight, health_seconds)
     # A few results against the same call made alone: concurrency changed nothing.
     with ArcticClient.http(live.url) as client:
         for i in (0, 137, calls - 1):
